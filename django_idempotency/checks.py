@@ -1,0 +1,3 @@
+"""System checks: ``django_idempotency.E0xx`` for settings, ``W0xx`` for the environment."""
+
+from __future__ import annotations

@@ -1,0 +1,126 @@
+"""Settings, read through ``conf`` on every access so ``override_settings`` just works."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+from django.conf import settings
+from django.http import HttpRequest
+from django.utils.module_loading import import_string
+
+PrincipalFunc = Callable[[HttpRequest], Any]
+
+
+class Settings:
+    """One typed property per ``IDEMPOTENCY_*`` setting; the default is written inline."""
+
+    @property
+    def HEADER(self) -> str:
+        return str(getattr(settings, "IDEMPOTENCY_HEADER", "Idempotency-Key"))
+
+    @property
+    def METHODS(self) -> frozenset[str]:
+        methods = getattr(settings, "IDEMPOTENCY_METHODS", ("POST", "PATCH"))
+        return frozenset(m.upper() for m in methods)
+
+    @property
+    def REQUIRED(self) -> bool:
+        return bool(getattr(settings, "IDEMPOTENCY_REQUIRED", False))
+
+    @property
+    def TTL(self) -> timedelta:
+        value: timedelta = getattr(settings, "IDEMPOTENCY_TTL", timedelta(hours=24))
+        return value
+
+    @property
+    def MAX_TTL(self) -> timedelta:
+        value: timedelta = getattr(settings, "IDEMPOTENCY_MAX_TTL", timedelta(hours=24))
+        return value
+
+    @property
+    def EXPIRED_WINDOW(self) -> timedelta:
+        value: timedelta = getattr(settings, "IDEMPOTENCY_EXPIRED_WINDOW", timedelta(0))
+        return value
+
+    @property
+    def WAIT(self) -> timedelta:
+        value: timedelta = getattr(settings, "IDEMPOTENCY_WAIT", timedelta(seconds=2))
+        return value
+
+    @property
+    def MAX_WAIT(self) -> timedelta:
+        value: timedelta = getattr(settings, "IDEMPOTENCY_MAX_WAIT", timedelta(seconds=10))
+        return value
+
+    @property
+    def UNSTORED_STATUSES(self) -> frozenset[int]:
+        return frozenset(getattr(settings, "IDEMPOTENCY_UNSTORED_STATUSES", (408, 409, 425, 429)))
+
+    @property
+    def REPLAY_HEADERS(self) -> tuple[str, ...]:
+        return tuple(getattr(settings, "IDEMPOTENCY_REPLAY_HEADERS", ()))
+
+    @property
+    def FINGERPRINT_HEADERS(self) -> tuple[str, ...]:
+        return tuple(getattr(settings, "IDEMPOTENCY_FINGERPRINT_HEADERS", ()))
+
+    @property
+    def PRINCIPAL(self) -> PrincipalFunc | None:
+        value = getattr(settings, "IDEMPOTENCY_PRINCIPAL", None)
+        if isinstance(value, str):
+            func: PrincipalFunc = import_string(value)
+            return func
+        return value  # type: ignore[no-any-return]
+
+    @property
+    def ERROR_FORMAT(self) -> str:
+        return str(getattr(settings, "IDEMPOTENCY_ERROR_FORMAT", "problem"))
+
+    @property
+    def PROBLEM_TYPE_BASE(self) -> str:
+        return str(getattr(settings, "IDEMPOTENCY_PROBLEM_TYPE_BASE", "urn:django-idempotency:"))
+
+    @property
+    def COMPRESS_MIN_BYTES(self) -> int:
+        return int(getattr(settings, "IDEMPOTENCY_COMPRESS_MIN_BYTES", 2048))
+
+    @property
+    def MAX_RESPONSE_BYTES(self) -> int:
+        return int(getattr(settings, "IDEMPOTENCY_MAX_RESPONSE_BYTES", 16 * 1024 * 1024))
+
+    @property
+    def PARTITIONS_AHEAD(self) -> int:
+        return int(getattr(settings, "IDEMPOTENCY_PARTITIONS_AHEAD", 4))
+
+    @property
+    def DROP_PARTITIONS(self) -> bool:
+        return bool(getattr(settings, "IDEMPOTENCY_DROP_PARTITIONS", True))
+
+    @property
+    def PARTITION_GRACE(self) -> timedelta:
+        value: timedelta = getattr(settings, "IDEMPOTENCY_PARTITION_GRACE", timedelta(hours=1))
+        return value
+
+    @property
+    def DDL_LOCK_TIMEOUT(self) -> timedelta:
+        value: timedelta = getattr(
+            settings, "IDEMPOTENCY_DDL_LOCK_TIMEOUT", timedelta(milliseconds=50)
+        )
+        return value
+
+    @property
+    def DELETE_BATCH_SIZE(self) -> int:
+        return int(getattr(settings, "IDEMPOTENCY_DELETE_BATCH_SIZE", 1000))
+
+    @property
+    def BEAT_REGISTER(self) -> bool:
+        return bool(getattr(settings, "IDEMPOTENCY_BEAT_REGISTER", False))
+
+    @property
+    def BEAT_CRONTAB(self) -> str:
+        return str(getattr(settings, "IDEMPOTENCY_BEAT_CRONTAB", "17 * * * *"))
+
+
+conf = Settings()
