@@ -115,6 +115,11 @@ def create_table(apps: Apps, schema_editor: BaseDatabaseSchemaEditor) -> None:
     connection = schema_editor.connection
     if connection.vendor != "postgresql":
         schema_editor.create_model(apps.get_model("django_idempotency", "IdempotencyRecord"))
+        # Without partitions a plain unique index arbitrates concurrent claims.
+        schema_editor.execute(
+            "CREATE UNIQUE INDEX idempotency_scope_key_unique "
+            "ON django_idempotency_record (scope, key)"
+        )
         return
     # params=None: the DDL contains '%' that must not be read as placeholders.
     schema_editor.execute(PARTITIONED_TABLE, params=None)

@@ -1,0 +1,51 @@
+"""Errors the engine raises; each knows its problem type, title and HTTP status."""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+class IdempotencyError(Exception):
+    status: int = 400
+    name: str = ""
+    title: str = ""
+    # Stripe's error object for the same situation, used by the "stripe" error format.
+    stripe_status: int = 400
+    stripe_type: str = "invalid_request_error"
+    stripe_code: str = ""
+
+    def __init__(self, detail: str, **extra: Any) -> None:
+        super().__init__(detail)
+        self.detail = detail
+        self.extra = extra
+        self.headers: dict[str, str] = {}
+
+
+class MissingKey(IdempotencyError):
+    status, name, title = 400, "missing-key", "Idempotency-Key is missing"
+    stripe_code = "idempotency_key_missing"
+
+
+class InvalidKey(IdempotencyError):
+    status, name, title = 400, "invalid-key", "Idempotency-Key is malformed"
+    stripe_code = "idempotency_key_invalid"
+
+
+class KeyReused(IdempotencyError):
+    status, name, title = 422, "key-reused", "Idempotency-Key is already used"
+    stripe_status, stripe_type, stripe_code = 400, "idempotency_error", ""
+
+
+class InProgress(IdempotencyError):
+    status, name, title = 409, "in-progress", "A request is outstanding for this Idempotency-Key"
+    stripe_status, stripe_code = 409, "idempotency_key_in_use"
+
+
+class KeyExpired(IdempotencyError):
+    status, name, title = 410, "key-expired", "Idempotency-Key has expired"
+    stripe_status, stripe_code = 410, "idempotency_key_expired"
+
+
+class StoreUnavailable(IdempotencyError):
+    status, name, title = 503, "store-unavailable", "The idempotency store is unavailable"
+    stripe_status, stripe_type, stripe_code = 503, "api_error", "idempotency_store_unavailable"

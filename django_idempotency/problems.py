@@ -1,0 +1,38 @@
+"""Turn engine errors into HTTP responses: RFC 9457 problem+json, or Stripe's error object."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from django.http import HttpResponse
+
+from django_idempotency.conf import conf
+from django_idempotency.exceptions import IdempotencyError
+
+PROBLEM_CONTENT_TYPE = "application/problem+json"
+
+
+def problem_response(exc: IdempotencyError) -> HttpResponse:
+    body: dict[str, Any]
+    if conf.ERROR_FORMAT == "stripe":
+        status = exc.stripe_status
+        error = {"type": exc.stripe_type, "message": exc.detail, **exc.extra}
+        if exc.stripe_code:
+            error["code"] = exc.stripe_code
+        body, content_type = {"error": error}, "application/json"
+    else:
+        status = exc.status
+        body = {
+            "type": conf.PROBLEM_TYPE_BASE + exc.name,
+            "title": exc.title,
+            "status": status,
+            "detail": exc.detail,
+            **exc.extra,
+        }
+        content_type = PROBLEM_CONTENT_TYPE
+    response = HttpResponse(json.dumps(body), status=status, content_type=content_type)
+    response["Cache-Control"] = "no-store"
+    for name, value in exc.headers.items():
+        response[name] = value
+    return response

@@ -1,0 +1,29 @@
+"""Signals. The library connects no receivers of its own; they are sent with send_robust,
+so a failing receiver never fails a request."""
+
+from __future__ import annotations
+
+from django.dispatch import Signal
+
+# Sent by the engine after a stored response was replayed, outside the transaction.
+# kwargs: request (HttpRequest), key (str), principal (str), status (int).
+response_replayed = Signal()
+
+# Sent by the engine when a key came back with a different request, before the 422.
+# kwargs: request, key, principal, differing (list[str]: "method", "path", "query", "body",
+# "header:<name>").
+key_reused = Signal()
+
+# Sent by the engine when a duplicate waited for the in-flight request and gave up (409).
+# kwargs: request, key, principal, waited (float, seconds).
+request_conflicted = Signal()
+
+# Sent by the engine after the first execution's response was stored and committed, outside
+# the transaction (under ATOMIC_REQUESTS: after the savepoint, before the request commits).
+# kwargs: request, key, principal, status (int).
+response_stored = Signal()
+
+# Sent by partition maintenance after creating / dropping partitions, outside any transaction.
+# kwargs: names (list[str]), using (str: the database alias).
+partitions_created = Signal()
+partitions_dropped = Signal()
