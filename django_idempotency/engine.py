@@ -224,6 +224,13 @@ def replay(record: storage.Record) -> HttpResponse:
     return response
 
 
+def covers(request: HttpRequest, options: Options) -> bool:
+    """Whether this request is subject to idempotency at all: method and key present."""
+    return (request.method or "").upper() in options.methods and (
+        options.required or conf.HEADER in request.headers
+    )
+
+
 def begin(
     request: HttpRequest,
     options: Options,

@@ -71,10 +71,18 @@ class IdempotencyMixin:
         return super().initialize_request(request, *args, **kwargs)  # type: ignore[misc, no-any-return]
 
     def initial(self, request: Request, *args: Any, **kwargs: Any) -> None:
+        options = self.get_idempotency_options()
+        django_request = request._request
+        if engine.covers(django_request, options):
+            # Keep the raw body for the fingerprint before an authenticator, permission
+            # or throttle reads request.data, which consumes the stream. Multipart is
+            # fingerprinted from the parsed fields instead.
+            if django_request.content_type != "multipart/form-data":
+                django_request.body  # noqa: B018
         super().initial(request, *args, **kwargs)  # type: ignore[misc]
         result = engine.begin(
-            request._request,
-            self.get_idempotency_options(),
+            django_request,
+            options,
             sender=type(self),
             principal_request=request,
             arrived=self._idempotency_arrived,
