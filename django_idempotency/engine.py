@@ -112,7 +112,7 @@ class Execution:
         sender: Any,
         using: str,
         stack: ExitStack,
-        record: storage.Record,
+        pending: storage.Pending,
         key: str,
         principal: str,
         extra_headers: dict[str, str],
@@ -120,7 +120,7 @@ class Execution:
         self.request = request
         self.sender = sender
         self.using = using
-        self.record = record
+        self.pending = pending
         self.key = key
         self.principal = principal
         self._stack: ExitStack | None = stack
@@ -182,7 +182,7 @@ class Execution:
             transaction.set_rollback(True, using=self.using)
             return False
         if code in conf.UNSTORED_STATUSES:
-            storage.release(self.using, self.record)
+            storage.release(self.using, self.pending)
             return False
         render = getattr(response, "render", None)
         if render is not None and not getattr(response, "is_rendered", True):
@@ -199,7 +199,7 @@ class Execution:
             if len(compressed) < len(body):
                 body, encoding = compressed, "zlib"
         storage.complete(
-            self.using, self.record, code=code, headers=_replay_headers(response),
+            self.using, self.pending, code=code, headers=_replay_headers(response),
             body=body, encoding=encoding,
         )
         return True
@@ -276,9 +276,9 @@ def begin(
     context = {"key": key, "principal": principal}
 
     if claimed.outcome == storage.WON:
-        assert claimed.record is not None
+        assert claimed.pending is not None
         return Execution(
-            request=request, sender=sender, using=using, stack=stack, record=claimed.record,
+            request=request, sender=sender, using=using, stack=stack, pending=claimed.pending,
             extra_headers=extra_headers, **context,
         )
     stack.close()  # nothing was written; ends the transaction and frees the lock

@@ -12,17 +12,17 @@ from django.utils import timezone
 
 from django_idempotency.models import IdempotencyRecord
 
-WON, FOUND, EXPIRED, BUSY = "won", "found", "expired", "busy"
-# SQLSTATE for a row that no partition accepts ("no partition of relation ... found").
-_NO_PARTITION = "23514"
+WON, FOUND, EXPIRED, BUSY, NO_PARTITION = "won", "found", "expired", "busy", "nopartition"
 
 
 class PartitionMissing(Exception):
-    """The claim's insert found no partition for today: maintenance has not run."""
+    """No partition accepts today's records: maintenance has not run for days."""
 
 
 @dataclass(frozen=True)
 class Record:
+    """A stored record, as the claim found it."""
+
     id: int
     created_at: datetime
     expires_at: datetime
@@ -37,9 +37,25 @@ class Record:
 
 
 @dataclass(frozen=True)
+class Pending:
+    """A key we hold: what ``complete`` will write when the response is known."""
+
+    scope: str
+    key: str
+    method: str
+    path: str
+    fingerprint: dict[str, str]
+    created_at: datetime
+    expires_at: datetime
+    # Set on the fallback path only, where the claim itself inserted the row.
+    id: int | None = None
+
+
+@dataclass(frozen=True)
 class Claim:
     outcome: str  # WON, FOUND, EXPIRED or BUSY
-    record: Record | None
+    record: Record | None = None
+    pending: Pending | None = None
 
 
 def _jsonb(value: Any) -> Any:
@@ -61,34 +77,38 @@ def claim(
     wait: timedelta,
     now: datetime | None = None,
 ) -> Claim:
-    """Claim (scope, key) inside the caller's transaction, or find who holds it.
+    """Claim (scope, key) inside the caller's transaction, or find the record that holds it.
 
-    Waits up to ``wait`` for an in-flight holder to finish. Must run inside ``atomic``.
+    Waits up to ``wait`` for an in-flight holder to finish. Must run inside ``atomic``;
+    the claim lasts until that transaction ends.
     """
     connection = connections[using]
     if connection.vendor != "postgresql":
         return _claim_plain(using, scope, key, method, path, fingerprint, ttl, gone, now)
     wait_ms = max(0, int(wait.total_seconds() * 1000))
-    try:
-        with connection.cursor() as cursor:
-            cursor.execute(
-                "SELECT * FROM django_idempotency_claim(%s, %s, %s, %s, %s, %s, %s, %s, %s, %s)",
-                [scope, key, method, path, json.dumps(fingerprint), ttl, window, gone, wait_ms, now],
-            )
-            row = cursor.fetchone()
-    except IntegrityError as exc:
-        if getattr(exc.__cause__, "sqlstate", None) == _NO_PARTITION:
-            raise PartitionMissing(str(exc)) from exc
-        raise
+    with connection.cursor() as cursor:
+        cursor.execute(
+            "SELECT * FROM django_idempotency_claim(%s, %s, %s, %s, %s, %s)",
+            [scope, key, window, gone, wait_ms, now],
+        )
+        row = cursor.fetchone()
     assert row is not None
     outcome, *fields = row
+    if outcome == NO_PARTITION:
+        raise PartitionMissing(f"No partition for records created at {fields[1]}")
     if outcome == BUSY:
-        return Claim(BUSY, None)
+        return Claim(BUSY)
+    if outcome == WON:
+        created_at = fields[1]
+        return Claim(WON, pending=Pending(
+            scope=scope, key=key, method=method, path=path, fingerprint=fingerprint,
+            created_at=created_at, expires_at=created_at + ttl,
+        ))
     fields[5] = _jsonb(fields[5])
     fields[8] = _jsonb(fields[8])
     if fields[9] is not None:
         fields[9] = bytes(fields[9])
-    return Claim(outcome, Record(*fields))
+    return Claim(outcome, record=Record(*fields))
 
 
 def _claim_plain(
@@ -102,15 +122,16 @@ def _claim_plain(
     gone: timedelta,
     now: datetime | None,
 ) -> Claim:
-    """Other databases: a plain table with a unique (scope, key) index. An expired row is
-    taken over in place; a concurrent claimer loses on the unique index."""
+    """Other databases: a plain table with a unique (scope, key) index. The claim inserts
+    an in-progress row; a concurrent claimer loses on the index; an expired row is
+    replaced."""
     now = now or timezone.now()
     records = IdempotencyRecord.objects.using(using)
     existing = records.filter(scope=scope, key=key).first()
     if existing is not None:
         if existing.expires_at + gone > now:
             outcome = FOUND if existing.expires_at > now else EXPIRED
-            return Claim(outcome, _record(existing))
+            return Claim(outcome, record=_record(existing))
         existing.delete()
     try:
         with transaction.atomic(using=using):
@@ -119,8 +140,11 @@ def _claim_plain(
                 created_at=now, expires_at=now + ttl,
             )
     except IntegrityError:
-        return Claim(BUSY, None)
-    return Claim(WON, _record(created))
+        return Claim(BUSY)
+    return Claim(WON, pending=Pending(
+        scope=scope, key=key, method=method, path=path, fingerprint=fingerprint,
+        created_at=now, expires_at=now + ttl, id=created.pk,
+    ))
 
 
 def _record(obj: IdempotencyRecord) -> Record:
@@ -134,32 +158,35 @@ def _record(obj: IdempotencyRecord) -> Record:
     )
 
 
-def _one(using: str, record: Record) -> Any:
-    # Filtering on created_at too prunes the statement to the record's own partition.
-    return IdempotencyRecord.objects.using(using).filter(
-        pk=record.id, created_at=record.created_at
-    )
-
-
 def complete(
     using: str,
-    record: Record,
+    pending: Pending,
     *,
     code: int,
     headers: list[list[str]],
     body: bytes,
     encoding: str,
 ) -> None:
-    _one(using, record).update(
-        status=IdempotencyRecord.Status.COMPLETED, response_code=code,
-        response_headers=headers, response_body=body, body_encoding=encoding,
-    )
+    """Write the finished record, in the claim's transaction."""
+    response = {
+        "status": IdempotencyRecord.Status.COMPLETED, "response_code": code,
+        "response_headers": headers, "response_body": body, "body_encoding": encoding,
+    }
+    records = IdempotencyRecord.objects.using(using)
+    if pending.id is None:
+        records.create(
+            scope=pending.scope, key=pending.key, method=pending.method, path=pending.path,
+            fingerprint=pending.fingerprint, created_at=pending.created_at,
+            expires_at=pending.expires_at, **response,
+        )
+    else:
+        records.filter(pk=pending.id).update(**response)
 
 
-def release(using: str, record: Record) -> None:
-    """Remove a claim whose outcome is not stored, so the key is free again."""
-    _one(using, record).delete()
-
+def release(using: str, pending: Pending) -> None:
+    """Give up a claim whose outcome is not stored, so the key is free again."""
+    if pending.id is not None:
+        IdempotencyRecord.objects.using(using).filter(pk=pending.id).delete()
 
 
 def create_current_partition(using: str) -> bool:

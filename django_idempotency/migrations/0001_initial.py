@@ -41,10 +41,11 @@ SCOPE_KEY_INDEX = (
 # The claim, in one round trip. The advisory lock and the lookup must be separate
 # statements: a plpgsql statement takes its snapshot when it starts, so only a lookup
 # that starts after the lock is granted sees the row the previous holder committed.
+# The winner writes no row here: it holds the lock until its transaction ends and inserts
+# the finished record just before committing, so nobody else can claim the key meanwhile.
 CLAIM_FUNCTION = """
 CREATE OR REPLACE FUNCTION django_idempotency_claim(
-    p_scope text, p_key text, p_method text, p_path text, p_fingerprint jsonb,
-    p_ttl interval, p_window interval, p_gone interval, p_wait_ms integer,
+    p_scope text, p_key text, p_window interval, p_gone interval, p_wait_ms integer,
     p_now timestamptz DEFAULT NULL)
 RETURNS TABLE (
     outcome text, rec_id bigint, rec_created_at timestamptz, rec_expires_at timestamptz,
@@ -97,13 +98,18 @@ BEGIN
     IF FOUND THEN
         RETURN;
     END IF;
-    RETURN QUERY
-        INSERT INTO django_idempotency_record AS r
-            (scope, key, method, path, fingerprint, created_at, expires_at)
-        VALUES (p_scope, p_key, p_method, p_path, p_fingerprint, v_now, v_now + p_ttl)
-        RETURNING 'won'::text, r.id, r.created_at, r.expires_at, r.method::text, r.path,
-                  r.fingerprint, r.status, NULL::smallint, NULL::jsonb, NULL::bytea,
-                  ''::text;
+    -- Without a partition for v_now the final insert would fail after the view ran;
+    -- say so now, while nothing has happened yet.
+    IF to_regclass(format('%I', 'django_idempotency_record_p'
+                          || to_char(v_now AT TIME ZONE 'UTC', 'YYYYMMDD'))) IS NULL THEN
+        RETURN QUERY SELECT 'nopartition'::text, NULL::bigint, v_now, NULL::timestamptz,
+            NULL::text, NULL::text, NULL::jsonb, NULL::smallint, NULL::smallint,
+            NULL::jsonb, NULL::bytea, NULL::text;
+        RETURN;
+    END IF;
+    RETURN QUERY SELECT 'won'::text, NULL::bigint, v_now, NULL::timestamptz, NULL::text,
+        NULL::text, NULL::jsonb, NULL::smallint, NULL::smallint, NULL::jsonb, NULL::bytea,
+        NULL::text;
 END $$
 """
 
@@ -138,7 +144,7 @@ def drop_table(apps: Apps, schema_editor: BaseDatabaseSchemaEditor) -> None:
         return
     schema_editor.execute(
         "DROP FUNCTION IF EXISTS django_idempotency_claim("
-        "text, text, text, text, jsonb, interval, interval, interval, integer, timestamptz)",
+        "text, text, interval, interval, integer, timestamptz)",
         params=None,
     )
     # Dropping the parent drops its partitions with it.
