@@ -1,0 +1,32 @@
+from __future__ import annotations
+
+from typing import Any
+
+from rest_framework import serializers
+
+from testproject.payments.models import Charge, Payment, Refund
+
+
+class PaymentSerializer(serializers.ModelSerializer[Payment]):
+    user = serializers.ReadOnlyField(source="user.username")
+
+    class Meta:
+        fields = ["id", "amount", "currency", "user", "created"]
+        read_only_fields = ["id", "created"]
+        # Amounts are in the currency's smallest unit, like Stripe's: 2499 is 24.99.
+        extra_kwargs: dict[str, dict[str, Any]] = {"amount": {"min_value": 1}}
+
+    def validate_currency(self, value: str) -> str:
+        if not (len(value) == 3 and value.isascii() and value.isalpha()):
+            raise serializers.ValidationError("Use a three-letter ISO 4217 code, such as inr.")
+        return value.lower()
+
+
+class ChargeSerializer(PaymentSerializer):
+    class Meta(PaymentSerializer.Meta):
+        model = Charge
+
+
+class RefundSerializer(PaymentSerializer):
+    class Meta(PaymentSerializer.Meta):
+        model = Refund

@@ -1,0 +1,17 @@
+from __future__ import annotations
+
+from django.urls import path
+
+from testproject.payments import views
+from testproject.payments.models import Charge, Refund
+
+app_name = "payments"
+
+urlpatterns = [
+    path("charges/", views.ChargeCreateView.as_view(), name="charges"),
+    path("charges/count/", views.PaymentCountView.as_view(model=Charge), name="charge-count"),
+    path("charges-plain/", views.PaymentCreateView.as_view(), name="charges-plain"),
+    path("charges-django/", views.charge_without_drf, name="charges-django"),
+    path("refunds/", views.RefundCreateView.as_view(), name="refunds"),
+    path("refunds/count/", views.PaymentCountView.as_view(model=Refund), name="refund-count"),
+]

@@ -1,0 +1,118 @@
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from functools import wraps
+from typing import Any
+
+from django.contrib.auth.base_user import AbstractBaseUser
+from django.contrib.auth.models import AnonymousUser
+from django.http import HttpRequest, HttpResponse, JsonResponse
+from django.views.decorators.csrf import csrf_exempt
+from django.views.decorators.http import require_POST
+from rest_framework.authentication import TokenAuthentication
+from rest_framework.exceptions import AuthenticationFailed, ValidationError
+from rest_framework.generics import GenericAPIView
+from rest_framework.permissions import AllowAny, IsAuthenticated
+from rest_framework.request import Request
+from rest_framework.response import Response
+from rest_framework.views import APIView
+
+from django_idempotency.decorators import idempotent
+from django_idempotency.rest_framework import IdempotencyMixin
+from testproject.payments import executions
+from testproject.payments.faults import Faults
+from testproject.payments.models import Charge, Payment
+from testproject.payments.serializers import ChargeSerializer, PaymentSerializer, RefundSerializer
+
+
+def create_payment(
+    serializer: PaymentSerializer, user: AbstractBaseUser | AnonymousUser
+) -> tuple[int, Any]:
+    """The one payment handler behind every endpoint: count the run, validate, write."""
+    executions.record(serializer.Meta.model)
+    faults = Faults.from_data(serializer.initial_data)
+    serializer.is_valid(raise_exception=True)
+    faults.before_write()
+    serializer.save(user=user)
+    if faults.responds_with_error:
+        return 500, {"detail": "fail=500r: answered 500 after writing"}
+    faults.after_write()
+    return 201, serializer.data
+
+
+class PaymentCreateView(GenericAPIView[Payment]):
+    """Create a charge with no idempotency protection: the benchmark's baseline."""
+
+    authentication_classes = [TokenAuthentication]
+    permission_classes = [IsAuthenticated]
+    serializer_class = ChargeSerializer
+
+    def post(self, request: Request) -> Response:
+        serializer = self.get_serializer(data=request.data)
+        assert isinstance(serializer, PaymentSerializer)
+        status, body = create_payment(serializer, request.user)
+        return Response(body, status=status)
+
+
+class ChargeCreateView(IdempotencyMixin, PaymentCreateView):
+    """Create a charge; a retry with the same ``Idempotency-Key`` gets the first answer."""
+
+
+class RefundCreateView(IdempotencyMixin, PaymentCreateView):
+    """Create a refund; a retry with the same ``Idempotency-Key`` gets the first answer."""
+
+    serializer_class = RefundSerializer
+
+
+class PaymentCountView(APIView):
+    """How many times the handler ran (rollbacks included) and how many rows committed."""
+
+    authentication_classes: list[type[Any]] = []
+    permission_classes = [AllowAny]
+    model: type[Payment] = Charge
+
+    def get(self, request: Request) -> Response:
+        return Response(
+            {"executions": executions.count(self.model), "rows": self.model.objects.count()}
+        )
+
+
+def token_required(view: Callable[..., HttpResponse]) -> Callable[..., HttpResponse]:
+    """DRF's token authentication for a plain Django view: sets ``request.user`` or 401s."""
+
+    @wraps(view)
+    def wrapper(request: HttpRequest, *args: Any, **kwargs: Any) -> HttpResponse:
+        try:
+            authenticated = TokenAuthentication().authenticate(request)  # type: ignore[arg-type]
+        except AuthenticationFailed:
+            authenticated = None
+        if authenticated is None:
+            return JsonResponse(
+                {"detail": "Send 'Authorization: Token <key>'."},
+                status=401,
+                headers={"WWW-Authenticate": "Token"},
+            )
+        request.user = authenticated[0]
+        return view(request, *args, **kwargs)
+
+    return wrapper
+
+
+# Authentication wraps @idempotent so that the principal is known and a replay never
+# bypasses it; csrf_exempt because, like DRF's views, this API authenticates by token.
+@csrf_exempt
+@require_POST
+@token_required
+@idempotent(required=True)
+def charge_without_drf(request: HttpRequest) -> HttpResponse:
+    """The charge handler as a plain Django view, protected by ``@idempotent``."""
+    try:
+        data = json.loads(request.body)
+    except ValueError:
+        return JsonResponse({"detail": "The body must be JSON."}, status=400)
+    try:
+        status, body = create_payment(ChargeSerializer(data=data), request.user)
+    except ValidationError as exc:
+        return JsonResponse(exc.detail, status=400, safe=False)
+    return JsonResponse(body, status=status)
