@@ -1,0 +1,217 @@
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+import uuid
+from argparse import ArgumentParser
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from django.core.management import call_command
+from django.core.management.base import BaseCommand, CommandError
+
+import testproject
+from testproject.payments.management.commands.seed_demo import DEMO_TOKENS
+
+REPO_ROOT = Path(testproject.__file__).resolve().parent.parent
+STARTUP_TIMEOUT = 30.0
+
+
+@dataclass(frozen=True)
+class Answer:
+    status: int
+    headers: dict[str, str]
+    body: bytes
+
+    @property
+    def replayed(self) -> bool:
+        return self.headers.get("idempotent-replayed") == "true"
+
+    def describe(self) -> str:
+        replayed = ", Idempotent-Replayed: true" if self.replayed else ""
+        return f"HTTP {self.status}{replayed}\n  {self.body.decode(errors='replace')}"
+
+
+@dataclass(frozen=True)
+class Call:
+    """One request of the demo, printed as a curl line and sent by ``--smoke``."""
+
+    title: str
+    method: str
+    path: str
+    body: dict[str, Any] | None = None
+    key: str | None = None
+    token: str | None = DEMO_TOKENS["alice"]
+    headers: dict[str, str] = field(default_factory=dict)
+
+    def request_headers(self) -> dict[str, str]:
+        headers: dict[str, str] = {}
+        if self.token is not None:
+            headers["Authorization"] = f"Token {self.token}"
+        if self.body is not None:
+            headers["Content-Type"] = "application/json"
+        if self.key is not None:
+            headers["Idempotency-Key"] = self.key
+        return headers
+
+    def curl(self, base_url: str) -> str:
+        words = ["curl", "-i", base_url + self.path]
+        if self.method != "GET":
+            words[2:2] = ["-X", self.method]
+        for name, value in self.request_headers().items():
+            words += ["-H", f"{name}: {value}"]
+        if self.body is not None:
+            words += ["-d", json.dumps(self.body)]
+        return shlex.join(words)
+
+    def send(self, base_url: str) -> Answer:
+        data = None if self.body is None else json.dumps(self.body).encode()
+        request = urllib.request.Request(
+            base_url + self.path, data=data, method=self.method, headers=self.request_headers()
+        )
+        try:
+            with urllib.request.urlopen(request, timeout=30) as response:
+                return Answer(response.status, _lower(response.headers.items()), response.read())
+        except urllib.error.HTTPError as error:
+            return Answer(error.code, _lower(error.headers.items()), error.read())
+
+
+def _lower(items: Any) -> dict[str, str]:
+    return {name.lower(): value for name, value in items}
+
+
+def demo_calls(key: str) -> list[Call]:
+    charge = {"amount": 2499, "currency": "inr"}
+    return [
+        Call("Charge 24.99 INR as alice", "POST", "/api/charges/", charge, key),
+        Call(
+            "Retry it with the same key: the first answer, replayed",
+            "POST",
+            "/api/charges/",
+            charge,
+            key,
+        ),
+        Call(
+            "Reuse the key for another amount: 422 key-reused, nothing runs",
+            "POST",
+            "/api/charges/",
+            {**charge, "amount": 999},
+            key,
+        ),
+        Call("Count: handler runs and committed charges", "GET", "/api/charges/count/", token=None),
+    ]
+
+
+class Command(BaseCommand):
+    help = (
+        "Migrate, seed the demo users, serve the payments API with gunicorn and print curl "
+        "lines that show a retry being replayed. --smoke sends them itself, then stops."
+    )
+
+    def add_arguments(self, parser: ArgumentParser) -> None:
+        parser.add_argument("--port", type=int, default=8000)
+        parser.add_argument("--workers", type=int, default=4)
+        parser.add_argument(
+            "--smoke",
+            action="store_true",
+            help="Send the demo requests, check the answers, stop the server and exit.",
+        )
+
+    def handle(self, *args: Any, **options: Any) -> None:
+        port: int = options["port"]
+        base_url = f"http://127.0.0.1:{port}"
+        call_command("migrate", interactive=False, verbosity=0)
+        call_command("seed_demo", stdout=self.stdout)
+        server = self.start_gunicorn(port, options["workers"], quiet=options["smoke"])
+        try:
+            self.wait_until_serving(server, base_url)
+            calls = demo_calls(str(uuid.uuid4()))
+            if options["smoke"]:
+                self.smoke(calls, base_url)
+            else:
+                self.show(calls, base_url)
+                server.wait()
+        except KeyboardInterrupt:
+            pass
+        finally:
+            if server.poll() is None:
+                server.terminate()
+                server.wait(timeout=60)
+
+    def start_gunicorn(self, port: int, workers: int, *, quiet: bool) -> subprocess.Popen[bytes]:
+        # DATABASE_URL is in the environment by now (the settings set it when they start the
+        # embedded server), so every worker uses the database that was just migrated.
+        env = {
+            **os.environ,
+            "PAYMENTS_FAULTS_ENABLED": os.environ.get("PAYMENTS_FAULTS_ENABLED", "1"),
+        }
+        command = [
+            sys.executable,
+            "-m",
+            "gunicorn",
+            "testproject.wsgi",
+            "--workers",
+            str(workers),
+            "--bind",
+            f"127.0.0.1:{port}",
+        ]
+        if not quiet:
+            command += ["--access-logfile", "-"]
+        self.stdout.write("$ " + shlex.join(["gunicorn", *command[3:]]))
+        return subprocess.Popen(command, cwd=REPO_ROOT, env=env)
+
+    def wait_until_serving(self, server: subprocess.Popen[bytes], base_url: str) -> None:
+        deadline = time.monotonic() + STARTUP_TIMEOUT
+        while time.monotonic() < deadline:
+            if server.poll() is not None:
+                raise CommandError(
+                    f"gunicorn exited with code {server.returncode}; is {base_url} taken? "
+                    "Try --port."
+                )
+            try:
+                with urllib.request.urlopen(base_url + "/api/charges/count/", timeout=2):
+                    return
+            except OSError:
+                time.sleep(0.1)
+        raise CommandError(f"gunicorn did not answer on {base_url} within {STARTUP_TIMEOUT:.0f} s")
+
+    def show(self, calls: list[Call], base_url: str) -> None:
+        self.stdout.write(self.style.SUCCESS(f"\nServing the payments API on {base_url}/api/"))
+        for call in calls:
+            self.stdout.write(f"\n# {call.title}\n{call.curl(base_url)}")
+        self.stdout.write("\nCtrl-C stops the server.\n")
+
+    def smoke(self, calls: list[Call], base_url: str) -> None:
+        count = calls[-1]
+        before = json.loads(count.send(base_url).body)
+        answers = []
+        for call in calls:
+            self.stdout.write(f"\n# {call.title}\n{call.curl(base_url)}")
+            answer = call.send(base_url)
+            answers.append(answer)
+            self.stdout.write(answer.describe())
+        first, retry, reuse, counted = answers
+        after = json.loads(counted.body)
+        executions = after["executions"]
+        checks = {
+            f"the charge answered {first.status}, not 201": first.status == 201,
+            "the first charge was marked replayed": not first.replayed,
+            "the retry was not replayed": retry.replayed,
+            "the replay differs from the first answer": retry.body == first.body,
+            f"the reused key answered {reuse.status}, not 422": reuse.status == 422,
+            # executions is None where nothing counts them (not PostgreSQL).
+            "the handler did not run exactly once": executions is None
+            or executions - before["executions"] == 1,
+            "not exactly one charge was committed": after["rows"] - before["rows"] == 1,
+        }
+        problems = [problem for problem, passed in checks.items() if not passed]
+        if problems:
+            raise CommandError("Smoke test failed: " + "; ".join(problems))
+        self.stdout.write(self.style.SUCCESS("\nSmoke test passed: one charge, replayed on retry."))
