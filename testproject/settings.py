@@ -1,0 +1,127 @@
+"""Settings of the test project: a small payments API that uses django-idempotency as a user would.
+
+Environment: ``DATABASE_URL`` (else an embedded PostgreSQL, see ``testproject.database``),
+``CELERY_BROKER_URL`` (default ``memory://``), ``DJANGO_DEBUG=1``, ``DJANGO_SECRET_KEY``,
+``DJANGO_ALLOWED_HOSTS`` (comma-separated) and ``PAYMENTS_FAULTS_ENABLED=1``.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from pathlib import Path
+
+import dj_database_url
+
+from testproject.database import database_url
+
+BASE_DIR = Path(__file__).resolve().parent.parent
+
+# Demo-only fallback; a deployment sets DJANGO_SECRET_KEY.
+SECRET_KEY = os.environ.get(
+    "DJANGO_SECRET_KEY", "django-insecure-testproject-demo-only-never-use-in-production"
+)
+DEBUG = os.environ.get("DJANGO_DEBUG") == "1"
+ALLOWED_HOSTS = os.environ.get("DJANGO_ALLOWED_HOSTS", "127.0.0.1,localhost,[::1]").split(",")
+
+INSTALLED_APPS = [
+    "django.contrib.admin",
+    "django.contrib.auth",
+    "django.contrib.contenttypes",
+    "django.contrib.sessions",
+    "django.contrib.messages",
+    "django.contrib.staticfiles",
+    "rest_framework",
+    "rest_framework.authtoken",
+    "django_idempotency",
+    "testproject.payments",
+]
+# Celery and django-celery-beat are an optional extra (django-celery-beat 2.9 does not
+# allow Django 6.1), so the project runs with or without them.
+if importlib.util.find_spec("django_celery_beat") is not None:
+    INSTALLED_APPS.append("django_celery_beat")
+
+MIDDLEWARE = [
+    "django.middleware.security.SecurityMiddleware",
+    "django.contrib.sessions.middleware.SessionMiddleware",
+    "django.middleware.common.CommonMiddleware",
+    "django.middleware.csrf.CsrfViewMiddleware",
+    "django.contrib.auth.middleware.AuthenticationMiddleware",
+    "django.contrib.messages.middleware.MessageMiddleware",
+    "django.middleware.clickjacking.XFrameOptionsMiddleware",
+]
+
+ROOT_URLCONF = "testproject.urls"
+WSGI_APPLICATION = "testproject.wsgi.application"
+
+TEMPLATES = [
+    {
+        "BACKEND": "django.template.backends.django.DjangoTemplates",
+        "DIRS": [],
+        "APP_DIRS": True,
+        "OPTIONS": {
+            "context_processors": [
+                "django.template.context_processors.request",
+                "django.contrib.auth.context_processors.auth",
+                "django.contrib.messages.context_processors.messages",
+            ],
+        },
+    },
+]
+
+DATABASES = {
+    # Persistent connections: a gunicorn sync worker serves one request at a time, so one
+    # connection per worker, reused, with a health check after a server restart.
+    "default": dj_database_url.parse(database_url(), conn_max_age=600, conn_health_checks=True),
+}
+DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
+
+AUTH_PASSWORD_VALIDATORS = [
+    {"NAME": "django.contrib.auth.password_validation.UserAttributeSimilarityValidator"},
+    {"NAME": "django.contrib.auth.password_validation.MinimumLengthValidator"},
+    {"NAME": "django.contrib.auth.password_validation.CommonPasswordValidator"},
+    {"NAME": "django.contrib.auth.password_validation.NumericPasswordValidator"},
+]
+
+LANGUAGE_CODE = "en-us"
+TIME_ZONE = "UTC"
+USE_I18N = True
+# Partitions are UTC days; aware datetimes everywhere keep created_at unambiguous.
+USE_TZ = True
+
+STATIC_URL = "static/"
+
+REST_FRAMEWORK = {
+    "DEFAULT_AUTHENTICATION_CLASSES": [
+        "rest_framework.authentication.TokenAuthentication",
+        "rest_framework.authentication.SessionAuthentication",
+    ],
+    "DEFAULT_PERMISSION_CLASSES": ["rest_framework.permissions.IsAuthenticated"],
+    "DEFAULT_RENDERER_CLASSES": [
+        "rest_framework.renderers.JSONRenderer",
+        "rest_framework.renderers.BrowsableAPIRenderer",
+    ],
+    "DEFAULT_PARSER_CLASSES": ["rest_framework.parsers.JSONParser"],
+}
+
+# The payments app's fault switches (fail, fail_once, crash_once, delay_ms in a charge
+# body). Off unless asked for: the demo and the test settings turn them on.
+PAYMENTS_FAULTS_ENABLED = os.environ.get("PAYMENTS_FAULTS_ENABLED") == "1"
+
+CELERY_BROKER_URL = os.environ.get("CELERY_BROKER_URL", "memory://")
+CELERY_BROKER_CONNECTION_RETRY_ON_STARTUP = True
+CELERY_TIMEZONE = "UTC"
+CELERY_TASK_IGNORE_RESULT = True
+CELERY_BEAT_SCHEDULER = "django_celery_beat.schedulers:DatabaseScheduler"
+
+LOGGING = {
+    "version": 1,
+    "disable_existing_loggers": False,
+    "handlers": {"console": {"class": "logging.StreamHandler"}},
+    "loggers": {
+        "django_idempotency": {
+            "handlers": ["console"],
+            "level": os.environ.get("IDEMPOTENCY_LOG_LEVEL", "INFO"),
+        },
+    },
+}
