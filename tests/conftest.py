@@ -1,0 +1,290 @@
+"""Fixtures every test module may use.
+
+Database: pytest-django's ``db`` / ``transactional_db`` on a real PostgreSQL, the server of
+``DATABASE_URL`` or the embedded one (``testproject.database``).
+
+Live servers: ``live_gunicorn`` (4 sync worker processes) and ``live_gunicorn_threads``
+(2 workers x 8 threads) serve ``testproject.wsgi`` from the test database, for
+``@pytest.mark.django_db(transaction=True)`` tests (what the test writes must be committed
+for the server to see it). ``gunicorn_server(**options)`` starts another one, and
+``subprocess_env`` is the environment any other child process (a Celery worker, a script)
+needs to reach the test database.
+
+Clients: ``make_token_user()`` makes a user with a DRF token; ``api_client`` is a DRF
+``APIClient`` authenticated as ``token_user``, ``anon_client`` one without credentials.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+from urllib.parse import quote, urlsplit, urlunsplit
+
+import pytest
+import requests
+from hypothesis import settings as hypothesis_settings
+
+ROOT = Path(__file__).resolve().parent.parent
+
+# Database round trips make per-example timings meaningless; CI also prints the blob to
+# reproduce a failure.
+hypothesis_settings.register_profile("dev", deadline=None)
+hypothesis_settings.register_profile("ci", deadline=None, print_blob=True)
+hypothesis_settings.load_profile("ci" if os.environ.get("CI") else "dev")
+
+
+def pytest_report_header(config: pytest.Config) -> list[str]:
+    import django
+    import rest_framework
+    from django.db import connection
+    from pytest_django.plugin import blocking_manager_key
+
+    lines = [f"django {django.get_version()}, djangorestframework {rest_framework.VERSION}"]
+    try:
+        with config.stash[blocking_manager_key].unblock():
+            with connection.cursor() as cursor:
+                cursor.execute("SELECT version()")
+                (version,) = cursor.fetchone()
+            connection.close()
+        lines.append(f"database: {version}")
+    except Exception as exc:  # the header must not hide the real failure
+        lines.append(f"database: unreachable ({exc})")
+    lines.append(f"database url: {_without_password(os.environ.get('DATABASE_URL', ''))}")
+    with contextlib.suppress(ImportError):
+        import celery
+        from django.conf import settings
+
+        beat = "with" if "django_celery_beat" in settings.INSTALLED_APPS else "without"
+        lines.append(
+            f"celery {celery.__version__} {beat} django-celery-beat, "
+            f"broker {_without_password(settings.CELERY_BROKER_URL)}"
+        )
+    return lines
+
+
+def _without_password(url: str) -> str:
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    netloc = parts.netloc.replace(f":{parts.password}@", ":***@", 1)
+    return urlunsplit(parts._replace(netloc=netloc))
+
+
+@pytest.fixture(scope="session")
+def django_db_setup(django_db_setup: None, django_db_blocker: Any) -> Iterator[None]:
+    """pytest-django's test database, minus any connection our child processes left open.
+
+    A live server or worker killed mid-test may leave a backend behind, and DROP DATABASE
+    refuses to run while one is connected.
+    """
+    yield
+    from django.db import connection
+
+    with django_db_blocker.unblock(), connection.cursor() as cursor:
+        cursor.execute(
+            "SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
+            "WHERE datname = current_database() AND pid <> pg_backend_pid()"
+        )
+
+
+@pytest.fixture(scope="session")
+def test_database_url(django_db_setup: None) -> str:
+    """``DATABASE_URL`` of the test database (the server's URL with the test db name)."""
+    from django.db import connection
+
+    from testproject.database import database_url
+
+    parts = urlsplit(database_url())
+    return urlunsplit(parts._replace(path="/" + quote(connection.settings_dict["NAME"])))
+
+
+@pytest.fixture(scope="session")
+def subprocess_env(test_database_url: str) -> dict[str, str]:
+    """Environment for a child process that must use the test project and test database."""
+    return {
+        **os.environ,
+        "DATABASE_URL": test_database_url,
+        "DJANGO_SETTINGS_MODULE": "tests.settings",
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
+        "PYTHONUNBUFFERED": "1",
+    }
+
+
+@dataclass(frozen=True)
+class GunicornServer:
+    url: str
+    process: subprocess.Popen[bytes]
+    log: Path
+
+    def log_text(self) -> str:
+        return self.log.read_text(errors="replace")
+
+
+@contextlib.contextmanager
+def run_gunicorn(
+    env: Mapping[str, str],
+    *,
+    workers: int = 4,
+    threads: int = 1,
+    timeout: float = 30.0,
+    extra_args: tuple[str, ...] = (),
+) -> Iterator[GunicornServer]:
+    """Serve ``testproject.wsgi`` on a free 127.0.0.1 port until the block ends."""
+    # The parent binds the socket and hands gunicorn the descriptor: no window in which
+    # another process can take the port, and requests queue until a worker accepts.
+    listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(128)
+    port = listener.getsockname()[1]
+    log_fd, log_name = tempfile.mkstemp(prefix="gunicorn-", suffix=".log")
+    command = [
+        sys.executable, "-m", "gunicorn", "testproject.wsgi",
+        "--bind", f"fd://{listener.fileno()}",
+        "--workers", str(workers),
+        "--worker-class", "gthread" if threads > 1 else "sync",
+        "--threads", str(threads),
+        # Workers are forked from a master that already imported Django: all of them are
+        # ready at once, and one killed by a test is replaced at once.
+        "--preload",
+        "--timeout", str(int(timeout)),
+        "--graceful-timeout", "5",
+        *extra_args,
+    ]  # fmt: skip
+    process = subprocess.Popen(
+        command,
+        cwd=ROOT,
+        env=dict(env),
+        stdin=subprocess.DEVNULL,
+        stdout=log_fd,
+        stderr=log_fd,
+        pass_fds=(listener.fileno(),),
+    )
+    os.close(log_fd)
+    listener.close()
+    server = GunicornServer(f"http://127.0.0.1:{port}", process, Path(log_name))
+    try:
+        _wait_until_serving(server, deadline=time.monotonic() + timeout)
+        yield server
+    finally:
+        process.send_signal(signal.SIGTERM)
+        try:
+            process.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+        server.log.unlink(missing_ok=True)
+
+
+def _wait_until_serving(server: GunicornServer, deadline: float) -> None:
+    while True:
+        if server.process.poll() is not None:
+            raise RuntimeError(
+                f"gunicorn exited with {server.process.returncode}:\n{server.log_text()}"
+            )
+        try:
+            # Any answer will do: it proves a worker loaded Django and took the request.
+            requests.get(f"{server.url}/admin/login/", timeout=1)
+            return
+        except requests.RequestException:
+            if time.monotonic() > deadline:
+                raise RuntimeError(
+                    f"gunicorn did not answer at {server.url}:\n{server.log_text()}"
+                ) from None
+            time.sleep(0.1)
+
+
+@pytest.fixture(scope="session")
+def gunicorn_server(
+    subprocess_env: dict[str, str],
+) -> Callable[..., contextlib.AbstractContextManager[GunicornServer]]:
+    """``with gunicorn_server(workers=2, threads=4) as server: server.url``."""
+
+    def start(**options: Any) -> contextlib.AbstractContextManager[GunicornServer]:
+        env = {**subprocess_env, **options.pop("env", {})}
+        return run_gunicorn(env, **options)
+
+    return start
+
+
+@pytest.fixture(scope="session")
+def live_gunicorn(
+    gunicorn_server: Callable[..., contextlib.AbstractContextManager[GunicornServer]],
+) -> Iterator[str]:
+    """Base URL of gunicorn with 4 sync worker processes on the test database."""
+    with gunicorn_server(workers=4) as server:
+        yield server.url
+
+
+@pytest.fixture(scope="session")
+def live_gunicorn_threads(
+    gunicorn_server: Callable[..., contextlib.AbstractContextManager[GunicornServer]],
+) -> Iterator[str]:
+    """Base URL of gunicorn with 2 worker processes x 8 threads on the test database."""
+    with gunicorn_server(workers=2, threads=8) as server:
+        yield server.url
+
+
+@dataclass(frozen=True)
+class TokenUser:
+    user: Any
+    token: str
+
+    @property
+    def headers(self) -> dict[str, str]:
+        """``Authorization`` header for ``requests`` against a live server."""
+        return {"Authorization": f"Token {self.token}"}
+
+    def client(self) -> Any:
+        """A DRF ``APIClient`` that authenticates with this user's token."""
+        from rest_framework.test import APIClient
+
+        client = APIClient()
+        client.credentials(HTTP_AUTHORIZATION=f"Token {self.token}")
+        return client
+
+
+_usernames = itertools.count(1)
+
+
+@pytest.fixture
+def make_token_user(db: None) -> Callable[..., TokenUser]:
+    """``make_token_user(username=None, **fields)``: a new user and their DRF token."""
+    from django.contrib.auth import get_user_model
+    from rest_framework.authtoken.models import Token
+
+    def make(username: str | None = None, **fields: Any) -> TokenUser:
+        user = get_user_model().objects.create_user(
+            username=username or f"user{next(_usernames)}", **fields
+        )
+        return TokenUser(user, Token.objects.create(user=user).key)
+
+    return make
+
+
+@pytest.fixture
+def token_user(make_token_user: Callable[..., TokenUser]) -> TokenUser:
+    return make_token_user()
+
+
+@pytest.fixture
+def api_client(token_user: TokenUser) -> Any:
+    return token_user.client()
+
+
+@pytest.fixture
+def anon_client() -> Any:
+    from rest_framework.test import APIClient
+
+    return APIClient()
