@@ -1,0 +1,36 @@
+"""Sending scripted JSON requests with an Idempotency-Key, through Django's test client."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from django.test import Client
+
+
+def send(
+    client: Client,
+    method: str,
+    path: str,
+    body: Any = None,
+    *,
+    key: str | None = None,
+    headers: dict[str, str] | None = None,
+    **extra: Any,
+) -> Any:
+    """``method`` ``path`` with ``body`` as JSON (a str or bytes is sent as it is)."""
+    all_headers = dict(headers or {})
+    if key is not None:
+        all_headers["Idempotency-Key"] = key
+    if body is not None and not isinstance(body, str | bytes):
+        body = json.dumps(body)
+    extra.setdefault("content_type", "application/json")
+    return client.generic(method, path, body or b"", headers=all_headers, **extra)
+
+
+def problem(response: Any) -> dict[str, Any]:
+    """The problem+json body of an error the app produced."""
+    assert response["Content-Type"] == "application/problem+json", response.content
+    assert response["Cache-Control"] == "no-store"
+    body: dict[str, Any] = json.loads(response.content)
+    return body

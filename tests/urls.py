@@ -1,0 +1,43 @@
+"""URLs of the test-only views (``@pytest.mark.urls("tests.urls")``)."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+from django.urls import include, path
+from rest_framework.routers import SimpleRouter
+
+from tests import views
+
+router = SimpleRouter()
+router.register("groups", views.GroupViewSet)
+
+urlpatterns = [
+    path("drf/", views.ScriptedView.as_view(), name="drf"),
+    path("drf/other/", views.ScriptedView.as_view(), name="drf-other"),
+    path("drf/required/", views.ScriptedView.as_view(idempotency_required=True)),
+    path("drf/put-only/", views.ScriptedView.as_view(idempotency_methods=["PUT"])),
+    path("drf/ttl-long/", views.ScriptedView.as_view(idempotency_ttl=timedelta(days=30))),
+    path("drf/ttl-short/", views.ScriptedView.as_view(idempotency_ttl=timedelta(hours=1))),
+    path(
+        "drf/excluding/",
+        views.ScriptedView.as_view(idempotency_exclude_fields=["client_ts", "meta.sent_at"]),
+    ),
+    path(
+        "drf/header-fingerprint/",
+        views.ScriptedView.as_view(idempotency_fingerprint_headers=["X-Account"]),
+    ),
+    path("drf/tenant/", views.ScriptedView.as_view(idempotency_principal=views.tenant_principal)),
+    path("drf/no-wait/", views.ScriptedView.as_view(idempotency_wait=timedelta(0))),
+    path("drf/guarded/", views.GuardedView.as_view()),
+    path("drf/upload/", views.Upload.as_view()),
+    path("drf/traced/", views.TracedView.as_view()),
+    path("drf/", include(router.urls)),
+    path("plain/", views.plain),
+    path("plain/other/", views.plain),
+    path("plain/required/", views.plain_required),
+    path("plain/put-only/", views.plain_put_only),
+    path("plain/tenant/", views.plain_tenant),
+    path("plain/excluding/", views.plain_excluding),
+    path("plain/login/", views.plain_login_required),
+]
