@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-import hashlib
+import os
 
 from testproject.settings import *  # noqa: F403
-from testproject.settings import ALLOWED_HOSTS, BASE_DIR, DATABASES
+from testproject.settings import ALLOWED_HOSTS, DATABASES
 
 ALLOWED_HOSTS = [*ALLOWED_HOSTS, "testserver"]
 
@@ -14,7 +14,7 @@ PASSWORD_HASHERS = ["django.contrib.auth.hashers.MD5PasswordHasher"]
 
 PAYMENTS_FAULTS_ENABLED = True
 
-# One test database per checkout, so that runs from two clones (or two worktrees) sharing
-# one DATABASE_URL server do not drop each other's database.
-_checkout = hashlib.sha256(str(BASE_DIR).encode()).hexdigest()[:8]
-DATABASES["default"]["TEST"] = {"NAME": f"test_idempotency_{_checkout}"}
+# One test database per test session: sessions sharing a server (two clones, or several
+# people in one checkout) never drop each other's database. Child processes are given the
+# name in DATABASE_URL, so this only matters to the session that creates it.
+DATABASES["default"]["TEST"] = {"NAME": f"test_idempotency_{os.getpid()}"}
