@@ -45,12 +45,13 @@ hypothesis_settings.load_profile("ci" if os.environ.get("CI") else "dev")
 
 
 def pytest_report_header(config: pytest.Config) -> list[str]:
-    import django
+    import psycopg
     import rest_framework
     from django.db import connection
     from pytest_django.plugin import blocking_manager_key
 
-    lines = [f"django {django.get_version()}, djangorestframework {rest_framework.VERSION}"]
+    # pytest-django prints the Django version; tox envs differ in these too.
+    lines = [f"djangorestframework {rest_framework.VERSION}, psycopg {psycopg.__version__}"]
     try:
         with config.stash[blocking_manager_key].unblock():
             with connection.cursor() as cursor:
