@@ -1,0 +1,331 @@
+"""End to end: real HTTP against the payments API under gunicorn with several worker
+processes, on the test database. Exactly-once is judged by the handler's own execution
+counter (a sequence, so it survives rollbacks and dead workers) and by the committed rows.
+"""
+
+from __future__ import annotations
+
+import threading
+import uuid
+from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, NamedTuple
+
+import pytest
+import requests
+
+from django_idempotency.models import IdempotencyRecord
+from testproject.payments.models import Charge, Payment, Refund
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+CHARGE = {"amount": 2499, "currency": "inr"}
+# endpoint -> (the model it writes, the endpoint counting it)
+ENDPOINTS: dict[str, tuple[type[Payment], str]] = {
+    "/api/charges/": (Charge, "/api/charges/count/"),
+    "/api/refunds/": (Refund, "/api/refunds/count/"),
+    "/api/charges-django/": (Charge, "/api/charges/count/"),
+}
+
+
+class Counts(NamedTuple):
+    executions: int
+    rows: int
+
+    def __sub__(self, other: tuple[int, int]) -> Counts:
+        return Counts(self.executions - other[0], self.rows - other[1])
+
+
+def counts(base_url: str, path: str = "/api/charges/count/") -> Counts:
+    response = requests.get(base_url + path, timeout=10)
+    response.raise_for_status()
+    return Counts(**response.json())
+
+
+def post(
+    base_url: str,
+    user: Any,
+    key: str | None,
+    body: dict[str, Any],
+    path: str = "/api/charges/",
+    **headers: str,
+) -> requests.Response:
+    if key is not None:
+        headers["Idempotency-Key"] = key
+    return requests.post(
+        base_url + path, json=body, headers={**user.headers, **headers}, timeout=30
+    )
+
+
+def is_replay(response: requests.Response) -> bool:
+    return response.headers.get("Idempotent-Replayed") == "true"
+
+
+def records(key: str) -> int:
+    return IdempotencyRecord.objects.filter(key=key).count()
+
+
+@pytest.fixture
+def alice(make_token_user: Any) -> Any:
+    return make_token_user("alice")
+
+
+@pytest.fixture
+def bob(make_token_user: Any) -> Any:
+    return make_token_user("bob")
+
+
+@pytest.mark.parametrize("path", ENDPOINTS)
+def test_hundred_sequential_retries_execute_once_and_replay_identical_bytes(
+    live_gunicorn: str, alice: Any, path: str
+) -> None:
+    model, count_path = ENDPOINTS[path]
+    key = str(uuid.uuid4())
+    before = counts(live_gunicorn, count_path)
+
+    first = post(live_gunicorn, alice, key, CHARGE, path)
+    retries = [post(live_gunicorn, alice, key, CHARGE, path) for _ in range(99)]
+
+    assert first.status_code == 201, first.text
+    assert not is_replay(first)
+    assert first.json()["amount"] == CHARGE["amount"]
+    assert [(r.status_code, is_replay(r)) for r in retries] == [(201, True)] * 99
+    assert {r.content for r in retries} == {first.content}
+    assert {r.headers["Content-Type"] for r in retries} == {first.headers["Content-Type"]}
+    assert counts(live_gunicorn, count_path) - before == (1, 1)
+    assert model.objects.filter(user=alice.user).count() == 1
+    assert records(key) == 1
+
+
+def test_plain_baseline_executes_every_request(live_gunicorn: str, alice: Any) -> None:
+    key = str(uuid.uuid4())
+    before = counts(live_gunicorn)
+
+    answers = [post(live_gunicorn, alice, key, CHARGE, "/api/charges-plain/") for _ in range(3)]
+
+    assert [(a.status_code, is_replay(a)) for a in answers] == [(201, False)] * 3
+    assert len({a.json()["id"] for a in answers}) == 3
+    assert counts(live_gunicorn) - before == (3, 3)
+    assert records(key) == 0
+
+
+def send_at_once(requests_to_send: list[Any]) -> list[requests.Response]:
+    """Send each ``() -> Response`` from its own thread, released together by a barrier."""
+    barrier = threading.Barrier(len(requests_to_send))
+
+    def send(request: Any) -> requests.Response:
+        barrier.wait()
+        return request()
+
+    with ThreadPoolExecutor(len(requests_to_send)) as pool:
+        return list(pool.map(send, requests_to_send))
+
+
+# 2500 ms outlasts the default 2 s wait of a duplicate, so the slow case also gets 409s.
+@pytest.mark.parametrize("delay_ms", [0, 2500], ids=["fast", "slow"])
+@pytest.mark.parametrize("clients", [20, 50])
+@pytest.mark.parametrize("server", ["live_gunicorn", "live_gunicorn_threads"])
+def test_parallel_identical_requests_execute_once(
+    request: pytest.FixtureRequest, alice: Any, server: str, clients: int, delay_ms: int
+) -> None:
+    base_url = request.getfixturevalue(server)
+    key = str(uuid.uuid4())
+    body = {**CHARGE, "delay_ms": delay_ms}
+    before = counts(base_url)
+
+    answers = send_at_once([lambda: post(base_url, alice, key, body)] * clients)
+
+    statuses = Counter((a.status_code, is_replay(a)) for a in answers)
+    assert set(statuses) <= {(201, False), (201, True), (409, False)}, statuses
+    assert statuses[(201, False)] == 1, statuses
+    created = [a for a in answers if a.status_code == 201]
+    assert len({a.content for a in created}) == 1
+    for conflict in (a for a in answers if a.status_code == 409):
+        assert conflict.headers["Content-Type"] == "application/problem+json"
+        assert conflict.json()["type"].endswith("in-progress")
+        assert int(conflict.headers["Retry-After"]) >= 1
+    assert counts(base_url) - before == (1, 1)
+    assert Charge.objects.filter(user=alice.user).count() == 1
+    assert records(key) == 1
+    retry = post(base_url, alice, key, body)
+    assert (retry.status_code, is_replay(retry), retry.content) == (201, True, created[0].content)
+
+
+def test_same_key_from_two_principals_executes_once_each_and_never_crosses(
+    live_gunicorn: str, alice: Any, bob: Any
+) -> None:
+    key = str(uuid.uuid4())
+    before = counts(live_gunicorn)
+
+    first = {user.user.username: post(live_gunicorn, user, key, CHARGE) for user in (alice, bob)}
+    parallel = send_at_once(
+        [lambda user=user: (user, post(live_gunicorn, user, key, CHARGE)) for user in (alice, bob)]
+        * 10
+    )
+
+    assert [(a.status_code, is_replay(a)) for a in first.values()] == [(201, False)] * 2
+    assert first["alice"].json()["user"] == "alice"
+    assert first["bob"].json()["user"] == "bob"
+    assert first["alice"].json()["id"] != first["bob"].json()["id"]
+    for user, answer in parallel:
+        assert (answer.status_code, is_replay(answer)) == (201, True)
+        assert answer.content == first[user.user.username].content
+    assert counts(live_gunicorn) - before == (2, 2)
+    assert Charge.objects.filter(user=alice.user).count() == 1
+    assert Charge.objects.filter(user=bob.user).count() == 1
+    assert records(key) == 2
+
+
+def test_two_principals_racing_on_one_key_each_execute_once(
+    live_gunicorn_threads: str, alice: Any, bob: Any
+) -> None:
+    key = str(uuid.uuid4())
+    before = counts(live_gunicorn_threads)
+
+    answers = send_at_once(
+        [
+            lambda user=user: (user.user.username, post(live_gunicorn_threads, user, key, CHARGE))
+            for user in (alice, bob)
+        ]
+        * 10
+    )
+
+    for username in ("alice", "bob"):
+        own = [a for name, a in answers if name == username]
+        statuses = Counter((a.status_code, is_replay(a)) for a in own)
+        assert set(statuses) <= {(201, False), (201, True), (409, False)}, statuses
+        assert statuses[(201, False)] == 1, statuses
+        created = [a for a in own if a.status_code == 201]
+        assert len({a.content for a in created}) == 1
+        assert created[0].json()["user"] == username
+    assert counts(live_gunicorn_threads) - before == (2, 2)
+
+
+def test_key_reused_for_a_different_request_is_422_and_runs_nothing(
+    live_gunicorn: str, alice: Any
+) -> None:
+    key = str(uuid.uuid4())
+    first = post(live_gunicorn, alice, key, CHARGE)
+    before = counts(live_gunicorn)
+
+    other_body = post(live_gunicorn, alice, key, {**CHARGE, "amount": 999})
+    other_path = post(live_gunicorn, alice, key, CHARGE, "/api/refunds/")
+    retry = post(live_gunicorn, alice, key, CHARGE)
+
+    assert first.status_code == 201
+    for answer, differing in [(other_body, ["body"]), (other_path, ["path"])]:
+        assert answer.status_code == 422, answer.text
+        assert answer.headers["Content-Type"] == "application/problem+json"
+        problem = answer.json()
+        assert problem["type"].endswith("key-reused")
+        assert problem["differing"] == differing
+        assert "999" not in answer.text
+    assert (retry.status_code, is_replay(retry), retry.content) == (201, True, first.content)
+    assert counts(live_gunicorn) - before == (0, 0)
+    assert Refund.objects.count() == 0
+    assert records(key) == 1
+
+
+def test_key_order_in_the_body_does_not_matter(live_gunicorn: str, alice: Any) -> None:
+    key = str(uuid.uuid4())
+    first = post(live_gunicorn, alice, key, {"amount": 2499, "currency": "inr"})
+    reordered = post(live_gunicorn, alice, key, {"currency": "inr", "amount": 2499})
+
+    assert (reordered.status_code, is_replay(reordered)) == (201, True)
+    assert reordered.content == first.content
+
+
+@pytest.mark.parametrize("fail", ["500", "500r", "after_write"])
+def test_failed_first_attempt_commits_nothing_and_frees_the_key(
+    live_gunicorn: str, alice: Any, fail: str
+) -> None:
+    key = str(uuid.uuid4())
+    failing = {**CHARGE, "fail": fail}
+    before = counts(live_gunicorn)
+
+    failed = [post(live_gunicorn, alice, key, failing) for _ in range(2)]
+    after_failures = counts(live_gunicorn)
+    records_after_failures = records(key)
+    retry = post(live_gunicorn, alice, key, CHARGE)
+    replay = post(live_gunicorn, alice, key, CHARGE)
+
+    # A 5xx is never stored: the same failing request runs (and fails) again.
+    assert [(a.status_code, is_replay(a)) for a in failed] == [(500, False)] * 2
+    assert after_failures - before == (2, 0)
+    assert records_after_failures == 0
+    assert (retry.status_code, is_replay(retry)) == (201, False)
+    assert (replay.status_code, is_replay(replay), replay.content) == (201, True, retry.content)
+    assert counts(live_gunicorn) - before == (3, 1)
+    assert Charge.objects.filter(user=alice.user).count() == 1
+    assert records(key) == 1
+
+
+def test_transient_failure_then_identical_retry_executes_once(
+    live_gunicorn: str, alice: Any
+) -> None:
+    key = str(uuid.uuid4())
+    body = {**CHARGE, "fail_once": str(uuid.uuid4())}
+    before = counts(live_gunicorn)
+
+    failed = post(live_gunicorn, alice, key, body)
+    rows_after_failure = Charge.objects.count()
+    retry = post(live_gunicorn, alice, key, body)
+    replay = post(live_gunicorn, alice, key, body)
+
+    assert failed.status_code == 500
+    assert rows_after_failure == 0
+    assert (retry.status_code, is_replay(retry)) == (201, False)
+    assert (replay.status_code, is_replay(replay), replay.content) == (201, True, retry.content)
+    assert counts(live_gunicorn) - before == (2, 1)
+    assert records(key) == 1
+
+
+def test_worker_killed_after_its_write_leaves_nothing_and_the_retry_executes_once(
+    live_gunicorn: str, alice: Any
+) -> None:
+    key = str(uuid.uuid4())
+    body = {**CHARGE, "crash_once": str(uuid.uuid4())}
+    before = counts(live_gunicorn)
+
+    with pytest.raises(requests.ConnectionError):
+        post(live_gunicorn, alice, key, body)
+    after_crash = counts(live_gunicorn)
+    records_after_crash = records(key)
+    retry = post(live_gunicorn, alice, key, body)
+    replay = post(live_gunicorn, alice, key, body)
+
+    assert after_crash - before == (1, 0)
+    assert records_after_crash == 0
+    assert (retry.status_code, is_replay(retry)) == (201, False), retry.text
+    assert (replay.status_code, is_replay(replay), replay.content) == (201, True, retry.content)
+    assert counts(live_gunicorn) - before == (2, 1)
+    assert Charge.objects.filter(user=alice.user).count() == 1
+    assert records(key) == 1
+
+
+def test_plain_django_view_requires_a_key_and_replays(live_gunicorn: str, alice: Any) -> None:
+    key = str(uuid.uuid4())
+    before = counts(live_gunicorn)
+
+    missing = post(live_gunicorn, alice, None, CHARGE, "/api/charges-django/")
+    anonymous = requests.post(
+        live_gunicorn + "/api/charges-django/",
+        json=CHARGE,
+        headers={"Idempotency-Key": key},
+        timeout=10,
+    )
+    invalid = post(
+        live_gunicorn, alice, key, {"amount": 0, "currency": "inr"}, "/api/charges-django/"
+    )
+
+    assert missing.status_code == 400
+    assert missing.json()["type"].endswith("missing-key")
+    assert anonymous.status_code == 401
+    # The view's own 4xx is stored like any other answer, so it replays too.
+    assert invalid.status_code == 400
+    assert "amount" in invalid.json()
+    again = post(
+        live_gunicorn, alice, key, {"amount": 0, "currency": "inr"}, "/api/charges-django/"
+    )
+    assert (again.status_code, is_replay(again), again.content) == (400, True, invalid.content)
+    assert counts(live_gunicorn) - before == (1, 0)
