@@ -1,0 +1,150 @@
+"""The docs stay true to the code: every setting, check id, per-view option, problem type and
+signal is documented, and the docs name no setting or check id that does not exist."""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import re
+import subprocess
+import sys
+import typing
+from datetime import date
+from pathlib import Path
+
+import pytest
+from django.dispatch import Signal
+
+from django_idempotency import exceptions, partitions, signals
+from django_idempotency.conf import Settings
+from django_idempotency.decorators import idempotent
+from django_idempotency.rest_framework import IdempotencyMixin
+
+ROOT = Path(__file__).resolve().parent.parent
+DOCS = ROOT / "docs"
+CHECKS_MODULE = ROOT / "django_idempotency" / "checks.py"
+CHECK_ID = re.compile(r"django_idempotency\.[EW]\d{3}")
+SETTING_NAME = re.compile(r"\bIDEMPOTENCY_[A-Z0-9_]+")
+
+SETTINGS = sorted(name for name, value in vars(Settings).items() if isinstance(value, property))
+
+
+def page(name: str) -> str:
+    return (DOCS / name).read_text()
+
+
+def all_pages() -> str:
+    sources = [p for p in DOCS.rglob("*") if p.suffix in {".md", ".rst"}]
+    return "\n".join(p.read_text() for p in sources if "_build" not in p.parts)
+
+
+def defined_check_ids() -> set[str]:
+    if not CHECKS_MODULE.exists():
+        return set()
+    return set(CHECK_ID.findall(CHECKS_MODULE.read_text()))
+
+
+def test_settings_are_found_in_conf():
+    # Guards the tests below against a change in how conf.py declares settings.
+    assert "TTL" in SETTINGS and "HEADER" in SETTINGS
+
+
+@pytest.mark.parametrize("name", SETTINGS)
+def test_every_setting_has_a_typed_heading_on_the_settings_page(name):
+    heading = re.compile(rf"^#+ `IDEMPOTENCY_{name}: [^`]+`$", re.MULTILINE)
+    assert heading.search(page("settings.md")), f"settings.md lacks `IDEMPOTENCY_{name}: type`"
+
+
+def test_docs_name_no_setting_that_does_not_exist():
+    mentioned = set(SETTING_NAME.findall(all_pages()))
+    assert mentioned, "no setting found in the docs at all"
+    assert mentioned - {f"IDEMPOTENCY_{name}" for name in SETTINGS} == set()
+
+
+def test_every_check_id_is_documented():
+    ids = defined_check_ids()
+    if not ids:
+        pytest.skip("checks.py defines no check ids yet")
+    assert ids - set(CHECK_ID.findall(page("checks.md"))) == set()
+
+
+def test_docs_name_no_check_id_that_does_not_exist():
+    assert set(CHECK_ID.findall(all_pages())) - defined_check_ids() == set()
+
+
+MIXIN_OPTIONS = sorted(name for name in vars(IdempotencyMixin) if name.startswith("idempotency_"))
+DECORATOR_OPTIONS = sorted(
+    name
+    for overload in typing.get_overloads(idempotent)
+    for name in typing.get_type_hints(overload)
+    if name not in {"view", "return"}
+)
+
+
+def test_per_view_options_are_found():
+    assert "idempotency_ttl" in MIXIN_OPTIONS and "ttl" in DECORATOR_OPTIONS
+
+
+@pytest.mark.parametrize("name", MIXIN_OPTIONS + DECORATOR_OPTIONS)
+def test_every_per_view_option_is_in_the_settings_table(name):
+    assert re.search(rf"^\|.*`{name}`.*\|$", page("settings.md"), re.MULTILINE)
+
+
+def test_settings_table_names_no_option_that_does_not_exist():
+    named = set(re.findall(r"`(idempotency_\w+)`", page("settings.md")))
+    assert named, "the settings page names no per-view attribute"
+    assert named - set(MIXIN_OPTIONS) == set()
+
+
+PROBLEMS = [
+    cls
+    for cls in vars(exceptions).values()
+    if isinstance(cls, type)
+    and issubclass(cls, exceptions.IdempotencyError)
+    and cls is not exceptions.IdempotencyError
+]
+
+
+@pytest.mark.parametrize("problem", PROBLEMS, ids=lambda cls: cls.name)
+def test_every_problem_type_is_documented_with_status_title_and_stripe_code(problem):
+    errors = page("errors.md")
+    section = errors.split(f"\n## {problem.name}\n", 1)
+    assert len(section) == 2, f"errors.md has no section `## {problem.name}`"
+    body = section[1].split("\n## ", 1)[0]
+    assert f'"type": "urn:django-idempotency:{problem.name}"' in body
+    assert f'"title": "{problem.title}"' in body
+    assert f'"status": {problem.status}' in body
+    stripe_row = f"| `{problem.name}` | {problem.stripe_status} | `{problem.stripe_type}` |"
+    assert stripe_row in errors
+    if problem.stripe_code:
+        assert f'"code": "{problem.stripe_code}"' in errors
+
+
+SIGNALS = sorted(name for name, value in vars(signals).items() if isinstance(value, Signal))
+
+
+@pytest.mark.parametrize("name", SIGNALS)
+def test_every_signal_has_a_section(name):
+    assert f"\n### `{name}`\n" in page("signals.md")
+
+
+def test_partition_ddl_shown_is_what_the_code_runs():
+    shown = page("partitions.md")
+    for statement in partitions.create_partition_statements(date(2026, 11, 22)):
+        assert f"{statement};" in shown
+    migration = importlib.import_module("django_idempotency.migrations.0001_initial")
+    assert migration.SCOPE_KEY_INDEX in shown
+
+
+def test_docs_build_without_warnings(tmp_path):
+    if importlib.util.find_spec("sphinx") is None:
+        pytest.skip("Sphinx is not installed (the `docs` dependency group)")
+    build = subprocess.run(
+        [sys.executable, "-m", "sphinx", "-W", "--keep-going", "-E", "-q", "-b", "html",
+         str(DOCS), str(tmp_path)],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert build.returncode == 0, build.stderr
+    assert (tmp_path / "settings.html").exists()
