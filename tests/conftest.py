@@ -262,13 +262,11 @@ _usernames = itertools.count(1)
 @pytest.fixture
 def make_token_user(db: None) -> Callable[..., TokenUser]:
     """``make_token_user(username=None, **fields)``: a new user and their DRF token."""
-    from django.contrib.auth import get_user_model
+    from django.contrib.auth.models import User
     from rest_framework.authtoken.models import Token
 
     def make(username: str | None = None, **fields: Any) -> TokenUser:
-        user = get_user_model().objects.create_user(
-            username=username or f"user{next(_usernames)}", **fields
-        )
+        user = User.objects.create_user(username=username or f"user{next(_usernames)}", **fields)
         return TokenUser(user, Token.objects.create(user=user).key)
 
     return make

@@ -6,6 +6,7 @@ from datetime import UTC, datetime, timedelta
 
 import pytest
 import requests
+from django.contrib.auth.models import User
 from django.db import connection
 
 from tests.conftest import ROOT
@@ -71,9 +72,7 @@ def test_child_processes_use_the_same_server_and_the_test_database(
 def test_live_gunicorn_serves_what_the_test_committed(
     live_gunicorn: str,
 ) -> None:
-    from django.contrib.auth import get_user_model
-
-    get_user_model().objects.create_user("admin", password="pw", is_staff=True, is_superuser=True)
+    User.objects.create_user("admin", password="pw", is_staff=True, is_superuser=True)
     session = requests.Session()
     session.get(f"{live_gunicorn}/admin/login/", timeout=10)
     response = session.post(
