@@ -1,0 +1,666 @@
+"""The engine's contract (sections 1, 3, 5, 7, 8 and the 503), through both glues."""
+
+from __future__ import annotations
+
+import json
+from datetime import timedelta
+from typing import Any
+
+import pytest
+from django.core.exceptions import ImproperlyConfigured
+from django.db import connection
+from django.test import Client, RequestFactory
+
+from django_idempotency.engine import prefer_wait
+from django_idempotency.models import IdempotencyRecord
+from tests.claims import held_claim, unreachable_store
+from tests.client import problem, send
+from tests.factories import ScriptFactory, UserFactory, new_key
+from tests.views import CALLS, Boom, business_rows
+
+pytestmark = pytest.mark.urls("tests.urls")
+
+ENDPOINTS = pytest.mark.parametrize("path", ["/drf/", "/plain/"])
+
+
+def replayed(response: Any) -> bool:
+    return response.get("Idempotent-Replayed") == "true"
+
+
+@pytest.fixture(params=[False, True], ids=["autocommit", "atomic_requests"])
+def atomic_requests(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> bool:
+    """Run the test with and without ATOMIC_REQUESTS on the default database."""
+    monkeypatch.setitem(connection.settings_dict, "ATOMIC_REQUESTS", request.param)
+    return bool(request.param)
+
+
+# 1. Which requests are covered
+
+
+@pytest.mark.django_db
+@ENDPOINTS
+@pytest.mark.parametrize("method", ["POST", "PATCH"])
+def test_post_and_patch_are_covered_by_default(client, path: str, method: str) -> None:
+    key, script = new_key(), ScriptFactory()
+    first = send(client, method, path, script, key=key)
+    retry = send(client, method, path, script, key=key)
+    assert not replayed(first)
+    assert replayed(retry)
+    assert retry.content == first.content
+    assert CALLS[script["tag"]] == 1
+    assert IdempotencyRecord.objects.filter(key=key, method=method).count() == 1
+
+
+@pytest.mark.django_db
+@ENDPOINTS
+@pytest.mark.parametrize("method", ["GET", "PUT", "DELETE"])
+def test_other_methods_pass_through_untouched(client, path: str, method: str) -> None:
+    key, tag = new_key(), new_key()
+    first = send(client, method, f"{path}?tag={tag}", key=key)
+    second = send(client, method, f"{path}?tag={tag}", key=key)
+    assert not replayed(first)
+    assert not replayed(second)
+    assert first.json()["nonce"] != second.json()["nonce"]
+    assert CALLS[tag] == 2
+    assert not IdempotencyRecord.objects.exists()
+
+
+@pytest.mark.django_db
+@pytest.mark.parametrize("path", ["/drf/put-only/", "/plain/put-only/"])
+def test_per_view_methods_replace_the_default(client, path: str) -> None:
+    put_key, post_key, script = new_key(), new_key(), ScriptFactory()
+    send(client, "PUT", path, script, key=put_key)
+    assert replayed(send(client, "PUT", path, script, key=put_key))
+    send(client, "POST", path, script, key=post_key)
+    assert not replayed(send(client, "POST", path, script, key=post_key))
+    assert CALLS[script["tag"]] == 3
+    assert list(IdempotencyRecord.objects.values_list("method", flat=True)) == ["PUT"]
+
+
+@pytest.mark.django_db
+@ENDPOINTS
+def test_global_methods_setting_replaces_the_default(client, settings, path: str) -> None:
+    settings.IDEMPOTENCY_METHODS = ["put"]
+    key, script = new_key(), ScriptFactory()
+    send(client, "PUT", path, script, key=key)
+    assert replayed(send(client, "PUT", path, script, key=key))
+    send(client, "POST", path, script, key=new_key())
+    assert CALLS[script["tag"]] == 2
+    assert IdempotencyRecord.objects.get().method == "PUT"
+
+
+@pytest.mark.django_db
+@ENDPOINTS
+def test_request_without_a_key_runs_unprotected_and_writes_no_record(client, path: str) -> None:
+    script = ScriptFactory()
+    first = send(client, "POST", path, script)
+    second = send(client, "POST", path, script)
+    assert (first.status_code, second.status_code) == (201, 201)
+    assert not replayed(second)
+    assert CALLS[script["tag"]] == 2
+    assert not IdempotencyRecord.objects.exists()
+
+
+@pytest.mark.django_db
+@pytest.mark.parametrize("path", ["/drf/required/", "/plain/required/"])
+def test_required_key_missing_is_400_missing_key_and_the_view_does_not_run(
+    client, path: str
+) -> None:
+    script = ScriptFactory()
+    response = send(client, "POST", path, script)
+    assert response.status_code == 400
+    assert problem(response)["type"].endswith("missing-key")
+    assert CALLS[script["tag"]] == 0
+
+
+@pytest.mark.django_db
+@ENDPOINTS
+def test_global_required_setting_makes_every_covered_view_require_a_key(
+    client, settings, path: str
+) -> None:
+    settings.IDEMPOTENCY_REQUIRED = True
+    script = ScriptFactory()
+    response = send(client, "POST", path, script)
+    assert problem(response)["type"].endswith("missing-key")
+    # Methods that are not covered still need no key.
+    assert send(client, "GET", f"{path}?tag={script['tag']}").status_code == 201
+    assert CALLS[script["tag"]] == 1
+
+
+@pytest.mark.django_db
+@pytest.mark.parametrize("path", ["/drf/required/", "/plain/required/"])
+def test_key_in_the_query_string_or_body_is_never_read(client, path: str) -> None:
+    key = new_key()
+    script = ScriptFactory(**{"Idempotency-Key": key, "idempotency_key": key})
+    query = f"{path}?Idempotency-Key={key}&idempotency_key={key}"
+    response = send(client, "POST", query, script)
+    assert response.status_code == 400
+    assert problem(response)["type"].endswith("missing-key")
+    assert CALLS[script["tag"]] == 0
+
+
+@pytest.mark.django_db
+@ENDPOINTS
+def test_key_in_the_query_string_or_body_does_not_protect(client, path: str) -> None:
+    key = new_key()
+    script = ScriptFactory(**{"Idempotency-Key": key})
+    send(client, "POST", f"{path}?Idempotency-Key={key}", script)
+    second = send(client, "POST", f"{path}?Idempotency-Key={key}", script)
+    assert not replayed(second)
+    assert CALLS[script["tag"]] == 2
+    assert not IdempotencyRecord.objects.exists()
+
+
+@pytest.mark.django_db
+@ENDPOINTS
+def test_header_name_is_configurable(client, settings, path: str) -> None:
+    settings.IDEMPOTENCY_HEADER = "X-Request-Key"
+    key, script = new_key(), ScriptFactory()
+    send(client, "POST", path, script, headers={"X-Request-Key": key})
+    retry = send(client, "POST", path, script, headers={"X-Request-Key": key})
+    assert replayed(retry)
+    # The default header name is now just another header.
+    send(client, "POST", path, script, key=new_key())
+    assert CALLS[script["tag"]] == 2
+
+
+# 3. Scope
+
+
+@pytest.mark.django_db
+@ENDPOINTS
+def test_two_users_with_the_same_key_each_execute_and_see_only_their_own(path: str) -> None:
+    alice, bob = UserFactory(), UserFactory()
+    alice_client, bob_client = Client(), Client()
+    alice_client.force_login(alice)
+    bob_client.force_login(bob)
+    key, script = new_key(), ScriptFactory()
+
+    alice_first = send(alice_client, "POST", path, script, key=key)
+    bob_first = send(bob_client, "POST", path, script, key=key)
+    alice_retry = send(alice_client, "POST", path, script, key=key)
+    bob_retry = send(bob_client, "POST", path, script, key=key)
+
+    assert not replayed(bob_first)
+    assert bob_first.json()["nonce"] != alice_first.json()["nonce"]
+    assert alice_retry.content == alice_first.content
+    assert bob_retry.content == bob_first.content
+    assert CALLS[script["tag"]] == 2
+    assert set(IdempotencyRecord.objects.values_list("scope", flat=True)) == {
+        f"user:{alice.pk}",
+        f"user:{bob.pk}",
+    }
+
+
+@pytest.mark.django_db
+@ENDPOINTS
+def test_a_key_in_flight_for_one_user_never_blocks_another(path: str) -> None:
+    alice, bob = UserFactory(), UserFactory()
+    alice_client, bob_client = Client(), Client()
+    alice_client.force_login(alice)
+    bob_client.force_login(bob)
+    key, script = new_key(), ScriptFactory()
+    no_wait = {"Prefer": "wait=0"}
+    with held_claim(f"user:{alice.pk}", key):
+        bob_response = send(bob_client, "POST", path, script, key=key, headers=no_wait)
+        alice_response = send(alice_client, "POST", path, script, key=key, headers=no_wait)
+    assert bob_response.status_code == 201
+    assert alice_response.status_code == 409
+    assert CALLS[script["tag"]] == 1
+
+
+@pytest.mark.django_db
+@ENDPOINTS
+def test_anonymous_requests_share_one_principal(path: str) -> None:
+    key, script = new_key(), ScriptFactory()
+    first = send(Client(), "POST", path, script, key=key)
+    other = send(Client(), "POST", path, script, key=key)
+    assert replayed(other)
+    assert other.content == first.content
+    assert IdempotencyRecord.objects.get(key=key).scope == "anonymous"
+
+
+def assert_tenants_are_separate(client: Client, path: str) -> None:
+    key, script = new_key(), ScriptFactory()
+    acme = send(client, "POST", path, script, key=key, headers={"X-Tenant": "acme"})
+    globex = send(client, "POST", path, script, key=key, headers={"X-Tenant": "globex"})
+    acme_retry = send(client, "POST", path, script, key=key, headers={"X-Tenant": "acme"})
+    assert not replayed(globex)
+    assert globex.json()["nonce"] != acme.json()["nonce"]
+    assert acme_retry.content == acme.content
+    assert CALLS[script["tag"]] == 2
+    assert set(IdempotencyRecord.objects.values_list("scope", flat=True)) == {
+        "tenant:acme",
+        "tenant:globex",
+    }
+
+
+@pytest.mark.django_db
+@pytest.mark.parametrize("path", ["/drf/tenant/", "/plain/tenant/"])
+def test_per_view_principal_callable_scopes_the_keys(client, path: str) -> None:
+    assert_tenants_are_separate(client, path)
+
+
+@pytest.mark.django_db
+@ENDPOINTS
+def test_global_principal_setting_by_dotted_path_scopes_the_keys(
+    client, settings, path: str
+) -> None:
+    settings.IDEMPOTENCY_PRINCIPAL = "tests.views.tenant_principal"
+    assert_tenants_are_separate(client, path)
+
+
+@pytest.mark.django_db
+def test_principal_callable_sees_the_drf_authenticated_user(settings, make_token_user) -> None:
+    # Token authentication happens in DRF, not in Django's middleware.
+    settings.IDEMPOTENCY_PRINCIPAL = lambda request: f"token-user:{request.user.username}"
+    alice = make_token_user(username="alice-core")
+    key, script = new_key(), ScriptFactory()
+    send(alice.client(), "POST", "/drf/", script, key=key)
+    assert IdempotencyRecord.objects.get(key=key).scope == "token-user:alice-core"
+
+
+# 5. One transaction
+
+
+@pytest.mark.django_db(transaction=True)
+@ENDPOINTS
+def test_view_raising_after_its_write_commits_nothing_and_the_retry_executes(
+    client, path: str, atomic_requests: bool
+) -> None:
+    key, script = new_key(), ScriptFactory(fail="raise", once=True)
+    with pytest.raises(Boom):
+        send(client, "POST", path, script, key=key)
+    assert business_rows(script["tag"]) == 0
+    assert not IdempotencyRecord.objects.exists()
+
+    retry = send(client, "POST", path, script, key=key)
+    assert retry.status_code == 201
+    assert not replayed(retry)
+    assert retry.json()["execution"] == 2
+    assert business_rows(script["tag"]) == 1
+    assert IdempotencyRecord.objects.filter(key=key).count() == 1
+
+
+@pytest.mark.django_db(transaction=True)
+@ENDPOINTS
+def test_view_returning_a_5xx_commits_nothing_and_the_retry_executes(
+    client, path: str, atomic_requests: bool
+) -> None:
+    key, script = new_key(), ScriptFactory(fail="status", fail_status=503, once=True)
+    first = send(client, "POST", path, script, key=key)
+    assert first.status_code == 503
+    assert business_rows(script["tag"]) == 0
+    assert not IdempotencyRecord.objects.exists()
+
+    retry = send(client, "POST", path, script, key=key)
+    assert retry.status_code == 201
+    assert not replayed(retry)
+    assert business_rows(script["tag"]) == 1
+
+
+@pytest.mark.django_db(transaction=True)
+@ENDPOINTS
+def test_success_commits_the_business_write_and_the_record_together(
+    client, path: str, atomic_requests: bool
+) -> None:
+    key, script = new_key(), ScriptFactory()
+    response = send(client, "POST", path, script, key=key)
+    record = IdempotencyRecord.objects.get(key=key)
+    assert business_rows(script["tag"]) == 1
+    assert record.status == IdempotencyRecord.Status.COMPLETED
+    assert record.response_code == 201
+    assert bytes(record.response_body) == response.content
+
+
+@pytest.mark.django_db(transaction=True)
+@ENDPOINTS
+@pytest.mark.parametrize(("reject", "status"), [("invalid", 400), ("notfound", 404)])
+def test_4xx_outcome_is_stored_and_replayed(
+    client, path: str, reject: str, status: int, atomic_requests: bool
+) -> None:
+    key, script = new_key(), ScriptFactory(reject=reject)
+    first = send(client, "POST", path, script, key=key)
+    retry = send(client, "POST", path, script, key=key)
+    assert first.status_code == status
+    assert retry.status_code == status
+    assert replayed(retry)
+    assert retry.content == first.content
+    assert CALLS[script["tag"]] == 1
+
+
+@pytest.mark.django_db
+@ENDPOINTS
+@pytest.mark.parametrize("status", [200, 202, 303, 400, 403, 410, 422])
+def test_2xx_3xx_and_4xx_statuses_are_stored(client, path: str, status: int) -> None:
+    key, script = new_key(), ScriptFactory(status=status)
+    first = send(client, "POST", path, script, key=key)
+    retry = send(client, "POST", path, script, key=key)
+    assert first.status_code == status
+    assert retry.status_code == status
+    assert replayed(retry)
+    assert retry.content == first.content
+    assert CALLS[script["tag"]] == 1
+
+
+@pytest.mark.django_db(transaction=True)
+@ENDPOINTS
+@pytest.mark.parametrize("status", [408, 409, 425, 429])
+def test_unstored_status_leaves_no_record_and_the_retry_executes(
+    client, path: str, status: int
+) -> None:
+    key, script = new_key(), ScriptFactory(status=status)
+    first = send(client, "POST", path, script, key=key)
+    retry = send(client, "POST", path, script, key=key)
+    assert first.status_code == status
+    assert not replayed(retry)
+    assert CALLS[script["tag"]] == 2
+    assert not IdempotencyRecord.objects.exists()
+    # The engine releases the claim and commits the view's own writes (see the report).
+    assert business_rows(script["tag"]) == 2
+
+
+@pytest.mark.django_db
+@ENDPOINTS
+def test_unstored_statuses_setting_replaces_the_default(client, settings, path: str) -> None:
+    settings.IDEMPOTENCY_UNSTORED_STATUSES = [404]
+    not_found, conflict = ScriptFactory(status=404), ScriptFactory(status=409)
+    key_404, key_409 = new_key(), new_key()
+    send(client, "POST", path, not_found, key=key_404)
+    assert not replayed(send(client, "POST", path, not_found, key=key_404))
+    send(client, "POST", path, conflict, key=key_409)
+    retry_409 = send(client, "POST", path, conflict, key=key_409)
+    assert retry_409.status_code == 409
+    assert replayed(retry_409)
+    assert (CALLS[not_found["tag"]], CALLS[conflict["tag"]]) == (2, 1)
+
+
+# 7. What is stored and replayed
+
+
+REPLAYED_HEADERS = {
+    "Location": "/charges/ch_1",
+    "Content-Language": "de",
+    "ETag": '"v1"',
+    "Link": '</charges/ch_1>; rel="self"',
+    "X-Request-Cost": "3",
+}
+
+
+@pytest.mark.django_db
+@ENDPOINTS
+def test_replay_returns_the_first_status_body_and_allow_listed_headers(
+    client, settings, path: str
+) -> None:
+    settings.IDEMPOTENCY_REPLAY_HEADERS = ["X-Request-Cost"]
+    key = new_key()
+    script = ScriptFactory(status=202, headers={**REPLAYED_HEADERS, "X-Not-Listed": "1"})
+    first = send(client, "POST", path, script, key=key)
+    retry = send(client, "POST", path, script, key=key)
+    assert retry.status_code == 202
+    assert retry.content == first.content
+    assert retry["Content-Type"] == first["Content-Type"]
+    for name, value in REPLAYED_HEADERS.items():
+        assert retry[name] == value
+    assert first["X-Not-Listed"] == "1"
+    assert "X-Not-Listed" not in retry
+    assert retry["Idempotent-Replayed"] == "true"
+    assert "Idempotent-Replayed" not in first
+
+
+@pytest.mark.django_db
+@ENDPOINTS
+def test_cookies_and_authentication_headers_are_never_stored_even_if_configured(
+    client, settings, path: str
+) -> None:
+    secrets = {
+        "Set-Cookie": "raw=secret",
+        "WWW-Authenticate": 'Bearer realm="secret"',
+        "Authorization": "Bearer secret",
+        "Proxy-Authenticate": "Basic secret",
+    }
+    settings.IDEMPOTENCY_REPLAY_HEADERS = [*secrets, "Cookie"]
+    key, script = new_key(), ScriptFactory(headers=secrets, cookie="secret-session")
+    first = send(client, "POST", path, script, key=key)
+    retry = send(client, "POST", path, script, key=key)
+    assert first.cookies["sid"].value == "secret-session"
+    assert replayed(retry)
+    assert "sid" not in retry.cookies
+    for name in secrets:
+        assert name not in retry
+    record = IdempotencyRecord.objects.get(key=key)
+    assert "secret" not in json.dumps(record.response_headers)
+
+
+@pytest.mark.django_db
+@ENDPOINTS
+def test_a_hundred_sequential_retries_execute_once_and_replay_byte_identical(
+    client, path: str
+) -> None:
+    key, script = new_key(), ScriptFactory()
+    first = send(client, "POST", path, script, key=key)
+    retries = [send(client, "POST", path, script, key=key) for _ in range(100)]
+    assert {(r.status_code, r.content, replayed(r)) for r in retries} == {
+        (201, first.content, True)
+    }
+    assert CALLS[script["tag"]] == 1
+    assert business_rows(script["tag"]) == 1
+
+
+@pytest.mark.django_db
+@ENDPOINTS
+def test_large_body_is_stored_compressed_and_replayed_byte_identical(client, path: str) -> None:
+    key, script = new_key(), ScriptFactory(pad=300_000)
+    first = send(client, "POST", path, script, key=key)
+    retry = send(client, "POST", path, script, key=key)
+    assert len(first.content) > 300_000
+    assert retry.content == first.content
+    record = IdempotencyRecord.objects.get(key=key)
+    assert record.body_encoding == "zlib"
+    assert len(record.response_body) < len(first.content) // 10
+
+
+@pytest.mark.django_db
+@ENDPOINTS
+def test_incompressible_body_is_stored_as_it_is(client, path: str) -> None:
+    key, script = new_key(), ScriptFactory(random_bytes=50_000)
+    first = send(client, "POST", path, script, key=key)
+    retry = send(client, "POST", path, script, key=key)
+    assert retry.content == first.content
+    assert retry["Content-Type"] == "application/octet-stream"
+    record = IdempotencyRecord.objects.get(key=key)
+    assert record.body_encoding == ""
+    assert bytes(record.response_body) == first.content
+
+
+@pytest.mark.django_db
+@pytest.mark.parametrize(("threshold", "encoding"), [(None, ""), (64, "zlib")])
+def test_compression_starts_at_compress_min_bytes(
+    client, settings, threshold: int | None, encoding: str
+) -> None:
+    if threshold is not None:
+        settings.IDEMPOTENCY_COMPRESS_MIN_BYTES = threshold
+    key, script = new_key(), ScriptFactory(pad=1024)
+    first = send(client, "POST", "/drf/", script, key=key)
+    assert IdempotencyRecord.objects.get(key=key).body_encoding == encoding
+    assert send(client, "POST", "/drf/", script, key=key).content == first.content
+
+
+@pytest.mark.django_db(transaction=True)
+@ENDPOINTS
+def test_streaming_response_fails_loudly_and_commits_nothing(client, path: str) -> None:
+    key, script = new_key(), ScriptFactory(stream=True)
+    with pytest.raises(ImproperlyConfigured, match="streaming"):
+        send(client, "POST", path, script, key=key)
+    assert business_rows(script["tag"]) == 0
+    assert not IdempotencyRecord.objects.exists()
+
+
+@pytest.mark.django_db(transaction=True)
+@ENDPOINTS
+def test_response_over_max_response_bytes_fails_loudly_and_commits_nothing(
+    client, settings, path: str
+) -> None:
+    settings.IDEMPOTENCY_MAX_RESPONSE_BYTES = 1000
+    key, script = new_key(), ScriptFactory(pad=2000)
+    with pytest.raises(ImproperlyConfigured, match="MAX_RESPONSE_BYTES"):
+        send(client, "POST", path, script, key=key)
+    assert business_rows(script["tag"]) == 0
+    assert not IdempotencyRecord.objects.exists()
+
+
+# 8. Retention
+
+
+def expire(key: str, by: timedelta) -> None:
+    """Move a record's expiry ``by`` before its creation (the claim compares both with
+    the transaction's clock, which stands still inside a ``db`` test)."""
+    record = IdempotencyRecord.objects.get(key=key)
+    record.expires_at = record.created_at - by
+    record.save(update_fields=["expires_at"])
+
+
+@pytest.mark.django_db
+@ENDPOINTS
+def test_record_is_replayable_for_24_hours_by_default(client, path: str) -> None:
+    key = new_key()
+    send(client, "POST", path, ScriptFactory(), key=key)
+    record = IdempotencyRecord.objects.get(key=key)
+    assert record.expires_at - record.created_at == timedelta(hours=24)
+
+
+@pytest.mark.django_db
+@ENDPOINTS
+def test_after_the_ttl_the_key_is_new(client, path: str) -> None:
+    key, script = new_key(), ScriptFactory()
+    first = send(client, "POST", path, script, key=key)
+    expire(key, timedelta(seconds=1))
+    again = send(client, "POST", path, script, key=key)
+    assert again.status_code == 201
+    assert not replayed(again)
+    assert again.json()["nonce"] != first.json()["nonce"]
+    # ...and the new execution is what later retries get.
+    assert send(client, "POST", path, script, key=key).content == again.content
+    assert CALLS[script["tag"]] == 2
+
+
+@pytest.mark.django_db
+@ENDPOINTS
+def test_after_the_ttl_even_a_different_request_may_use_the_key(client, path: str) -> None:
+    key = new_key()
+    send(client, "POST", path, ScriptFactory(), key=key)
+    expire(key, timedelta(seconds=1))
+    assert send(client, "POST", path, ScriptFactory(), key=key).status_code == 201
+
+
+@pytest.mark.django_db
+@ENDPOINTS
+def test_late_retry_in_the_expired_window_is_410_then_the_key_is_new(
+    client, settings, path: str
+) -> None:
+    settings.IDEMPOTENCY_EXPIRED_WINDOW = timedelta(hours=1)
+    key, script = new_key(), ScriptFactory()
+    send(client, "POST", path, script, key=key)
+    expire(key, timedelta(minutes=1))
+    gone = send(client, "POST", path, script, key=key)
+    assert gone.status_code == 410
+    assert problem(gone)["type"].endswith("key-expired")
+    assert CALLS[script["tag"]] == 1
+
+    expire(key, timedelta(hours=2))
+    again = send(client, "POST", path, script, key=key)
+    assert again.status_code == 201
+    assert not replayed(again)
+    assert CALLS[script["tag"]] == 2
+
+
+@pytest.mark.django_db
+def test_global_ttl_setting_sets_the_expiry(client, settings) -> None:
+    settings.IDEMPOTENCY_TTL = timedelta(hours=2)
+    key = new_key()
+    send(client, "POST", "/drf/", ScriptFactory(), key=key)
+    record = IdempotencyRecord.objects.get(key=key)
+    assert record.expires_at - record.created_at == timedelta(hours=2)
+
+
+@pytest.mark.django_db
+@pytest.mark.parametrize(
+    ("path", "max_ttl", "expected"),
+    [
+        ("/drf/ttl-short/", None, timedelta(hours=1)),
+        ("/drf/ttl-long/", None, timedelta(hours=24)),
+        ("/drf/ttl-long/", timedelta(hours=48), timedelta(hours=48)),
+    ],
+)
+def test_per_view_ttl_is_bounded_by_max_ttl(
+    client, settings, path: str, max_ttl: timedelta | None, expected: timedelta
+) -> None:
+    if max_ttl is not None:
+        settings.IDEMPOTENCY_MAX_TTL = max_ttl
+    key = new_key()
+    send(client, "POST", path, ScriptFactory(), key=key)
+    record = IdempotencyRecord.objects.get(key=key)
+    assert record.expires_at - record.created_at == expected
+
+
+@pytest.mark.django_db
+def test_global_ttl_is_bounded_by_max_ttl(client, settings) -> None:
+    settings.IDEMPOTENCY_TTL = timedelta(days=7)
+    key = new_key()
+    send(client, "POST", "/drf/", ScriptFactory(), key=key)
+    record = IdempotencyRecord.objects.get(key=key)
+    assert record.expires_at - record.created_at == timedelta(hours=24)
+
+
+# 9. The store is unreachable: fail closed
+
+
+@pytest.mark.django_db
+@ENDPOINTS
+def test_unreachable_store_is_503_with_retry_after_and_the_view_does_not_run(
+    client, settings, path: str
+) -> None:
+    script = ScriptFactory()
+    with unreachable_store(settings):
+        response = send(client, "POST", path, script, key=new_key())
+    assert response.status_code == 503
+    assert problem(response)["type"].endswith("store-unavailable")
+    assert int(response["Retry-After"]) >= 1
+    assert CALLS[script["tag"]] == 0
+    assert business_rows(script["tag"]) == 0
+
+
+@pytest.mark.django_db
+@ENDPOINTS
+def test_unreachable_store_does_not_affect_requests_without_a_key(
+    client, settings, path: str
+) -> None:
+    script = ScriptFactory()
+    with unreachable_store(settings):
+        response = send(client, "POST", path, script)
+    assert response.status_code == 201
+    assert CALLS[script["tag"]] == 1
+
+
+# Prefer: wait (RFC 7240) parsing; the waiting itself is in test_concurrency.
+
+
+@pytest.mark.parametrize(
+    ("header", "expected"),
+    [
+        ("wait=5", 5),
+        ("respond-async, wait=0", 0),
+        ('wait="7"', 7),
+        ("handling=lenient; foo=bar, WAIT=3", 3),
+        ("wait=-1", None),
+        ("wait=soon", None),
+        ("wait", None),
+        ("return=minimal", None),
+        ("", None),
+    ],
+)
+def test_prefer_wait_is_parsed_and_ill_formed_preferences_are_ignored(
+    header: str, expected: int | None
+) -> None:
+    request = RequestFactory().post("/", headers={"Prefer": header} if header else {})
+    assert prefer_wait(request) == expected
