@@ -1,0 +1,204 @@
+"""The DRF glue: access control before replay, content negotiation, viewsets, composition."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+from rest_framework.permissions import AllowAny
+from rest_framework.response import Response
+from rest_framework.test import APIClient, APIRequestFactory
+from rest_framework.views import APIView
+
+from django_idempotency.models import IdempotencyRecord
+from django_idempotency.rest_framework import IdempotencyMixin
+from tests.client import problem, send
+from tests.factories import ScriptFactory, TokenFactory, new_key
+from tests.views import CALLS, TRACE, tenant_principal
+
+pytestmark = [pytest.mark.urls("tests.urls"), pytest.mark.django_db]
+
+
+def token_client(token: Any) -> APIClient:
+    client = APIClient()
+    client.credentials(HTTP_AUTHORIZATION=f"Token {token.key}")
+    return client
+
+
+def replayed(response: Any) -> bool:
+    return response.get("Idempotent-Replayed") == "true"
+
+
+def test_authentication_permissions_and_throttles_run_before_a_replay() -> None:
+    token, key, script = TokenFactory(), new_key(), ScriptFactory()
+    first = send(token_client(token), "POST", "/drf/guarded/", script, key=key)
+    assert first.status_code == 201
+
+    anonymous = send(APIClient(), "POST", "/drf/guarded/", script, key=key)
+    forbidden = send(
+        token_client(token), "POST", "/drf/guarded/", script, key=key, headers={"X-Deny": "yes"}
+    )
+    throttled = send(
+        token_client(token), "POST", "/drf/guarded/", script, key=key,
+        headers={"X-Throttle": "deny"},
+    )  # fmt: skip
+    assert anonymous.status_code == 401
+    assert forbidden.status_code == 403
+    assert throttled.status_code == 429
+    for refused in (anonymous, forbidden, throttled):
+        assert not replayed(refused)
+        assert refused.content != first.content
+
+    retry = send(token_client(token), "POST", "/drf/guarded/", script, key=key)
+    assert replayed(retry)
+    assert retry.content == first.content
+    assert CALLS[script["tag"]] == 1
+
+
+def test_a_refused_request_does_not_use_up_its_key() -> None:
+    token, key, script = TokenFactory(), new_key(), ScriptFactory()
+    assert send(APIClient(), "POST", "/drf/guarded/", script, key=key).status_code == 401
+    throttled = send(
+        token_client(token), "POST", "/drf/guarded/", script, key=key,
+        headers={"X-Throttle": "deny"},
+    )  # fmt: skip
+    assert throttled.status_code == 429
+    assert not IdempotencyRecord.objects.exists()
+    accepted = send(token_client(token), "POST", "/drf/guarded/", script, key=key)
+    assert accepted.status_code == 201
+    assert not replayed(accepted)
+
+
+def test_principal_is_the_user_drf_authenticated_by_token() -> None:
+    token, key = TokenFactory(), new_key()
+    send(token_client(token), "POST", "/drf/guarded/", ScriptFactory(), key=key)
+    assert IdempotencyRecord.objects.get(key=key).scope == f"user:{token.user.pk}"
+
+
+@pytest.mark.parametrize(
+    ("path", "key", "expected"),
+    [
+        ("/drf/required/", None, "missing-key"),
+        ("/drf/", "bad key", "invalid-key"),
+    ],
+)
+def test_client_accepting_only_problem_json_is_served_not_406(
+    client, path: str, key: str | None, expected: str
+) -> None:
+    response = send(
+        client, "POST", path, ScriptFactory(), key=key,
+        headers={"Accept": "application/problem+json"},
+    )  # fmt: skip
+    assert response.status_code == 400
+    assert problem(response)["type"].endswith(expected)
+
+
+def test_key_reused_is_served_to_a_client_accepting_only_problem_json(client) -> None:
+    key, script = new_key(), ScriptFactory()
+    accept = {"Accept": "application/problem+json"}
+    send(client, "POST", "/drf/", script, key=key, headers=accept)
+    response = send(client, "POST", "/drf/", {**script, "x": 1}, key=key, headers=accept)
+    assert response.status_code == 422
+    assert problem(response)["differing"] == ["body"]
+
+
+def test_views_own_responses_still_negotiate_json(client) -> None:
+    response = send(client, "POST", "/drf/", ScriptFactory(), key=new_key())
+    assert response["Content-Type"] == "application/json"
+
+
+def test_viewset_create_partial_update_and_custom_post_action_are_covered(client) -> None:
+    create_key, name = new_key(), f"g-{new_key()}"
+    created = send(client, "POST", "/drf/groups/", {"name": name}, key=create_key)
+    assert created.status_code == 201
+    assert replayed(send(client, "POST", "/drf/groups/", {"name": name}, key=create_key))
+    pk = created.json()["id"]
+
+    patch_key, patched_name = new_key(), f"p-{new_key()}"
+    patched = send(client, "PATCH", f"/drf/groups/{pk}/", {"name": patched_name}, key=patch_key)
+    assert patched.status_code == 200
+    retry = send(client, "PATCH", f"/drf/groups/{pk}/", {"name": patched_name}, key=patch_key)
+    assert replayed(retry)
+
+    action_key, renamed = new_key(), f"r-{new_key()}"
+    first = send(client, "POST", f"/drf/groups/{pk}/rename/", {"name": renamed}, key=action_key)
+    again = send(client, "POST", f"/drf/groups/{pk}/rename/", {"name": renamed}, key=action_key)
+    assert replayed(again)
+    assert again.content == first.content
+
+    for name_ in (name, patched_name, renamed):
+        assert CALLS[f"viewset:{name_}"] == 1
+
+
+def test_viewset_put_is_not_covered_by_default(client) -> None:
+    pk = send(client, "POST", "/drf/groups/", {"name": f"g-{new_key()}"}).json()["id"]
+    key, name = new_key(), f"u-{new_key()}"
+    send(client, "PUT", f"/drf/groups/{pk}/", {"name": name}, key=key)
+    assert not replayed(send(client, "PUT", f"/drf/groups/{pk}/", {"name": name}, key=key))
+    assert CALLS[f"viewset:{name}"] == 2
+
+
+def test_mixin_composes_with_other_mixins_overriding_the_same_hooks(client) -> None:
+    key, script = new_key(), ScriptFactory()
+    TRACE.clear()
+    send(client, "POST", "/drf/traced/", script, key=key)
+    assert TRACE == ["dispatch", "initial", "post", "finalize_response"]
+    TRACE.clear()
+    retry = send(client, "POST", "/drf/traced/", script, key=key)
+    # The replay skips the handler, not the other mixin's hooks.
+    assert replayed(retry)
+    assert TRACE == ["dispatch", "initial", "finalize_response"]
+
+
+class ClassLevelPrincipal(IdempotencyMixin, APIView):
+    # A plain function as a class attribute comes back bound; the mixin must unwrap it.
+    idempotency_principal = tenant_principal
+    permission_classes = [AllowAny]
+
+    def post(self, request: Any) -> Response:
+        return Response({"execution": CALLS.hit("class-level-principal")}, status=201)
+
+
+def test_principal_function_set_as_a_class_attribute_is_called_with_the_request() -> None:
+    view = ClassLevelPrincipal.as_view()
+    key = new_key()
+    request = APIRequestFactory().post(
+        "/class-level/", {}, format="json", headers={"Idempotency-Key": key, "X-Tenant": "acme"}
+    )
+    assert view(request).status_code == 201
+    assert IdempotencyRecord.objects.get(key=key).scope == "tenant:acme"
+
+
+def test_overrides_default_to_none_so_settings_are_read_per_request(settings, client) -> None:
+    for name in (
+        "idempotency_methods", "idempotency_required", "idempotency_ttl", "idempotency_wait",
+        "idempotency_exclude_fields", "idempotency_fingerprint_headers", "idempotency_principal",
+    ):  # fmt: skip
+        assert getattr(IdempotencyMixin, name) is None
+    settings.IDEMPOTENCY_REQUIRED = True
+    assert send(client, "POST", "/drf/", ScriptFactory()).status_code == 400
+    settings.IDEMPOTENCY_REQUIRED = False
+    assert send(client, "POST", "/drf/", ScriptFactory()).status_code == 201
+
+
+class CustomOptions(IdempotencyMixin, APIView):
+    permission_classes = [AllowAny]
+
+    def get_idempotency_options(self) -> Any:
+        # The hook a subclass overrides to compute options per request.
+        self.idempotency_required = self.request.headers.get("X-Strict") == "1"
+        return super().get_idempotency_options()
+
+    def post(self, request: Any) -> Response:
+        return Response({}, status=201)
+
+
+def test_get_idempotency_options_hook_can_decide_per_request() -> None:
+    view = CustomOptions.as_view()
+    factory = APIRequestFactory()
+    strict = view(factory.post("/x/", {}, format="json", headers={"X-Strict": "1"}))
+    lenient = view(factory.post("/x/", {}, format="json"))
+    assert strict.status_code == 400
+    assert json.loads(strict.content)["type"].endswith("missing-key")
+    assert lenient.status_code == 201
