@@ -8,8 +8,10 @@ from __future__ import annotations
 import threading
 import uuid
 from collections import Counter
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, NamedTuple
+from functools import partial
+from typing import Any, NamedTuple, TypeVar
 
 import pytest
 import requests
@@ -18,6 +20,8 @@ from django_idempotency.models import IdempotencyRecord
 from testproject.payments.models import Charge, Payment, Refund
 
 pytestmark = pytest.mark.django_db(transaction=True)
+
+T = TypeVar("T")
 
 CHARGE = {"amount": 2499, "currency": "inr"}
 # endpoint -> (the model it writes, the endpoint counting it)
@@ -93,7 +97,7 @@ def test_hundred_sequential_retries_execute_once_and_replay_identical_bytes(
     assert {r.content for r in retries} == {first.content}
     assert {r.headers["Content-Type"] for r in retries} == {first.headers["Content-Type"]}
     assert counts(live_gunicorn, count_path) - before == (1, 1)
-    assert model.objects.filter(user=alice.user).count() == 1
+    assert model._default_manager.filter(user=alice.user).count() == 1
     assert records(key) == 1
 
 
@@ -109,16 +113,16 @@ def test_plain_baseline_executes_every_request(live_gunicorn: str, alice: Any) -
     assert records(key) == 0
 
 
-def send_at_once(requests_to_send: list[Any]) -> list[requests.Response]:
-    """Send each ``() -> Response`` from its own thread, released together by a barrier."""
-    barrier = threading.Barrier(len(requests_to_send))
+def send_at_once(calls: list[Callable[[], T]]) -> list[T]:
+    """Run each call in its own thread, all released together by a barrier."""
+    barrier = threading.Barrier(len(calls))
 
-    def send(request: Any) -> requests.Response:
+    def send(call: Callable[[], T]) -> T:
         barrier.wait()
-        return request()
+        return call()
 
-    with ThreadPoolExecutor(len(requests_to_send)) as pool:
-        return list(pool.map(send, requests_to_send))
+    with ThreadPoolExecutor(len(calls)) as pool:
+        return list(pool.map(send, calls))
 
 
 # 2500 ms outlasts the default 2 s wait of a duplicate, so the slow case also gets 409s.
@@ -133,7 +137,7 @@ def test_parallel_identical_requests_execute_once(
     body = {**CHARGE, "delay_ms": delay_ms}
     before = counts(base_url)
 
-    answers = send_at_once([lambda: post(base_url, alice, key, body)] * clients)
+    answers = send_at_once([partial(post, base_url, alice, key, body)] * clients)
 
     statuses = Counter((a.status_code, is_replay(a)) for a in answers)
     assert set(statuses) <= {(201, False), (201, True), (409, False)}, statuses
@@ -158,16 +162,14 @@ def test_same_key_from_two_principals_executes_once_each_and_never_crosses(
     before = counts(live_gunicorn)
 
     first = {user.user.username: post(live_gunicorn, user, key, CHARGE) for user in (alice, bob)}
-    parallel = send_at_once(
-        [lambda user=user: (user, post(live_gunicorn, user, key, CHARGE)) for user in (alice, bob)]
-        * 10
-    )
+    users = [alice, bob] * 10
+    parallel = send_at_once([partial(post, live_gunicorn, user, key, CHARGE) for user in users])
 
     assert [(a.status_code, is_replay(a)) for a in first.values()] == [(201, False)] * 2
     assert first["alice"].json()["user"] == "alice"
     assert first["bob"].json()["user"] == "bob"
     assert first["alice"].json()["id"] != first["bob"].json()["id"]
-    for user, answer in parallel:
+    for user, answer in zip(users, parallel, strict=True):
         assert (answer.status_code, is_replay(answer)) == (201, True)
         assert answer.content == first[user.user.username].content
     assert counts(live_gunicorn) - before == (2, 2)
@@ -182,22 +184,19 @@ def test_two_principals_racing_on_one_key_each_execute_once(
     key = str(uuid.uuid4())
     before = counts(live_gunicorn_threads)
 
+    users = [alice, bob] * 10
     answers = send_at_once(
-        [
-            lambda user=user: (user.user.username, post(live_gunicorn_threads, user, key, CHARGE))
-            for user in (alice, bob)
-        ]
-        * 10
+        [partial(post, live_gunicorn_threads, user, key, CHARGE) for user in users]
     )
 
-    for username in ("alice", "bob"):
-        own = [a for name, a in answers if name == username]
+    for racer in (alice, bob):
+        own = [a for user, a in zip(users, answers, strict=True) if user is racer]
         statuses = Counter((a.status_code, is_replay(a)) for a in own)
         assert set(statuses) <= {(201, False), (201, True), (409, False)}, statuses
         assert statuses[(201, False)] == 1, statuses
         created = [a for a in own if a.status_code == 201]
         assert len({a.content for a in created}) == 1
-        assert created[0].json()["user"] == username
+        assert created[0].json()["user"] == racer.user.username
     assert counts(live_gunicorn_threads) - before == (2, 2)
 
 
@@ -235,19 +234,21 @@ def test_key_order_in_the_body_does_not_matter(live_gunicorn: str, alice: Any) -
     assert reordered.content == first.content
 
 
+@pytest.mark.parametrize("path", ENDPOINTS)
 @pytest.mark.parametrize("fail", ["500", "500r", "after_write"])
 def test_failed_first_attempt_commits_nothing_and_frees_the_key(
-    live_gunicorn: str, alice: Any, fail: str
+    live_gunicorn: str, alice: Any, fail: str, path: str
 ) -> None:
+    model, count_path = ENDPOINTS[path]
     key = str(uuid.uuid4())
     failing = {**CHARGE, "fail": fail}
-    before = counts(live_gunicorn)
+    before = counts(live_gunicorn, count_path)
 
-    failed = [post(live_gunicorn, alice, key, failing) for _ in range(2)]
-    after_failures = counts(live_gunicorn)
+    failed = [post(live_gunicorn, alice, key, failing, path) for _ in range(2)]
+    after_failures = counts(live_gunicorn, count_path)
     records_after_failures = records(key)
-    retry = post(live_gunicorn, alice, key, CHARGE)
-    replay = post(live_gunicorn, alice, key, CHARGE)
+    retry = post(live_gunicorn, alice, key, CHARGE, path)
+    replay = post(live_gunicorn, alice, key, CHARGE, path)
 
     # A 5xx is never stored: the same failing request runs (and fails) again.
     assert [(a.status_code, is_replay(a)) for a in failed] == [(500, False)] * 2
@@ -255,51 +256,55 @@ def test_failed_first_attempt_commits_nothing_and_frees_the_key(
     assert records_after_failures == 0
     assert (retry.status_code, is_replay(retry)) == (201, False)
     assert (replay.status_code, is_replay(replay), replay.content) == (201, True, retry.content)
-    assert counts(live_gunicorn) - before == (3, 1)
-    assert Charge.objects.filter(user=alice.user).count() == 1
+    assert counts(live_gunicorn, count_path) - before == (3, 1)
+    assert model._default_manager.filter(user=alice.user).count() == 1
     assert records(key) == 1
 
 
+@pytest.mark.parametrize("path", ENDPOINTS)
 def test_transient_failure_then_identical_retry_executes_once(
-    live_gunicorn: str, alice: Any
+    live_gunicorn: str, alice: Any, path: str
 ) -> None:
+    model, count_path = ENDPOINTS[path]
     key = str(uuid.uuid4())
     body = {**CHARGE, "fail_once": str(uuid.uuid4())}
-    before = counts(live_gunicorn)
+    before = counts(live_gunicorn, count_path)
 
-    failed = post(live_gunicorn, alice, key, body)
-    rows_after_failure = Charge.objects.count()
-    retry = post(live_gunicorn, alice, key, body)
-    replay = post(live_gunicorn, alice, key, body)
+    failed = post(live_gunicorn, alice, key, body, path)
+    rows_after_failure = model._default_manager.count()
+    retry = post(live_gunicorn, alice, key, body, path)
+    replay = post(live_gunicorn, alice, key, body, path)
 
     assert failed.status_code == 500
     assert rows_after_failure == 0
     assert (retry.status_code, is_replay(retry)) == (201, False)
     assert (replay.status_code, is_replay(replay), replay.content) == (201, True, retry.content)
-    assert counts(live_gunicorn) - before == (2, 1)
+    assert counts(live_gunicorn, count_path) - before == (2, 1)
     assert records(key) == 1
 
 
+@pytest.mark.parametrize("path", ENDPOINTS)
 def test_worker_killed_after_its_write_leaves_nothing_and_the_retry_executes_once(
-    live_gunicorn: str, alice: Any
+    live_gunicorn: str, alice: Any, path: str
 ) -> None:
+    model, count_path = ENDPOINTS[path]
     key = str(uuid.uuid4())
     body = {**CHARGE, "crash_once": str(uuid.uuid4())}
-    before = counts(live_gunicorn)
+    before = counts(live_gunicorn, count_path)
 
     with pytest.raises(requests.ConnectionError):
-        post(live_gunicorn, alice, key, body)
-    after_crash = counts(live_gunicorn)
+        post(live_gunicorn, alice, key, body, path)
+    after_crash = counts(live_gunicorn, count_path)
     records_after_crash = records(key)
-    retry = post(live_gunicorn, alice, key, body)
-    replay = post(live_gunicorn, alice, key, body)
+    retry = post(live_gunicorn, alice, key, body, path)
+    replay = post(live_gunicorn, alice, key, body, path)
 
     assert after_crash - before == (1, 0)
     assert records_after_crash == 0
     assert (retry.status_code, is_replay(retry)) == (201, False), retry.text
     assert (replay.status_code, is_replay(replay), replay.content) == (201, True, retry.content)
-    assert counts(live_gunicorn) - before == (2, 1)
-    assert Charge.objects.filter(user=alice.user).count() == 1
+    assert counts(live_gunicorn, count_path) - before == (2, 1)
+    assert model._default_manager.filter(user=alice.user).count() == 1
     assert records(key) == 1
 
 

@@ -29,10 +29,17 @@ class InjectedFault(Exception):
 
 
 class FaultsSerializer(serializers.Serializer[Any]):
-    fail = serializers.ChoiceField([FAIL_RAISE, FAIL_RESPOND, FAIL_AFTER_WRITE], default="")
-    fail_once = serializers.CharField(max_length=255, default="")
-    crash_once = serializers.CharField(max_length=255, default="")
-    delay_ms = serializers.IntegerField(min_value=0, max_value=60_000, default=0)
+    # Built here rather than declared: a field attribute named "fail" would shadow the
+    # serializer's own fail() method.
+    def get_fields(self) -> dict[str, serializers.Field[Any, Any, Any, Any]]:
+        return {
+            "fail": serializers.ChoiceField(
+                [FAIL_RAISE, FAIL_RESPOND, FAIL_AFTER_WRITE], default=""
+            ),
+            "fail_once": serializers.CharField(max_length=255, default=""),
+            "crash_once": serializers.CharField(max_length=255, default=""),
+            "delay_ms": serializers.IntegerField(min_value=0, max_value=60_000, default=0),
+        }
 
 
 @dataclass(frozen=True)
@@ -84,6 +91,7 @@ def first_sighting(tag: str) -> bool:
                 "(tag, seen_at) VALUES (%s, %s) ON CONFLICT (tag) DO NOTHING",
                 [tag, timezone.now()],
             )
-            return cursor.rowcount == 1
+            inserted: int = cursor.rowcount
     finally:
         connection.close()
+    return inserted == 1

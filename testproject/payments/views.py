@@ -46,7 +46,7 @@ class PaymentCreateView(GenericAPIView[Payment]):
 
     authentication_classes = [TokenAuthentication]
     permission_classes = [IsAuthenticated]
-    serializer_class = ChargeSerializer
+    serializer_class: type[PaymentSerializer] = ChargeSerializer
 
     def post(self, request: Request) -> Response:
         serializer = self.get_serializer(data=request.data)
@@ -74,7 +74,10 @@ class PaymentCountView(APIView):
 
     def get(self, request: Request) -> Response:
         return Response(
-            {"executions": executions.count(self.model), "rows": self.model.objects.count()}
+            {
+                "executions": executions.count(self.model),
+                "rows": self.model._default_manager.count(),
+            }
         )
 
 
