@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import socket
 import threading
+import time
 from collections.abc import Iterator
 from datetime import timedelta
 from typing import Any
@@ -33,38 +34,93 @@ def claim(
     )  # fmt: skip
 
 
-@contextlib.contextmanager
-def held_claim(scope: str, key: str) -> Iterator[None]:
-    """Another connection claims (scope, key) and holds it, as an in-flight first request
-    does, until the block ends; then it rolls back."""
-    holding, done = threading.Event(), threading.Event()
-    errors: list[BaseException] = []
+class ClaimThread(threading.Thread):
+    """A claim on its own connection, in its own transaction, as another worker makes it.
 
-    def hold() -> None:
+    ``claimed`` is set once the claim returned (``outcome`` / ``error`` then tell how);
+    the transaction stays open until ``finish`` is set, then the thread completes the
+    record if it won and ``complete`` is true, or rolls back.
+    """
+
+    def __init__(
+        self, scope: str, key: str, *, complete: bool = False, wait: timedelta = timedelta(0),
+        now: Any = None,
+    ) -> None:  # fmt: skip
+        super().__init__(daemon=True)
+        self.scope, self.key, self.complete, self.wait, self.now = scope, key, complete, wait, now
+        self.claimed, self.finish = threading.Event(), threading.Event()
+        self.outcome: str | None = None
+        self.error: BaseException | None = None
+        self.pid: int | None = None
+
+    def run(self) -> None:
         try:
             with transaction.atomic():
-                outcome = claim(scope, key).outcome
-                if outcome != storage.WON:
-                    raise AssertionError(f"the holder could not claim the key: {outcome}")
-                holding.set()
-                done.wait(60)
-                transaction.set_rollback(True)
+                self.pid = connection_pid()
+                claimed = claim(self.scope, self.key, wait=self.wait, now=self.now)
+                self.outcome = claimed.outcome
+                self.claimed.set()
+                self.finish.wait(60)
+                if self.complete and claimed.pending is not None:
+                    storage.complete(
+                        DEFAULT_DB_ALIAS, claimed.pending, code=201,
+                        headers=[["Content-Type", "text/plain"]], body=b"first", encoding="",
+                    )  # fmt: skip
+                else:
+                    transaction.set_rollback(True)
         except BaseException as exc:
-            errors.append(exc)
-            holding.set()
+            self.error = exc
         finally:
+            self.claimed.set()
             connections.close_all()
 
-    thread = threading.Thread(target=hold, daemon=True)
-    thread.start()
-    holding.wait(30)
-    if errors:
-        raise errors[0]
+    def result(self, timeout: float = 60) -> str | None:
+        self.finish.set()
+        self.join(timeout)
+        assert not self.is_alive(), "the claiming thread is stuck"
+        return self.outcome
+
+
+def connection_pid() -> int:
+    with connections[DEFAULT_DB_ALIAS].cursor() as cursor:
+        cursor.execute("SELECT pg_backend_pid()")
+        (pid,) = cursor.fetchone()
+    return int(pid)
+
+
+def advisory_lock_waiters() -> int:
+    """Connections to this database waiting for an advisory lock (a claim's wait)."""
+    with connections[DEFAULT_DB_ALIAS].cursor() as cursor:
+        cursor.execute(
+            "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND NOT granted "
+            "AND database = (SELECT oid FROM pg_database WHERE datname = current_database())"
+        )
+        (count,) = cursor.fetchone()
+    return int(count)
+
+
+def wait_for_lock_waiters(count: int, timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout
+    while advisory_lock_waiters() < count:
+        if time.monotonic() > deadline:
+            raise AssertionError(f"fewer than {count} claims are waiting after {timeout}s")
+        time.sleep(0.02)
+
+
+@contextlib.contextmanager
+def held_claim(scope: str, key: str) -> Iterator[ClaimThread]:
+    """Another connection claims (scope, key) and holds it, as an in-flight first request
+    does, until the block ends; then it rolls back."""
+    holder = ClaimThread(scope, key)
+    holder.start()
+    holder.claimed.wait(30)
+    if holder.error is not None or holder.outcome != storage.WON:
+        holder.result()
+        raise AssertionError(f"the holder did not win: {holder.outcome or holder.error}")
     try:
-        yield
+        yield holder
     finally:
-        done.set()
-        thread.join(30)
+        holder.result()
 
 
 class RecordsRouter:
