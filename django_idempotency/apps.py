@@ -1,6 +1,6 @@
 from __future__ import annotations
 
-from django.apps import AppConfig
+from django.apps import AppConfig, apps
 from django.utils.translation import gettext_lazy as _
 
 
@@ -10,4 +10,9 @@ class IdempotencyConfig(AppConfig):
     default_auto_field = "django.db.models.BigAutoField"
 
     def ready(self) -> None:
-        from django_idempotency import checks  # noqa: F401  registers the system checks
+        from django_idempotency import beat, checks  # noqa: F401  checks register themselves
+
+        beat.connect_signals()
+        if apps.is_installed("drf_spectacular"):
+            # Importing the extension is how drf-spectacular learns about it.
+            import django_idempotency.contrib.spectacular  # noqa: F401

@@ -349,8 +349,8 @@ def _claim(
         if isinstance(exc, storage.PartitionMissing) and retry:
             # Maintenance has not run for days; make today's partition and claim again.
             logger.error("No partition for today's idempotency records; creating it now")
-            if storage.create_current_partition(using):
-                return _claim(using, key, principal, request, parts, options, wait, now, False)
+            storage.create_current_partition(using)
+            return _claim(using, key, principal, request, parts, options, wait, now, False)
         if isinstance(exc, (*_LOST_STORE, storage.PartitionMissing)):
             error = StoreUnavailable(
                 "The idempotency store is unavailable, so the request was not processed. "

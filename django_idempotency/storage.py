@@ -189,13 +189,8 @@ def release(using: str, pending: Pending) -> None:
         IdempotencyRecord.objects.using(using).filter(pk=pending.id).delete()
 
 
-def create_current_partition(using: str) -> bool:
-    """Create today's partition from the request path; False when that cannot be done here
-    (inside the request's own transaction under ATOMIC_REQUESTS)."""
+def create_current_partition(using: str) -> None:
+    """Create today's partition from the request path (maintenance has not run)."""
     from django_idempotency import partitions
 
-    connection = connections[using]
-    if connection.in_atomic_block:
-        return False
-    partitions.ensure_current_partition(connection)
-    return True
+    partitions.ensure_current_partition(connections[using])
