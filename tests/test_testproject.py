@@ -76,6 +76,18 @@ def test_invalid_payment_is_400_and_writes_nothing(
 
 
 @pytest.mark.parametrize("path", [*CREATE_ENDPOINTS, "/api/charges-django/"])
+def test_absurdly_deep_json_is_400_not_500(api_client: APIClient, path: str) -> None:
+    answer = api_client.post(
+        path,
+        b"[" * 100_000 + b"]" * 100_000,
+        content_type="application/json",
+        HTTP_IDEMPOTENCY_KEY=str(uuid.uuid4()),
+    )
+
+    assert answer.status_code == 400
+
+
+@pytest.mark.parametrize("path", [*CREATE_ENDPOINTS, "/api/charges-django/"])
 def test_creating_needs_a_valid_token(anon_client: APIClient, path: str) -> None:
     anonymous = anon_client.post(path, CHARGE, format="json")
     anon_client.credentials(HTTP_AUTHORIZATION="Token " + "z" * 40)

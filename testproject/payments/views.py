@@ -23,6 +23,7 @@ from django_idempotency.rest_framework import IdempotencyMixin
 from testproject.payments import executions
 from testproject.payments.faults import Faults
 from testproject.payments.models import Charge, Payment
+from testproject.payments.parsers import JSONParser
 from testproject.payments.serializers import ChargeSerializer, PaymentSerializer, RefundSerializer
 
 
@@ -46,6 +47,7 @@ class PaymentCreateView(GenericAPIView[Payment]):
 
     authentication_classes = [TokenAuthentication]
     permission_classes = [IsAuthenticated]
+    parser_classes = [JSONParser]
     serializer_class: type[PaymentSerializer] = ChargeSerializer
 
     def post(self, request: Request) -> Response:
@@ -112,7 +114,7 @@ def charge_without_drf(request: HttpRequest) -> HttpResponse:
     """The charge handler as a plain Django view, protected by ``@idempotent``."""
     try:
         data = json.loads(request.body)
-    except ValueError:
+    except (ValueError, RecursionError):
         return JsonResponse({"detail": "The body must be JSON."}, status=400)
     try:
         status, body = create_payment(ChargeSerializer(data=data), request.user)
