@@ -3,6 +3,7 @@ from __future__ import annotations
 import json
 import os
 import shlex
+import signal
 import subprocess
 import sys
 import time
@@ -83,6 +84,10 @@ class Call:
             return Answer(error.code, _lower(error.headers.items()), error.read())
 
 
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
+
+
 def _lower(items: Any) -> dict[str, str]:
     return {name.lower(): value for name, value in items}
 
@@ -130,6 +135,8 @@ class Command(BaseCommand):
         call_command("migrate", interactive=False, verbosity=0)
         call_command("seed_demo", stdout=self.stdout)
         server = self.start_gunicorn(port, options["workers"], quiet=options["smoke"])
+        # Stop gunicorn with us on SIGTERM too, not only on Ctrl-C.
+        signal.signal(signal.SIGTERM, _interrupt)
         try:
             self.wait_until_serving(server, base_url)
             calls = demo_calls(str(uuid.uuid4()))
