@@ -6,6 +6,7 @@ counter (a sequence, so it survives rollbacks and dead workers) and by the commi
 from __future__ import annotations
 
 import threading
+import time
 import uuid
 from collections import Counter
 from collections.abc import Callable
@@ -334,3 +335,46 @@ def test_plain_django_view_requires_a_key_and_replays(live_gunicorn: str, alice:
     )
     assert (again.status_code, is_replay(again), again.content) == (400, True, invalid.content)
     assert counts(live_gunicorn) - before == (1, 0)
+
+
+def test_duplicate_waiting_on_a_first_attempt_that_rolls_back_executes_itself(
+    live_gunicorn: str, alice: Any
+) -> None:
+    key = str(uuid.uuid4())
+    # The first attempt writes, then fails after a second; its duplicate arrives meanwhile.
+    body = {**CHARGE, "fail_once": str(uuid.uuid4()), "delay_ms": 1000}
+    before = counts(live_gunicorn)
+
+    with ThreadPoolExecutor(1) as pool:
+        first = pool.submit(post, live_gunicorn, alice, key, body)
+        time.sleep(0.3)
+        duplicate = post(live_gunicorn, alice, key, body)
+        failed = first.result()
+
+    assert failed.status_code == 500
+    assert (duplicate.status_code, is_replay(duplicate)) == (201, False), duplicate.text
+    assert counts(live_gunicorn) - before == (2, 1)
+    assert records(key) == 1
+
+
+def test_duplicate_that_will_not_wait_gets_409_at_once(live_gunicorn: str, alice: Any) -> None:
+    key = str(uuid.uuid4())
+    body = {**CHARGE, "delay_ms": 1500}
+
+    with ThreadPoolExecutor(1) as pool:
+        first = pool.submit(post, live_gunicorn, alice, key, body)
+        time.sleep(0.3)
+        started = time.monotonic()
+        impatient = post(live_gunicorn, alice, key, body, Prefer="wait=0")
+        waited = time.monotonic() - started
+        patient = post(live_gunicorn, alice, key, body, Prefer="wait=5")
+        created = first.result()
+
+    assert impatient.status_code == 409
+    assert impatient.json()["type"].endswith("in-progress")
+    assert int(impatient.headers["Retry-After"]) >= 1
+    assert waited < 1.0
+    assert (created.status_code, is_replay(created)) == (201, False)
+    assert (patient.status_code, is_replay(patient)) == (201, True)
+    assert patient.content == created.content
+    assert patient.headers["Preference-Applied"] == "wait=5"
