@@ -1,0 +1,246 @@
+"""drf-spectacular: every view using ``IdempotencyMixin`` documents the ``Idempotency-Key``
+header on the methods it covers, and the errors the app may answer there.
+
+Imported by ``AppConfig.ready()`` when ``drf_spectacular`` is installed; importing it
+registers the extension, as drf-spectacular expects of libraries.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+from drf_spectacular.extensions import OpenApiViewExtension
+from drf_spectacular.openapi import AutoSchema
+from drf_spectacular.utils import OpenApiExample, OpenApiParameter, OpenApiResponse
+from rest_framework import serializers
+from rest_framework.views import APIView
+
+from django_idempotency.conf import conf
+from django_idempotency.engine import REPLAYED_HEADER, RETRY_AFTER_SECONDS, Options
+from django_idempotency.exceptions import (
+    IdempotencyError,
+    InProgress,
+    InvalidKey,
+    KeyExpired,
+    KeyReused,
+    MissingKey,
+    StoreUnavailable,
+)
+from django_idempotency.fingerprint import PARTS
+from django_idempotency.keys import MAX_KEY_LENGTH
+from django_idempotency.problems import PROBLEM_CONTENT_TYPE
+from django_idempotency.rest_framework import ProblemJSONRenderer
+
+
+class IdempotencyProblemSerializer(serializers.Serializer[Any]):
+    """An RFC 9457 problem: what django-idempotency answers instead of running the view."""
+
+    type = serializers.CharField(help_text="A URI naming the problem type.")
+    title = serializers.CharField()
+    status = serializers.IntegerField()
+    detail = serializers.CharField()
+    differing = serializers.ListField(
+        child=serializers.CharField(),
+        required=False,
+        help_text=(
+            "key-reused only: the parts of the request that differ from the first one with "
+            f"this key ({', '.join(PARTS)} or header:<name>)."
+        ),
+    )
+
+
+class IdempotencyStripeErrorDetailSerializer(serializers.Serializer[Any]):
+    type = serializers.CharField()
+    message = serializers.CharField()
+    code = serializers.CharField(required=False)
+    differing = serializers.ListField(child=serializers.CharField(), required=False)
+
+
+class IdempotencyStripeErrorSerializer(serializers.Serializer[Any]):
+    """Stripe's error object, answered when ``IDEMPOTENCY_ERROR_FORMAT = "stripe"``."""
+
+    error = IdempotencyStripeErrorDetailSerializer()
+
+
+# Answered with Retry-After.
+RETRIED_ERRORS = (InProgress, StoreUnavailable)
+
+
+def possible_errors(options: Options) -> list[type[IdempotencyError]]:
+    """The errors a covered request may get, given the view's options and the settings."""
+    errors: list[type[IdempotencyError]] = [InvalidKey, KeyReused, InProgress, StoreUnavailable]
+    if options.required:
+        errors.insert(0, MissingKey)
+    if conf.EXPIRED_WINDOW:
+        errors.append(KeyExpired)
+    return errors
+
+
+def error_responses(errors: list[type[IdempotencyError]]) -> dict[tuple[int, str], OpenApiResponse]:
+    """One documented response per status code, in the configured error format."""
+    stripe = conf.ERROR_FORMAT == "stripe"
+    by_status: dict[int, list[type[IdempotencyError]]] = {}
+    for error in errors:
+        by_status.setdefault(error.stripe_status if stripe else error.status, []).append(error)
+    media_type = "application/json" if stripe else PROBLEM_CONTENT_TYPE
+    responses = {}
+    for status, group in sorted(by_status.items()):
+        examples = []
+        for error in group:
+            if stripe:
+                detail = {"type": error.stripe_type, "message": error.title}
+                value: dict[str, Any] = {
+                    "error": {**detail, "code": error.stripe_code} if error.stripe_code else detail
+                }
+            else:
+                value = {
+                    "type": conf.PROBLEM_TYPE_BASE + error.name,
+                    "title": error.title,
+                    "status": status,
+                    "detail": error.title + ".",
+                }
+            examples.append(OpenApiExample(
+                error.name, value=value, media_type=media_type, status_codes=[status],
+                response_only=True,
+            ))
+        responses[status, media_type] = OpenApiResponse(
+            IdempotencyStripeErrorSerializer if stripe else IdempotencyProblemSerializer,
+            description="; ".join(f"{error.name}: {error.title}" for error in group),
+            examples=examples,
+        )
+    return responses
+
+
+def _code(key: Any) -> str:
+    return str(key[0] if isinstance(key, tuple) else key)
+
+
+class IdempotencySchemaMixin:
+    """Adds the key header, the replay and retry headers and the error responses to the
+    operations the view makes idempotent."""
+
+    method: str
+    view: Any
+
+    def idempotency_options(self) -> Options | None:
+        options: Options = self.view.get_idempotency_options()
+        return options if self.method.upper() in options.methods else None
+
+    def own_responses(self) -> dict[Any, Any]:
+        """The view's own responses by code, as drf-spectacular would document them."""
+        responses = super().get_response_serializers()  # type: ignore[misc]
+        if isinstance(responses, dict):
+            return dict(responses)
+        if self.method.upper() == "DELETE":
+            return {204: None}
+        created = self._is_create_operation()  # type: ignore[attr-defined]
+        return {201 if created else 200: responses}
+
+    def get_override_parameters(self) -> list[Any]:
+        parameters: list[Any] = super().get_override_parameters()  # type: ignore[misc]
+        options = self.idempotency_options()
+        if options is None:
+            return parameters
+        stripe = conf.ERROR_FORMAT == "stripe"
+        retry_codes = sorted({e.stripe_status if stripe else e.status for e in RETRIED_ERRORS})
+        return [
+            *parameters,
+            OpenApiParameter(
+                conf.HEADER,
+                type={"type": "string", "minLength": 1, "maxLength": MAX_KEY_LENGTH + 2},
+                location=OpenApiParameter.HEADER,
+                required=options.required,
+                description=(
+                    "Makes this request safe to retry: the first request with a key runs, "
+                    "a retry with the same key and the same request gets the first response "
+                    f"back. 1 to {MAX_KEY_LENGTH} printable ASCII characters other than "
+                    '`"`, `,`, `;` and `\\`, bare or as a structured-field string; a new '
+                    "UUID per operation is a good key."
+                ),
+                examples=[OpenApiExample("uuid", value="8e03978e-40d5-43e8-bc93-6894a57f9324")],
+            ),
+            OpenApiParameter(
+                REPLAYED_HEADER,
+                type={"type": "string", "enum": ["true"]},
+                location=OpenApiParameter.HEADER,
+                # Any response of the view's own may be a replay; our errors never are.
+                response=sorted({_code(key) for key in self.own_responses()}),
+                description="`true` when this is the stored response of an earlier request "
+                "with the same key, replayed.",
+            ),
+            OpenApiParameter(
+                "Retry-After",
+                type={"type": "integer", "minimum": RETRY_AFTER_SECONDS},
+                location=OpenApiParameter.HEADER,
+                response=retry_codes,
+                description="Seconds to wait before retrying with the same key.",
+            ),
+        ]
+
+    def map_renderers(self, attribute: str) -> list[Any]:
+        # The mixin's problem+json renderer only ever renders our errors, never the view's
+        # own responses, so it is no media type or format of the view.
+        problem = (ProblemJSONRenderer.media_type, ProblemJSONRenderer.format)
+        mapped: list[Any] = super().map_renderers(attribute)  # type: ignore[misc]
+        return [value for value in mapped if value not in problem]
+
+    def get_response_serializers(self) -> Any:
+        options = self.idempotency_options()
+        if options is None:
+            return super().get_response_serializers()  # type: ignore[misc]
+        responses = self.own_responses()
+        documented = {_code(key) for key in responses}
+        stripe = conf.ERROR_FORMAT == "stripe"
+        for key, response in error_responses(possible_errors(options)).items():
+            # A problem+json body can sit beside the view's own body for the same code; a
+            # Stripe error body shares its media type, so the view's own one wins.
+            if not (stripe and _code(key) in documented):
+                responses[key] = response
+        return responses
+
+
+class IdempotencyViewExtension(OpenApiViewExtension):
+    """Swaps each idempotent view, for schema generation only, for a subclass whose
+    handlers carry a schema class with ``IdempotencySchemaMixin`` on top.
+
+    On top, because a schema made by ``@extend_schema`` answers the responses and
+    parameters it was given without asking its base classes. Per handler, because that is
+    where drf-spectacular looks first for a schema (the ``kwargs`` that ``@action`` and
+    ``@extend_schema`` set), before the view's own.
+    """
+
+    target_class = "django_idempotency.rest_framework.IdempotencyMixin"
+    match_subclasses = True
+
+    def view_replacement(self) -> type[APIView]:
+        view_class: type[APIView] = self.target
+        view_schema = view_class.schema
+        if not isinstance(view_schema, AutoSchema):
+            return view_class  # excluded (schema = None), or not drf-spectacular's
+        actions = getattr(self.target_callback, "actions", None)
+        names = set(actions.values()) if actions else set(view_class.http_method_names)
+        namespace: dict[str, Any] = {
+            # drf-spectacular derives descriptions and warnings from these.
+            "__module__": view_class.__module__,
+            "__qualname__": view_class.__qualname__,
+            "__doc__": view_class.__doc__,
+        }
+        for name in names:
+            handler = getattr(view_class, name, None)
+            if handler is not None:
+                namespace[name] = _with_schema(handler, type(view_schema))
+        return type(view_class.__name__, (view_class,), namespace)
+
+
+def _with_schema(handler: Any, view_schema: type[AutoSchema]) -> Any:
+    base = getattr(handler, "kwargs", {}).get("schema") or view_schema
+    schema = type(base.__name__, (IdempotencySchemaMixin, base), {})
+
+    @functools.wraps(handler)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        return handler(*args, **kwargs)
+
+    # A new dict: wraps() shares the handler's own, which must stay as it is.
+    wrapper.kwargs = {**getattr(handler, "kwargs", {}), "schema": schema}  # type: ignore[attr-defined]
+    return wrapper
