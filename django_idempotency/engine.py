@@ -14,7 +14,14 @@ from datetime import datetime, timedelta
 from typing import Any
 
 from django.core.exceptions import ImproperlyConfigured
-from django.db import DatabaseError, InterfaceError, OperationalError, router, transaction
+from django.db import (
+    DatabaseError,
+    InterfaceError,
+    OperationalError,
+    connections,
+    router,
+    transaction,
+)
 from django.http import HttpRequest, HttpResponse
 from django.http.response import HttpResponseBase
 
@@ -39,8 +46,14 @@ REPLAYED_HEADER = "Idempotent-Replayed"
 REPLAY_HEADERS = ("content-type", "location", "content-language", "etag", "link")
 # Never stored, whatever the settings say.
 NEVER_STORED_HEADERS = frozenset(
-    ("set-cookie", "authorization", "proxy-authorization", "www-authenticate",
-     "proxy-authenticate", "cookie")
+    (
+        "set-cookie",
+        "authorization",
+        "proxy-authorization",
+        "www-authenticate",
+        "proxy-authenticate",
+        "cookie",
+    )
 )
 # A duplicate that gave up waiting is told to come back after this many seconds.
 RETRY_AFTER_SECONDS = 1
@@ -125,6 +138,13 @@ class Execution:
         self.principal = principal
         self._stack: ExitStack | None = stack
         self._extra_headers = extra_headers
+        # Under ATOMIC_REQUESTS, DRF answers an exception with set_rollback(), meant to undo
+        # the view's writes. A savepoint around the view gives it just that, and the 4xx is
+        # still stored in the claim's transaction as it is without ATOMIC_REQUESTS.
+        self._view_block: transaction.Atomic | None = None
+        if connections[using].settings_dict.get("ATOMIC_REQUESTS"):
+            self._view_block = transaction.atomic(using=using)
+            self._view_block.__enter__()
 
     def finish(self, response: HttpResponseBase) -> HttpResponseBase:
         """Store the response (when its status is one we keep) and commit with the view's
@@ -133,6 +153,7 @@ class Execution:
         if stack is None:
             return response
         try:
+            self._close_view_block((None, None, None))
             stored = self._store(response)
         except BaseException:
             self._rollback(stack, sys.exc_info())
@@ -140,15 +161,20 @@ class Execution:
         try:
             stack.close()
         except _LOST_STORE as exc:
-            raise StoreUnavailable(
-                "The response could not be committed; nothing was saved. Retry with the "
-                "same key."
-            ) from exc
+            error = StoreUnavailable(
+                "The response could not be committed; nothing was saved. Retry with the same key."
+            )
+            error.headers.update(self._extra_headers)
+            error.headers["Retry-After"] = str(RETRY_AFTER_SECONDS)
+            raise error from exc
         for name, value in self._extra_headers.items():
             response[name] = value
         if stored:
             signals.response_stored.send_robust(
-                self.sender, request=self.request, key=self.key, principal=self.principal,
+                self.sender,
+                request=self.request,
+                key=self.key,
+                principal=self.principal,
                 status=response.status_code,
             )
         return response
@@ -159,8 +185,16 @@ class Execution:
         if stack is not None:
             self._rollback(stack, (None, None, None))
 
+    def _close_view_block(self, exc_info: Any) -> None:
+        block, self._view_block = self._view_block, None
+        if block is not None:
+            block.__exit__(*exc_info)
+
     def _rollback(self, stack: ExitStack, exc_info: Any) -> None:
         try:
+            if self._view_block is not None:
+                transaction.set_rollback(True, using=self.using)
+                self._close_view_block(exc_info)
             transaction.set_rollback(True, using=self.using)
             stack.__exit__(*exc_info)
         except DatabaseError:
@@ -199,8 +233,12 @@ class Execution:
             if len(compressed) < len(body):
                 body, encoding = compressed, "zlib"
         storage.complete(
-            self.using, self.pending, code=code, headers=_replay_headers(response),
-            body=body, encoding=encoding,
+            self.using,
+            self.pending,
+            code=code,
+            headers=_replay_headers(response),
+            body=body,
+            encoding=encoding,
         )
         return True
 
@@ -278,8 +316,13 @@ def begin(
     if claimed.outcome == storage.WON:
         assert claimed.pending is not None
         return Execution(
-            request=request, sender=sender, using=using, stack=stack, pending=claimed.pending,
-            extra_headers=extra_headers, **context,
+            request=request,
+            sender=sender,
+            using=using,
+            stack=stack,
+            pending=claimed.pending,
+            extra_headers=extra_headers,
+            **context,
         )
     stack.close()  # nothing was written; ends the transaction and frees the lock
     record = claimed.record
@@ -336,10 +379,17 @@ def _claim(
     try:
         stack.enter_context(transaction.atomic(using=using))
         claimed = storage.claim(
-            using, scope=principal, key=key, method=(request.method or "").upper(),
-            path=request.path, fingerprint=parts, ttl=options.ttl,
-            window=conf.MAX_TTL + conf.EXPIRED_WINDOW, gone=conf.EXPIRED_WINDOW,
-            wait=max(wait, timedelta(0)), now=now,
+            using,
+            scope=principal,
+            key=key,
+            method=(request.method or "").upper(),
+            path=request.path,
+            fingerprint=parts,
+            ttl=options.ttl,
+            window=conf.MAX_TTL + conf.EXPIRED_WINDOW,
+            gone=conf.EXPIRED_WINDOW,
+            wait=max(wait, timedelta(0)),
+            now=now,
         )
     except BaseException as exc:
         try:
