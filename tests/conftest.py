@@ -17,6 +17,7 @@ Clients: ``make_token_user()`` makes a user with a DRF token; ``api_client`` is 
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import itertools
 import os
 import signal
@@ -170,6 +171,7 @@ def run_gunicorn(
         stdout=log_fd,
         stderr=log_fd,
         pass_fds=(listener.fileno(),),
+        preexec_fn=die_with_parent,
     )
     os.close(log_fd)
     listener.close()
@@ -186,6 +188,14 @@ def run_gunicorn(
             process.kill()
             process.wait()
         server.log.unlink(missing_ok=True)
+
+
+def die_with_parent() -> None:
+    """``preexec_fn`` for child processes: a test session killed outright (a CI timeout)
+    must not leave servers or workers running behind it."""
+    if sys.platform == "linux":
+        PR_SET_PDEATHSIG = 1
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
 def _wait_until_serving(server: GunicornServer, deadline: float) -> None:
