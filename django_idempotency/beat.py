@@ -104,7 +104,9 @@ def install_schedule(
     return row, outcome
 
 
-def install_after_migrate(sender: AppConfig, *, using: str, apps: Apps, **kwargs: Any) -> None:
+def install_after_migrate(
+    sender: AppConfig, *, using: str, apps: Apps = global_apps, **kwargs: Any
+) -> None:
     """``post_migrate`` receiver: create the periodic task if asked to and it is missing."""
     if not conf.BEAT_REGISTER:
         return

@@ -36,8 +36,10 @@ RETRY_FOR = timedelta(minutes=5)
 class MaintenanceFailed(Exception):
     """Some steps failed (the others were done); ``report`` says which."""
 
-    def __init__(self, report: Report) -> None:
-        super().__init__("; ".join(report.errors))
+    # The message alone is the exception's args, so that Celery can rebuild it from a
+    # result backend.
+    def __init__(self, message: str, report: Report | None = None) -> None:
+        super().__init__(message)
         self.report = report
 
 
@@ -115,7 +117,7 @@ def maintain(
             lambda own: _maintain_partitions(own, dry_run, drop, now, retry_for),
         )
     if report.errors:
-        raise MaintenanceFailed(report)
+        raise MaintenanceFailed("; ".join(report.errors), report)
     return report
 
 

@@ -31,6 +31,7 @@ class Command(BaseCommand):
                 drop=False if options["no_drop"] else None,
             )
         except MaintenanceFailed as exc:
-            self.stdout.write("\n".join(exc.report.lines()))
+            if exc.report is not None:
+                self.stdout.write("\n".join(exc.report.lines()))
             raise CommandError(f"Partition maintenance failed: {exc}") from exc
         self.stdout.write("\n".join(report.lines()))
