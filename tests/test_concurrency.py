@@ -1,0 +1,309 @@
+"""Section 6 with real threads over real connections: a live server, or claims on their own
+connections. Gates (``tests.views.GATES``) and ``pg_locks`` order the requests, so nothing
+here depends on how fast the machine is."""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections import Counter, defaultdict
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+import pytest
+import requests
+from django.db import DEFAULT_DB_ALIAS, connection, connections, transaction
+
+from django_idempotency import partitions, storage
+from django_idempotency.models import IdempotencyRecord
+from tests.claims import claim, wait_for_lock_waiters
+from tests.factories import ScriptFactory, TokenFactory, new_key
+from tests.views import CALLS, GATES, business_rows
+
+pytestmark = [pytest.mark.urls("tests.urls"), pytest.mark.django_db(transaction=True)]
+
+ENDPOINTS = pytest.mark.parametrize("path", ["/drf/", "/plain/"])
+# Longer than any wait a test allows on purpose: a request that should not wait that long
+# fails the test by timing out instead of hanging it.
+TIMEOUT = 90
+
+
+def post(
+    url: str, script: dict[str, Any], key: str, timeout: float = TIMEOUT, **headers: str
+) -> requests.Response:
+    return requests.post(
+        url, data=json.dumps(script), timeout=timeout,
+        headers={"Content-Type": "application/json", "Idempotency-Key": key, **headers},
+    )  # fmt: skip
+
+
+def post_retrying(url: str, script: dict[str, Any], key: str, **headers: str) -> requests.Response:
+    """``post`` as a client with a retry policy does it: the test server's listen backlog
+    is 10, so a burst of connections may be reset, and the client retries with the same
+    key (which is what the key is for)."""
+    for _ in range(5):
+        try:
+            return post(url, script, key, **headers)
+        except requests.ConnectionError:
+            continue
+    return post(url, script, key, **headers)
+
+
+def replayed(response: requests.Response) -> bool:
+    return response.headers.get("Idempotent-Replayed") == "true"
+
+
+def start_gated_first(
+    pool: ThreadPoolExecutor, url: str, script: dict[str, Any], key: str
+) -> Future[requests.Response]:
+    """Send the first request and return once it holds the key inside the handler."""
+    first = pool.submit(post, url, script, key)
+    assert GATES.wait_entered(script["gate"], 60), "the first request never reached the view"
+    return first
+
+
+@ENDPOINTS
+def test_parallel_duplicates_that_wait_get_the_replay_of_the_one_execution(
+    live_server, settings, path: str
+) -> None:
+    settings.IDEMPOTENCY_MAX_WAIT = timedelta(seconds=60)
+    duplicates, url, key = 19, live_server.url + path, new_key()
+    script = ScriptFactory(gate=new_key())
+    with ThreadPoolExecutor(duplicates + 1) as pool:
+        first = start_gated_first(pool, url, script, key)
+        waiting = [pool.submit(post, url, script, key, Prefer="wait=60") for _ in range(duplicates)]
+        wait_for_lock_waiters(duplicates)
+        GATES.open(script["gate"])
+        first_response = first.result()
+        responses = [future.result() for future in waiting]
+
+    assert first_response.status_code == 201
+    assert not replayed(first_response)
+    for response in responses:
+        assert response.status_code == 201
+        assert replayed(response)
+        assert response.content == first_response.content
+        assert response.headers["Preference-Applied"] == "wait=60"
+    assert CALLS[script["tag"]] == 1
+    assert business_rows(script["tag"]) == 1
+    assert IdempotencyRecord.objects.filter(key=key).count() == 1
+
+
+@ENDPOINTS
+def test_duplicates_whose_wait_runs_out_get_409_in_progress_with_retry_after(
+    live_server, settings, path: str
+) -> None:
+    settings.IDEMPOTENCY_WAIT = timedelta(seconds=1)
+    duplicates, url, key = 8, live_server.url + path, new_key()
+    script = ScriptFactory(gate=new_key())
+    with ThreadPoolExecutor(duplicates + 1) as pool:
+        first = start_gated_first(pool, url, script, key)
+        conflicts = list(pool.map(lambda _: post(url, script, key), range(duplicates)))
+        GATES.open(script["gate"])
+        first_response = first.result()
+
+    for response in conflicts:
+        assert response.status_code == 409
+        assert response.headers["Content-Type"] == "application/problem+json"
+        assert response.json()["type"].endswith("in-progress")
+        assert int(response.headers["Retry-After"]) >= 1
+    assert first_response.status_code == 201
+    retry = post(url, script, key)
+    assert replayed(retry)
+    assert retry.content == first_response.content
+    assert CALLS[script["tag"]] == 1
+
+
+@ENDPOINTS
+def test_prefer_wait_0_gets_409_at_once_with_preference_applied(
+    live_server, settings, path: str
+) -> None:
+    # Were the preference ignored, the duplicate would wait 60 s and time out below.
+    settings.IDEMPOTENCY_WAIT = settings.IDEMPOTENCY_MAX_WAIT = timedelta(seconds=60)
+    url, key, script = live_server.url + path, new_key(), ScriptFactory(gate=new_key())
+    with ThreadPoolExecutor(1) as pool:
+        first = start_gated_first(pool, url, script, key)
+        try:
+            response = post(url, script, key, timeout=20, Prefer="wait=0")
+        finally:
+            GATES.open(script["gate"])
+        assert first.result().status_code == 201
+    assert response.status_code == 409
+    assert response.json()["type"].endswith("in-progress")
+    assert response.headers["Preference-Applied"] == "wait=0"
+    assert int(response.headers["Retry-After"]) >= 1
+
+
+@ENDPOINTS
+def test_prefer_wait_is_capped_by_max_wait(live_server, settings, path: str) -> None:
+    settings.IDEMPOTENCY_MAX_WAIT = timedelta(seconds=1)
+    url, key, script = live_server.url + path, new_key(), ScriptFactory(gate=new_key())
+    with ThreadPoolExecutor(1) as pool:
+        first = start_gated_first(pool, url, script, key)
+        try:
+            response = post(url, script, key, timeout=30, Prefer="wait=120")
+        finally:
+            GATES.open(script["gate"])
+        first.result()
+    assert response.status_code == 409
+    assert response.headers["Preference-Applied"] == "wait=1"
+
+
+def test_per_view_wait_applies_without_a_preference(live_server, settings) -> None:
+    settings.IDEMPOTENCY_WAIT = settings.IDEMPOTENCY_MAX_WAIT = timedelta(seconds=60)
+    url, key, script = live_server.url + "/drf/no-wait/", new_key(), ScriptFactory(gate=new_key())
+    with ThreadPoolExecutor(1) as pool:
+        first = start_gated_first(pool, url, script, key)
+        try:
+            response = post(url, script, key, timeout=20)
+        finally:
+            GATES.open(script["gate"])
+        first.result()
+    assert response.status_code == 409
+    assert "Preference-Applied" not in response.headers
+
+
+@ENDPOINTS
+def test_waiting_duplicate_executes_when_the_first_rolls_back(
+    live_server, settings, path: str
+) -> None:
+    settings.IDEMPOTENCY_MAX_WAIT = timedelta(seconds=60)
+    url, key = live_server.url + path, new_key()
+    script = ScriptFactory(gate=new_key(), fail="raise", once=True)
+    with ThreadPoolExecutor(2) as pool:
+        first = start_gated_first(pool, url, script, key)
+        duplicate = pool.submit(post, url, script, key, Prefer="wait=60")
+        wait_for_lock_waiters(1)
+        GATES.open(script["gate"])
+        first_response, duplicate_response = first.result(), duplicate.result()
+
+    assert first_response.status_code == 500
+    assert duplicate_response.status_code == 201
+    assert not replayed(duplicate_response)
+    assert duplicate_response.json()["execution"] == 2
+    assert business_rows(script["tag"]) == 1
+    assert IdempotencyRecord.objects.filter(key=key).count() == 1
+
+
+def race(count: int, send: Callable[[], requests.Response]) -> list[requests.Response]:
+    """``count`` requests released at the same moment, each on its own thread."""
+    barrier = threading.Barrier(count)
+
+    def go(_: int) -> requests.Response:
+        barrier.wait(60)
+        return send()
+
+    with ThreadPoolExecutor(count) as pool:
+        return list(pool.map(go, range(count)))
+
+
+@ENDPOINTS
+@pytest.mark.parametrize(
+    ("count", "sleep"), [(20, 0), (50, 0), (20, 0.5)], ids=["20-fast", "50-fast", "20-slow"]
+)
+def test_racing_identical_requests_execute_once_and_never_5xx(
+    live_server, path: str, count: int, sleep: float
+) -> None:
+    url, key, script = live_server.url + path, new_key(), ScriptFactory(sleep=sleep)
+    responses = race(count, lambda: post_retrying(url, script, key))
+    statuses = Counter(response.status_code for response in responses)
+    assert set(statuses) <= {201, 409}, statuses
+    executed = [r for r in responses if r.status_code == 201 and not replayed(r)]
+    assert len(executed) <= 1
+    successes = {r.content for r in responses if r.status_code == 201}
+    assert len(successes) == 1
+    for response in responses:
+        if response.status_code == 409:
+            assert int(response.headers["Retry-After"]) >= 1
+    assert CALLS[script["tag"]] == 1
+    assert business_rows(script["tag"]) == 1
+
+
+def test_racing_requests_of_two_principals_with_one_key_execute_once_each(live_server) -> None:
+    alice, bob = TokenFactory(), TokenFactory()
+    url, key, script = live_server.url + "/drf/guarded/", new_key(), ScriptFactory(sleep=0.2)
+    tokens = [alice, bob] * 10
+    turn = iter(range(len(tokens)))
+    lock = threading.Lock()
+
+    def send() -> requests.Response:
+        with lock:
+            token = tokens[next(turn)]
+        response = post_retrying(url, script, key, Authorization=f"Token {token.key}")
+        response.principal = token.user.pk  # type: ignore[attr-defined]
+        return response
+
+    responses = race(len(tokens), send)
+    by_principal: dict[int, set[bytes]] = defaultdict(set)
+    for response in responses:
+        assert response.status_code in (201, 409)
+        if response.status_code == 201:
+            by_principal[response.principal].add(response.content)  # type: ignore[attr-defined]
+    # Each principal saw one response of its own, never the other's.
+    assert all(len(contents) == 1 for contents in by_principal.values())
+    assert by_principal[alice.user.pk].isdisjoint(by_principal[bob.user.pk])
+    assert CALLS[script["tag"]] == 2
+    assert IdempotencyRecord.objects.filter(key=key).count() == 2
+
+
+# Claims straddling midnight UTC: one key, two daily partitions, one winner.
+
+# Microseconds around the boundary: the claims of one key land on both sides of it.
+OFFSETS = [-3000, -2000, -1000, -1, 0, 1, 1000, 3000]
+ROUNDS = 40
+
+
+def test_claims_straddling_midnight_utc_never_produce_two_winners() -> None:
+    day = partitions.utc_today() + timedelta(days=2)
+    midnight = datetime(day.year, day.month, day.day, tzinfo=UTC)
+    partitions.create_partitions(connection, [day - timedelta(days=1), day])
+    keys = [new_key() for _ in range(ROUNDS)]
+    outcomes: dict[str, list[str]] = defaultdict(list)
+    errors: list[BaseException] = []
+    barrier = threading.Barrier(len(OFFSETS))
+
+    def worker(index: int) -> None:
+        try:
+            for round_, key in enumerate(keys):
+                # Rotate the offsets so that early and late claims come from every thread.
+                now = midnight + timedelta(microseconds=OFFSETS[(index + round_) % len(OFFSETS)])
+                barrier.wait(60)
+                with transaction.atomic():
+                    claimed = claim("anonymous", key, now=now, wait=timedelta(seconds=30))
+                    if claimed.pending is not None:
+                        storage.complete(
+                            DEFAULT_DB_ALIAS, claimed.pending, code=201, headers=[],
+                            body=str(index).encode(), encoding="",
+                        )  # fmt: skip
+                outcomes[key].append(claimed.outcome)
+        except BaseException as exc:
+            errors.append(exc)
+            barrier.abort()
+        finally:
+            connections.close_all()
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(len(OFFSETS))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(300)
+    assert not errors, errors
+
+    for key in keys:
+        assert Counter(outcomes[key]) == {storage.WON: 1, storage.FOUND: len(OFFSETS) - 1}
+    with connection.cursor() as cursor:
+        cursor.execute(
+            "SELECT tableoid::regclass::text, count(*), count(DISTINCT key) "
+            "FROM django_idempotency_record WHERE key = ANY(%s) GROUP BY 1",
+            [keys],
+        )
+        rows = cursor.fetchall()
+    assert sum(count for _, count, _ in rows) == ROUNDS
+    assert sum(distinct for _, _, distinct in rows) == ROUNDS
+    # The winners landed on both sides of midnight: the test did straddle it.
+    assert {table for table, _, _ in rows} == {
+        partitions.partition_name(day - timedelta(days=1)),
+        partitions.partition_name(day),
+    }
