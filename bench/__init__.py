@@ -1,0 +1,1 @@
+"""Benchmarks of django-idempotency against its baselines; run ``python -m bench``."""
