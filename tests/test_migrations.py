@@ -1,0 +1,130 @@
+"""The app's migration: it matches the model, runs both ways, and builds the partitioned table."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+from django.apps import apps
+from django.core.management import call_command
+from django.db import DEFAULT_DB_ALIAS, connection, transaction
+
+from django_idempotency import partitions, storage
+from django_idempotency.models import IdempotencyRecord
+from tests.claims import claim
+from tests.factories import IdempotencyRecordFactory, new_key
+
+
+def fetch_one(sql: str, params: list[object] | None = None) -> tuple[object, ...] | None:
+    with connection.cursor() as cursor:
+        cursor.execute(sql, params or [])
+        row: tuple[object, ...] | None = cursor.fetchone()
+    return row
+
+
+@pytest.mark.django_db
+def test_models_match_the_migrations() -> None:
+    # SystemExit(1) if makemigrations would write anything.
+    call_command("makemigrations", "django_idempotency", "--check", "--dry-run", verbosity=0)
+
+
+def test_app_pins_its_default_auto_field() -> None:
+    config = apps.get_app_config("django_idempotency")
+    assert config.default_auto_field == "django.db.models.BigAutoField"
+    assert IdempotencyRecord._meta.pk.name == "id"
+
+
+@pytest.mark.django_db
+@pytest.mark.parametrize(
+    "auto_field", ["django.db.models.AutoField", "django.db.models.SmallAutoField"]
+)
+def test_models_match_the_migrations_under_another_default_auto_field(
+    tmp_path: Path, subprocess_env: dict[str, str], auto_field: str
+) -> None:
+    (tmp_path / "other_auto_field_settings.py").write_text(
+        f"from tests.settings import *  # noqa\nDEFAULT_AUTO_FIELD = {auto_field!r}\n"
+    )
+    env = {
+        **subprocess_env,
+        "DJANGO_SETTINGS_MODULE": "other_auto_field_settings",
+        "PYTHONPATH": f"{tmp_path}:{subprocess_env['PYTHONPATH']}",
+    }
+    result = subprocess.run(
+        [sys.executable, "-m", "django", "makemigrations", "django_idempotency",
+         "--check", "--dry-run"],
+        env=env, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "No changes detected" in result.stdout
+
+
+@pytest.mark.django_db
+def test_records_table_is_range_partitioned_on_created_at_without_a_default() -> None:
+    row = fetch_one(
+        "SELECT c.relkind, p.partstrat, a.attname, p.partdefid "
+        "FROM pg_class c JOIN pg_partitioned_table p ON p.partrelid = c.oid "
+        "JOIN pg_attribute a ON a.attrelid = c.oid AND a.attnum = p.partattrs[0] "
+        "WHERE c.oid = 'django_idempotency_record'::regclass"
+    )
+    assert row == ("p", "r", "created_at", 0)
+
+
+@pytest.mark.django_db
+def test_primary_key_is_id_and_created_at_in_the_database() -> None:
+    row = fetch_one(
+        "SELECT array_agg(a.attname::text ORDER BY k.ord) "
+        "FROM pg_constraint con "
+        "CROSS JOIN LATERAL unnest(con.conkey) WITH ORDINALITY AS k(attnum, ord) "
+        "JOIN pg_attribute a ON a.attrelid = con.conrelid AND a.attnum = k.attnum "
+        "WHERE con.conrelid = 'django_idempotency_record'::regclass AND con.contype = 'p'"
+    )
+    assert row == (["id", "created_at"],)
+
+
+@pytest.mark.django_db
+def test_claim_function_and_scope_key_index_exist() -> None:
+    assert fetch_one("SELECT to_regproc('django_idempotency_claim')::text") == (
+        "django_idempotency_claim",
+    )
+    assert fetch_one("SELECT to_regclass('idempotency_scope_key')::text") == (
+        "idempotency_scope_key",
+    )
+
+
+def assert_migrated_schema_works() -> None:
+    today = partitions.utc_today()
+    attached = partitions.attached_partitions(connection)
+    for offset in range(-1, 5):
+        name = partitions.partition_name(today + timedelta(days=offset))
+        assert name in attached
+        assert fetch_one("SELECT obj_description(%s::regclass, 'pg_class')", [name]) == (
+            partitions.PARTITION_COMMENT,
+        )
+    key = new_key()
+    with transaction.atomic():
+        claimed = claim("anonymous", key)
+        assert claimed.pending is not None
+        storage.complete(
+            DEFAULT_DB_ALIAS, claimed.pending, code=201, headers=[], body=b"ok", encoding=""
+        )
+    with transaction.atomic():
+        assert claim("anonymous", key).outcome == storage.FOUND
+
+
+@pytest.mark.django_db(transaction=True)
+def test_migrate_to_zero_and_back() -> None:
+    IdempotencyRecordFactory()
+    call_command("migrate", "django_idempotency", "zero", verbosity=0)
+    assert fetch_one("SELECT to_regclass('django_idempotency_record')") == (None,)
+    assert fetch_one("SELECT to_regproc('django_idempotency_claim')") == (None,)
+    assert fetch_one(
+        "SELECT count(*) FROM pg_class WHERE relname LIKE 'django\\_idempotency\\_record\\_p%%'"
+    ) == (0,)
+
+    call_command("migrate", "django_idempotency", verbosity=0)
+    relkind = "SELECT relkind FROM pg_class WHERE oid = 'django_idempotency_record'::regclass"
+    assert fetch_one(relkind) == ("p",)
+    assert_migrated_schema_works()
