@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, replace
 from datetime import datetime, timedelta
 from typing import Any
 
@@ -52,6 +52,30 @@ class Pending:
 
 
 @dataclass(frozen=True)
+class Attempt:
+    """What a request asks to claim."""
+
+    scope: str
+    key: str
+    method: str
+    path: str
+    fingerprint: dict[str, str]
+    ttl: timedelta
+
+    def pending(self, created_at: datetime, id: int | None = None) -> Pending:
+        return Pending(
+            scope=self.scope,
+            key=self.key,
+            method=self.method,
+            path=self.path,
+            fingerprint=self.fingerprint,
+            created_at=created_at,
+            expires_at=created_at + self.ttl,
+            id=id,
+        )
+
+
+@dataclass(frozen=True)
 class Claim:
     outcome: str  # WON, FOUND, EXPIRED or BUSY
     record: Record | None = None
@@ -82,9 +106,10 @@ def claim(
     Waits up to ``wait`` for an in-flight holder to finish. Must run inside ``atomic``;
     the claim lasts until that transaction ends.
     """
+    attempt = Attempt(scope, key, method, path, fingerprint, ttl)
     connection = connections[using]
     if connection.vendor != "postgresql":
-        return _claim_plain(using, scope, key, method, path, fingerprint, ttl, gone, now)
+        return _claim_plain(using, attempt, gone, now)
     wait_ms = max(0, int(wait.total_seconds() * 1000))
     with connection.cursor() as cursor:
         cursor.execute(
@@ -99,11 +124,7 @@ def claim(
     if outcome == BUSY:
         return Claim(BUSY)
     if outcome == WON:
-        created_at = fields[1]
-        return Claim(WON, pending=Pending(
-            scope=scope, key=key, method=method, path=path, fingerprint=fingerprint,
-            created_at=created_at, expires_at=created_at + ttl,
-        ))
+        return Claim(WON, pending=attempt.pending(fields[1]))
     fields[5] = _jsonb(fields[5])
     fields[8] = _jsonb(fields[8])
     if fields[9] is not None:
@@ -111,40 +132,30 @@ def claim(
     return Claim(outcome, record=Record(*fields))
 
 
-def _claim_plain(
-    using: str,
-    scope: str,
-    key: str,
-    method: str,
-    path: str,
-    fingerprint: dict[str, str],
-    ttl: timedelta,
-    gone: timedelta,
-    now: datetime | None,
-) -> Claim:
+def _claim_plain(using: str, attempt: Attempt, gone: timedelta, now: datetime | None) -> Claim:
     """Other databases: a plain table with a unique (scope, key) index. The claim inserts
     an in-progress row; a concurrent claimer loses on the index; an expired row is
     replaced."""
     now = now or timezone.now()
     records = IdempotencyRecord.objects.using(using)
-    existing = records.filter(scope=scope, key=key).first()
+    existing = records.filter(scope=attempt.scope, key=attempt.key).first()
     if existing is not None:
         if existing.expires_at + gone > now:
             outcome = FOUND if existing.expires_at > now else EXPIRED
             return Claim(outcome, record=_record(existing))
         existing.delete()
+    pending = attempt.pending(now)
     try:
         with transaction.atomic(using=using):
-            created = records.create(
-                scope=scope, key=key, method=method, path=path, fingerprint=fingerprint,
-                created_at=now, expires_at=now + ttl,
-            )
+            created = records.create(**_identity(pending))
     except IntegrityError:
         return Claim(BUSY)
-    return Claim(WON, pending=Pending(
-        scope=scope, key=key, method=method, path=path, fingerprint=fingerprint,
-        created_at=now, expires_at=now + ttl, id=created.pk,
-    ))
+    return Claim(WON, pending=replace(pending, id=created.pk))
+
+
+def _identity(pending: Pending) -> dict[str, Any]:
+    """The record's columns that the claim decides (all but the id and the response)."""
+    return {name: value for name, value in asdict(pending).items() if name != "id"}
 
 
 def _record(obj: IdempotencyRecord) -> Record:
@@ -174,11 +185,7 @@ def complete(
     }
     records = IdempotencyRecord.objects.using(using)
     if pending.id is None:
-        records.create(
-            scope=pending.scope, key=pending.key, method=pending.method, path=pending.path,
-            fingerprint=pending.fingerprint, created_at=pending.created_at,
-            expires_at=pending.expires_at, **response,
-        )
+        records.create(**_identity(pending), **response)
     else:
         records.filter(pk=pending.id).update(**response)
 
