@@ -7,6 +7,7 @@ from datetime import timedelta
 from typing import Any
 
 import pytest
+import requests
 from django.core.exceptions import ImproperlyConfigured
 from django.db import connection
 from django.test import Client, RequestFactory
@@ -664,3 +665,29 @@ def test_prefer_wait_is_parsed_and_ill_formed_preferences_are_ignored(
 ) -> None:
     request = RequestFactory().post("/", headers={"Prefer": header} if header else {})
     assert prefer_wait(request) == expected
+
+
+@pytest.mark.django_db(transaction=True)
+@ENDPOINTS
+def test_store_lost_after_the_view_ran_is_503_store_unavailable_and_nothing_commits(
+    live_server, path: str
+) -> None:
+    key, script = new_key(), ScriptFactory(lose_connection=True)
+
+    def post() -> requests.Response:
+        return requests.post(
+            live_server.url + path, data=json.dumps(script), timeout=60,
+            headers={"Content-Type": "application/json", "Idempotency-Key": key},
+        )  # fmt: skip
+
+    lost = post()
+    assert lost.status_code == 503
+    assert lost.headers["Content-Type"] == "application/problem+json"
+    assert lost.json()["type"].endswith("store-unavailable")
+    assert int(lost.headers["Retry-After"]) >= 1
+    assert business_rows(script["tag"]) == 0
+    assert not IdempotencyRecord.objects.exists()
+
+    retry = post()
+    assert retry.status_code == 201
+    assert retry.json()["execution"] == 2

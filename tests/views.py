@@ -4,6 +4,7 @@ The request body is a script (see ``tests.factories.ScriptFactory``): ``tag`` na
 run, ``status`` the answer, ``fail`` (``"raise"`` or a status via ``fail_status``, with
 ``once``) a failure after the business write, ``gate`` holds the first call until the test
 opens it, ``reject`` (``"invalid"``, ``"notfound"``) answers 400/404 before writing,
+``lose_connection`` has the server end the connection after the write,
 ``headers`` / ``cookie`` / ``pad`` / ``random_bytes`` / ``stream`` shape the response.
 
 Every run writes one ``auth.Group`` named ``<tag>:<n>`` (the business row) and is counted
@@ -24,6 +25,7 @@ from typing import Any
 
 from django.contrib.auth.decorators import login_required
 from django.contrib.auth.models import Group
+from django.db import connection
 from django.http import HttpRequest, HttpResponse, JsonResponse, StreamingHttpResponse
 from django.http.response import HttpResponseBase
 from django.views.decorators.csrf import csrf_exempt
@@ -104,6 +106,25 @@ def business_rows(tag: str) -> int:
     return Group.objects.filter(name__startswith=f"{tag}:").count()
 
 
+def lose_connection() -> None:
+    """Have the database server end this thread's connection, as a failover or a network
+    cut would, while the handler keeps going."""
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT pg_backend_pid()")
+        (pid,) = cursor.fetchone()
+
+    def terminate() -> None:
+        try:
+            with connection.cursor() as cursor:
+                cursor.execute("SELECT pg_terminate_backend(%s)", [pid])
+        finally:
+            connection.close()
+
+    killer = threading.Thread(target=terminate)
+    killer.start()
+    killer.join(30)
+
+
 def perform(script: Mapping[str, Any]) -> tuple[int, dict[str, Any]]:
     """Run a script: count, maybe wait, maybe reject, write the row, maybe fail."""
     tag = str(script.get("tag", "untagged"))
@@ -118,6 +139,8 @@ def perform(script: Mapping[str, Any]) -> tuple[int, dict[str, Any]]:
     if reject == "notfound":
         raise NotFound("No such thing.")
     group = Group.objects.create(name=f"{tag}:{n}")
+    if script.get("lose_connection") and n == 1:
+        lose_connection()
     failing = bool(script.get("fail")) and (n == 1 or not script.get("once"))
     if failing and script["fail"] == "raise":
         raise Boom(f"{tag} failed after writing")
