@@ -691,3 +691,14 @@ def test_store_lost_after_the_view_ran_is_503_store_unavailable_and_nothing_comm
     retry = post()
     assert retry.status_code == 201
     assert retry.json()["execution"] == 2
+
+
+@pytest.mark.django_db
+@ENDPOINTS
+@pytest.mark.parametrize("wait", ["99999999999999999999", "²"])
+def test_outlandish_prefer_wait_is_never_a_500(client, path: str, wait: str) -> None:
+    # A huge number is capped by IDEMPOTENCY_MAX_WAIT; other digits are ill-formed.
+    response = send(client, "POST", path, ScriptFactory(), key=new_key(), headers={
+        "Prefer": f"wait={wait}"
+    })  # fmt: skip
+    assert response.status_code == 201
