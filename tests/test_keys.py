@@ -220,3 +220,12 @@ def test_long_principal_is_hashed_to_fit_the_column_and_stays_distinct() -> None
     assert len(first) <= 255
     assert first.startswith("sha256:")
     assert first != second
+
+
+@pytest.mark.django_db
+def test_keys_are_case_sensitive(client) -> None:
+    script = ScriptFactory()
+    send(client, "POST", "/drf/", script, key="Key-ABC")
+    other = send(client, "POST", "/drf/", script, key="key-abc")
+    assert "Idempotent-Replayed" not in other
+    assert CALLS[script["tag"]] == 2

@@ -6,6 +6,8 @@ import json
 from typing import Any
 
 import pytest
+from rest_framework.authentication import BaseAuthentication
+from rest_framework.parsers import JSONParser, MultiPartParser
 from rest_framework.permissions import AllowAny
 from rest_framework.response import Response
 from rest_framework.test import APIClient, APIRequestFactory
@@ -202,3 +204,45 @@ def test_get_idempotency_options_hook_can_decide_per_request() -> None:
     assert strict.status_code == 400
     assert json.loads(strict.content)["type"].endswith("missing-key")
     assert lenient.status_code == 201
+
+
+class BodyKeyAuthentication(BaseAuthentication):
+    """Reads the request body before the key is claimed, as some API-key schemes do."""
+
+    def authenticate(self, request: Any) -> Any:
+        request.data.get("api_key")
+        return None
+
+
+class ReadsBodyFirst(IdempotencyMixin, APIView):
+    authentication_classes = [BodyKeyAuthentication]
+    permission_classes = [AllowAny]
+    parser_classes = [JSONParser, MultiPartParser]
+
+    def post(self, request: Any) -> Response:
+        tag = request.query_params["tag"]
+        return Response({"execution": CALLS.hit(tag), "nonce": new_key()}, status=201)
+
+
+@pytest.mark.parametrize("multipart", [False, True], ids=["json", "multipart"])
+def test_body_read_by_an_authenticator_is_still_fingerprinted(multipart: bool) -> None:
+    view, factory, key, tag = ReadsBodyFirst.as_view(), APIRequestFactory(), new_key(), new_key()
+
+    def post(amount: str) -> Any:
+        request = factory.post(
+            f"/reads-body/?tag={tag}", {"api_key": "k", "amount": amount},
+            format="multipart" if multipart else "json", headers={"Idempotency-Key": key},
+        )  # fmt: skip
+        response = view(request)
+        # A replay or a problem is a finished HttpResponse; the view's own is a Response.
+        return response.render() if hasattr(response, "render") else response
+
+    first = post("1")
+    retry = post("1")
+    changed = post("2")
+    assert first.status_code == 201
+    assert retry["Idempotent-Replayed"] == "true"
+    assert retry.content == first.content
+    assert changed.status_code == 422
+    assert json.loads(changed.content)["differing"] == ["body"]
+    assert CALLS[tag] == 1
