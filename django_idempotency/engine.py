@@ -7,8 +7,8 @@ import logging
 import sys
 import time
 import zlib
-from collections.abc import Iterable
-from contextlib import ExitStack
+from collections.abc import Iterable, Iterator
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
@@ -104,9 +104,28 @@ def prefer_wait(request: HttpRequest) -> int | None:
         token = preference.split(";", 1)[0]
         name, eq, value = token.partition("=")
         value = value.strip().strip('"')
-        if name.strip().lower() == "wait" and eq and value.isdigit():
+        if name.strip().lower() == "wait" and eq and value.isascii() and value.isdigit():
             return int(value)
     return None
+
+
+def store_unavailable(detail: str) -> StoreUnavailable:
+    error = StoreUnavailable(detail)
+    error.headers["Retry-After"] = str(RETRY_AFTER_SECONDS)
+    return error
+
+
+@contextmanager
+def failing_closed() -> Iterator[None]:
+    """Turn a lost database connection into 503 store-unavailable: the view does not run
+    unprotected, and the client is told to retry."""
+    try:
+        yield
+    except _LOST_STORE as exc:
+        raise store_unavailable(
+            "The idempotency store is unavailable, so the request was not processed. "
+            "Retry with the same key."
+        ) from exc
 
 
 def _short(key: str) -> str:
@@ -153,19 +172,18 @@ class Execution:
         if stack is None:
             return response
         try:
-            self._close_view_block((None, None, None))
-            stored = self._store(response)
-        except BaseException:
-            self._rollback(stack, sys.exc_info())
-            raise
-        try:
+            try:
+                self._close_view_block((None, None, None))
+                stored = self._store(response)
+            except BaseException:
+                self._rollback(stack, sys.exc_info())
+                raise
             stack.close()
         except _LOST_STORE as exc:
-            error = StoreUnavailable(
+            error = store_unavailable(
                 "The response could not be committed; nothing was saved. Retry with the same key."
             )
             error.headers.update(self._extra_headers)
-            error.headers["Retry-After"] = str(RETRY_AFTER_SECONDS)
             raise error from exc
         for name, value in self._extra_headers.items():
             response[name] = value
@@ -292,12 +310,14 @@ def begin(
             raise MissingKey(f"This endpoint requires an {conf.HEADER} header.")
         return None
     key = parse_key(raw)
-    principal = principal_for(principal_request or request, options.principal)
+    with failing_closed():  # the user may be loaded from the database only now
+        principal = principal_for(principal_request or request, options.principal)
     parts = fingerprint(request, options.exclude_fields, options.fingerprint_headers)
 
     preferred = prefer_wait(request)
-    wait = options.wait if preferred is None else timedelta(seconds=preferred)
-    wait = min(wait, conf.MAX_WAIT)
+    # Capped before it becomes a timedelta: a client may send any number of digits.
+    asked = options.wait if preferred is None else timedelta(seconds=min(preferred, 86400))
+    wait = min(asked, conf.MAX_WAIT)
     extra_headers = (
         {"Preference-Applied": f"wait={int(wait.total_seconds())}"} if preferred is not None else {}
     )
@@ -307,7 +327,8 @@ def begin(
     using = router.db_for_write(IdempotencyRecord)
     started = time.monotonic()
     try:
-        stack, claimed = _claim(using, key, principal, request, parts, options, wait, now)
+        with failing_closed():
+            stack, claimed = _claim(using, key, principal, request, parts, options, wait, now)
     except IdempotencyError as exc:
         exc.headers.update(extra_headers)
         raise
@@ -401,12 +422,7 @@ def _claim(
             logger.error("No partition for today's idempotency records; creating it now")
             storage.create_current_partition(using)
             return _claim(using, key, principal, request, parts, options, wait, now, False)
-        if isinstance(exc, (*_LOST_STORE, storage.PartitionMissing)):
-            error = StoreUnavailable(
-                "The idempotency store is unavailable, so the request was not processed. "
-                "Retry with the same key."
-            )
-            error.headers["Retry-After"] = str(RETRY_AFTER_SECONDS)
-            raise error from exc
+        if isinstance(exc, storage.PartitionMissing):
+            raise store_unavailable("No partition accepts today's records.") from exc
         raise
     return stack, claimed

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from contextlib import nullcontext
 from collections.abc import Sequence
 from datetime import timedelta
 from typing import Any
@@ -73,13 +74,15 @@ class IdempotencyMixin:
     def initial(self, request: Request, *args: Any, **kwargs: Any) -> None:
         options = self.get_idempotency_options()
         django_request = request._request
-        if engine.covers(django_request, options):
-            # Keep the raw body for the fingerprint before an authenticator, permission
-            # or throttle reads request.data, which consumes the stream. Multipart is
-            # fingerprinted from the parsed fields instead.
-            if django_request.content_type != "multipart/form-data":
-                django_request.body  # noqa: B018
-        super().initial(request, *args, **kwargs)  # type: ignore[misc]
+        covered = engine.covers(django_request, options)
+        # Keep the raw body for the fingerprint before an authenticator, permission or
+        # throttle reads request.data, which consumes the stream. Multipart is
+        # fingerprinted from the parsed fields instead.
+        if covered and django_request.content_type != "multipart/form-data":
+            django_request.body  # noqa: B018
+        # Authentication usually queries the same database: if it is gone, answer 503.
+        with engine.failing_closed() if covered else nullcontext():
+            super().initial(request, *args, **kwargs)  # type: ignore[misc]
         result = engine.begin(
             django_request,
             options,
@@ -119,6 +122,3 @@ class IdempotencyMixin:
             execution, self._idempotency = self._idempotency, None
             if execution is not None:
                 execution.abort()
-
-
-
