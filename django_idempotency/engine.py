@@ -8,7 +8,7 @@ import sys
 import time
 import zlib
 from collections.abc import Iterable, Iterator
-from contextlib import ExitStack, contextmanager
+from contextlib import ExitStack, contextmanager, suppress
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
@@ -413,10 +413,8 @@ def _claim(
             now=now,
         )
     except BaseException as exc:
-        try:
+        with suppress(DatabaseError):
             stack.__exit__(type(exc), exc, exc.__traceback__)
-        except DatabaseError:
-            pass
         if isinstance(exc, storage.PartitionMissing) and retry:
             # Maintenance has not run for days; make today's partition and claim again.
             logger.error("No partition for today's idempotency records; creating it now")

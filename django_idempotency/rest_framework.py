@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import time
-from contextlib import nullcontext
 from collections.abc import Sequence
+from contextlib import nullcontext
 from datetime import timedelta
 from typing import Any
 
