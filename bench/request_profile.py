@@ -96,7 +96,7 @@ def main(argv: list[str] | None = None) -> int:
 
     missing = install_probes()
     client = Client(SERVER_NAME="127.0.0.1")
-    auth = {"HTTP_AUTHORIZATION": f"Token {TOKEN}"}
+    auth = {"Authorization": f"Token {TOKEN}"}
     keys: list[str] = []
     rng = random.Random(1)
 
@@ -104,10 +104,10 @@ def main(argv: list[str] | None = None) -> int:
         headers = dict(auth)
         if mode == FRESH:
             keys.append(str(uuid.uuid4()))
-            headers["HTTP_IDEMPOTENCY_KEY"] = keys[-1]
+            headers["Idempotency-Key"] = keys[-1]
         elif mode == REPLAY:
-            headers["HTTP_IDEMPOTENCY_KEY"] = rng.choice(keys)
-        response = client.post(PATHS[mode], BODY, content_type="application/json", **headers)
+            headers["Idempotency-Key"] = rng.choice(keys)
+        response = client.post(PATHS[mode], BODY, content_type="application/json", headers=headers)
         if response.status_code != 201:
             raise SystemExit(f"{mode}: {response.status_code} {response.content[:300]!r}")
 

@@ -68,7 +68,9 @@ def parser() -> argparse.ArgumentParser:
         default=100_000,
         help="rows in each claim benchmark table before measuring (default: 100000)",
     )
-    p.add_argument("--pgbench", help="the pgbench binary (default: the newest one found)")
+    p.add_argument(
+        "--pgbench", help="the pgbench binary (default: the newest one found); none: Python threads"
+    )
     p.add_argument("--seed", type=int, default=1, help="random seed for the request order")
     return p
 
