@@ -11,6 +11,7 @@ import os
 import sys
 from dataclasses import asdict, dataclass
 from datetime import UTC, datetime
+from urllib.parse import urlsplit, urlunsplit
 
 BENCHMARKS = {
     "request": "bench.request_bench",
@@ -75,6 +76,14 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
+def redacted(url: str) -> str:
+    """The URL without its password, fit for a results file."""
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    return urlunsplit(parts._replace(netloc=parts.netloc.replace(f":{parts.password}@", ":***@")))
+
+
 def main(argv: list[str] | None = None) -> int:
     p = parser()
     args = p.parse_args(argv)
@@ -88,6 +97,7 @@ def main(argv: list[str] | None = None) -> int:
     from bench.server import database_url, prepare
 
     started = datetime.now(UTC)
+    load_at_start = os.getloadavg()
     url = database_url(args.database_url, args.reset)
     quick = args.quick
     options = Options(
@@ -111,7 +121,12 @@ def main(argv: list[str] | None = None) -> int:
         section = module.run(options)
         print(report.render(section) + "\n", flush=True)
         sections.append(section)
-    settings = {**asdict(options), "quick": quick}
+    settings = {
+        **asdict(options),
+        "database_url": redacted(url),
+        "quick": quick,
+        "load_average_at_start": load_at_start,
+    }
     path = report.save(sections, settings, started)
     failed = [s.title for s in sections if not s.passed]
     print(f"results: {path}")
