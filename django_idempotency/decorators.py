@@ -8,13 +8,18 @@ from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import Any, TypeVar, overload
 
-from django.http import HttpRequest
+from django.core.exceptions import BadRequest, PermissionDenied, SuspiciousOperation
+from django.core.handlers.exception import response_for_exception
+from django.http import Http404, HttpRequest
 from django.http.response import HttpResponseBase
 
 from django_idempotency import engine
 from django_idempotency.conf import PrincipalFunc
 from django_idempotency.exceptions import IdempotencyError
 from django_idempotency.problems import problem_response
+
+# Exceptions that Django turns into a 4xx response rather than a 500.
+CLIENT_ERRORS = (Http404, PermissionDenied, BadRequest, SuspiciousOperation)
 
 View = TypeVar("View", bound=Callable[..., HttpResponseBase])
 
@@ -56,6 +61,10 @@ def idempotent(view: Any = None, **overrides: Any) -> Any:
                 return result
             try:
                 response = func(request, *args, **kwargs)
+            except CLIENT_ERRORS as exc:
+                # Django would answer these with a 4xx after we returned; answer here, so
+                # the outcome is stored and replayed as the same 4xx from DRF would be.
+                response = response_for_exception(request, exc)
             except BaseException:
                 result.abort()
                 raise

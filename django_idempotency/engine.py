@@ -230,11 +230,10 @@ class Execution:
                 "for replay. Return a regular response from this view."
             )
         code = response.status_code
-        if code >= 500:
+        # Not stored means the retry runs the view again, so nothing the view wrote may
+        # stay either: an unstored outcome rolls back like a 5xx.
+        if code >= 500 or code in conf.UNSTORED_STATUSES:
             transaction.set_rollback(True, using=self.using)
-            return False
-        if code in conf.UNSTORED_STATUSES:
-            storage.release(self.using, self.pending)
             return False
         render = getattr(response, "render", None)
         if render is not None and not getattr(response, "is_rendered", True):

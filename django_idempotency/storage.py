@@ -161,9 +161,15 @@ def _identity(pending: Pending) -> dict[str, Any]:
 def _record(obj: IdempotencyRecord) -> Record:
     body = obj.response_body
     return Record(
-        id=obj.pk, created_at=obj.created_at, expires_at=obj.expires_at, method=obj.method,
-        path=obj.path, fingerprint=obj.fingerprint, status=obj.status,
-        response_code=obj.response_code, response_headers=obj.response_headers,
+        id=obj.pk,
+        created_at=obj.created_at,
+        expires_at=obj.expires_at,
+        method=obj.method,
+        path=obj.path,
+        fingerprint=obj.fingerprint,
+        status=obj.status,
+        response_code=obj.response_code,
+        response_headers=obj.response_headers,
         response_body=bytes(body) if body is not None else None,
         body_encoding=obj.body_encoding,
     )
@@ -180,20 +186,17 @@ def complete(
 ) -> None:
     """Write the finished record, in the claim's transaction."""
     response = {
-        "status": IdempotencyRecord.Status.COMPLETED, "response_code": code,
-        "response_headers": headers, "response_body": body, "body_encoding": encoding,
+        "status": IdempotencyRecord.Status.COMPLETED,
+        "response_code": code,
+        "response_headers": headers,
+        "response_body": body,
+        "body_encoding": encoding,
     }
     records = IdempotencyRecord.objects.using(using)
     if pending.id is None:
         records.create(**_identity(pending), **response)
     else:
         records.filter(pk=pending.id).update(**response)
-
-
-def release(using: str, pending: Pending) -> None:
-    """Give up a claim whose outcome is not stored, so the key is free again."""
-    if pending.id is not None:
-        IdempotencyRecord.objects.using(using).filter(pk=pending.id).delete()
 
 
 def create_current_partition(using: str) -> None:

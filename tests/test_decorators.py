@@ -128,3 +128,18 @@ def test_decorator_and_mixin_produce_the_same_errors(
             response = send(client, "POST", prefix + suffix, script, key=key)
         bodies.append((response.status_code, problem(response)))
     assert bodies[0] == bodies[1]
+
+
+@pytest.mark.urls("tests.urls")
+@pytest.mark.parametrize(("reject", "status"), [("raise404", 404), ("forbidden", 403)])
+def test_http404_and_permission_denied_are_stored_and_replayed_like_drf(
+    client, reject: str, status: int
+) -> None:
+    key, script = new_key(), ScriptFactory(reject=reject)
+    first = send(client, "POST", "/plain/", script, key=key)
+    retry = send(client, "POST", "/plain/", script, key=key)
+    assert first.status_code == status
+    assert retry.status_code == status
+    assert retry["Idempotent-Replayed"] == "true"
+    assert retry.content == first.content
+    assert CALLS[script["tag"]] == 1

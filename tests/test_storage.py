@@ -202,15 +202,3 @@ def test_claim_without_a_partition_for_its_day_raises_partition_missing() -> Non
     far_future = datetime(2199, 1, 1, 12, tzinfo=UTC)
     with pytest.raises(storage.PartitionMissing), transaction.atomic():
         claim("anonymous", new_key(), now=far_future)
-
-
-@pytest.mark.django_db
-def test_release_of_a_pending_claim_leaves_no_row() -> None:
-    key = new_key()
-    with transaction.atomic():
-        claimed = claim("anonymous", key)
-        assert claimed.pending is not None
-        storage.release(DEFAULT_DB_ALIAS, claimed.pending)
-    assert not IdempotencyRecord.objects.filter(key=key).exists()
-    with transaction.atomic():
-        assert claim("anonymous", key).outcome == storage.WON

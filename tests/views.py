@@ -25,8 +25,9 @@ from typing import Any
 
 from django.contrib.auth.decorators import login_required
 from django.contrib.auth.models import Group
+from django.core.exceptions import PermissionDenied
 from django.db import connection
-from django.http import HttpRequest, HttpResponse, JsonResponse, StreamingHttpResponse
+from django.http import Http404, HttpRequest, HttpResponse, JsonResponse, StreamingHttpResponse
 from django.http.response import HttpResponseBase
 from django.views.decorators.csrf import csrf_exempt
 from rest_framework import serializers, viewsets
@@ -314,6 +315,10 @@ def _plain(request: HttpRequest) -> HttpResponseBase:
     if reject:
         # Plain Django has no exception for a validation error: a view answers 4xx itself.
         CALLS.hit(str(script.get("tag")))
+        if reject == "raise404":
+            raise Http404("No such thing.")
+        if reject == "forbidden":
+            raise PermissionDenied
         status = 404 if reject == "notfound" else 400
         return JsonResponse({"error": reject}, status=status)
     status, payload = perform(script)

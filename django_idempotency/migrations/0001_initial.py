@@ -34,9 +34,7 @@ CREATE TABLE django_idempotency_record (
 ) PARTITION BY RANGE (created_at)
 """
 
-SCOPE_KEY_INDEX = (
-    "CREATE INDEX idempotency_scope_key ON django_idempotency_record (scope, key)"
-)
+SCOPE_KEY_INDEX = "CREATE INDEX idempotency_scope_key ON django_idempotency_record (scope, key)"
 
 # The claim, in one round trip. The advisory lock and the lookup must be separate
 # statements: a plpgsql statement takes its snapshot when it starts, so only a lookup
