@@ -4,10 +4,13 @@
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
+from datetime import timedelta
 from typing import Any
 
 from django.apps import AppConfig, apps
+from django.conf import settings
 from django.core.checks import CheckMessage, Error, Tags, register
 from django.core.checks import Warning as CheckWarning
 from django.db import connections, router
@@ -20,6 +23,30 @@ SCHEDULE_HINT = (
     "Run `manage.py idempotency_partitions` now, and schedule it hourly: the Celery task "
     "django_idempotency.maintain_partitions (IDEMPOTENCY_BEAT_REGISTER = True with "
     "django-celery-beat), cron, or a Kubernetes CronJob."
+)
+
+
+# RFC 9110 token characters, less "_": WSGI servers drop header names with underscores.
+HEADER_NAME = re.compile(r"[!#$%&'*+\-.^`|~0-9A-Za-z]+")
+SAFE_METHODS = frozenset({"GET", "HEAD", "OPTIONS", "TRACE"})
+ERROR_FORMATS = ("problem", "stripe")
+# (setting, smallest value allowed)
+DURATIONS = (
+    ("TTL", timedelta.resolution),
+    ("MAX_TTL", timedelta.resolution),
+    ("EXPIRED_WINDOW", timedelta(0)),
+    ("WAIT", timedelta(0)),
+    ("MAX_WAIT", timedelta(0)),
+    ("PARTITION_GRACE", timedelta(0)),
+    # 0 would disable PostgreSQL's lock_timeout: DDL could then queue requests behind it.
+    ("DDL_LOCK_TIMEOUT", timedelta.resolution),
+)
+INTEGERS = (
+    ("COMPRESS_MIN_BYTES", 0),
+    ("MAX_RESPONSE_BYTES", 1),
+    # Fewer would raise django_idempotency.W101 all the time.
+    ("PARTITIONS_AHEAD", 2),
+    ("DELETE_BATCH_SIZE", 1),
 )
 
 
@@ -108,6 +135,156 @@ def check_partitions(
                     "exclusive lock.",
                     hint="Move its rows out and drop it; django_idempotency never creates one.",
                     id="django_idempotency.W103",
+                )
+            )
+    return messages
+
+
+def _as_written(name: str) -> Any:
+    # conf normalises some values (upper-cased methods, int()); a check must see them as
+    # the user wrote them.
+    return getattr(settings, f"IDEMPOTENCY_{name}", None)
+
+
+@register()
+def check_settings(app_configs: Sequence[AppConfig] | None, **kwargs: Any) -> list[CheckMessage]:
+    if not _ours(app_configs):
+        return []
+    messages: list[CheckMessage] = []
+    header = conf.HEADER
+    if not HEADER_NAME.fullmatch(header):
+        messages.append(
+            Error(
+                f"IDEMPOTENCY_HEADER {header!r} is not an HTTP header name.",
+                hint="Use letters, digits and hyphens, such as the default 'Idempotency-Key'. "
+                "Underscores are out: web servers drop headers whose name has one.",
+                id="django_idempotency.E002",
+            )
+        )
+    invalid = set()
+    for name, least in DURATIONS:
+        value = getattr(conf, name)
+        if not isinstance(value, timedelta) or value < least:
+            invalid.add(name)
+            wanted = "a positive timedelta" if least else "a timedelta, zero or more"
+            messages.append(
+                Error(
+                    f"IDEMPOTENCY_{name} is {value!r}; it must be {wanted}.",
+                    hint=f"Set IDEMPOTENCY_{name} to a datetime.timedelta, or remove it to "
+                    "use its default.",
+                    id="django_idempotency.E003",
+                )
+            )
+    for default, maximum in (("TTL", "MAX_TTL"), ("WAIT", "MAX_WAIT")):
+        low, high = getattr(conf, default), getattr(conf, maximum)
+        if not invalid & {default, maximum} and low > high:
+            messages.append(
+                Error(
+                    f"IDEMPOTENCY_{default} ({low}) is longer than IDEMPOTENCY_{maximum} "
+                    f"({high}), which caps it.",
+                    hint=f"Lower IDEMPOTENCY_{default} or raise IDEMPOTENCY_{maximum}.",
+                    id="django_idempotency.E004",
+                )
+            )
+    if conf.ERROR_FORMAT not in ERROR_FORMATS:
+        messages.append(
+            Error(
+                f"IDEMPOTENCY_ERROR_FORMAT {conf.ERROR_FORMAT!r} is not a known error format.",
+                hint='Use "problem" (RFC 9457 problem details, the default) or "stripe".',
+                id="django_idempotency.E005",
+            )
+        )
+    methods = _as_written("METHODS")
+    if methods is not None:
+        if isinstance(methods, str) or not all(isinstance(m, str) for m in methods):
+            safe = "not a list of method names"
+        else:
+            safe = ", ".join(sorted(SAFE_METHODS & {m.upper() for m in methods}))
+        if safe:
+            messages.append(
+                Error(
+                    f"IDEMPOTENCY_METHODS {methods!r}: {safe}.",
+                    hint='List unsafe methods only, such as ["POST", "PATCH"]: safe methods '
+                    "change nothing, so they need no key and their answers must stay fresh.",
+                    id="django_idempotency.E006",
+                )
+            )
+    for name, least in INTEGERS:
+        number = _as_written(name)
+        if number is not None and (
+            not isinstance(number, int) or isinstance(number, bool) or number < least
+        ):
+            messages.append(
+                Error(
+                    f"IDEMPOTENCY_{name} is {number!r}; it must be an integer of at least {least}.",
+                    hint=f"Remove IDEMPOTENCY_{name} to use its default.",
+                    id="django_idempotency.E008",
+                )
+            )
+    principal = _as_written("PRINCIPAL")
+    if principal is not None:
+        try:
+            func = conf.PRINCIPAL
+        except ImportError as exc:
+            problem = f"cannot be imported ({exc})"
+        else:
+            problem = "" if callable(func) else "is not callable"
+        if problem:
+            messages.append(
+                Error(
+                    f"IDEMPOTENCY_PRINCIPAL {principal!r} {problem}.",
+                    hint="Give a function taking the request and returning a string, or its "
+                    'dotted path, such as "myproject.api.tenant_of".',
+                    id="django_idempotency.E009",
+                )
+            )
+    return messages
+
+
+@register()
+def check_databases(app_configs: Sequence[AppConfig] | None, **kwargs: Any) -> list[CheckMessage]:
+    """What the DATABASES setting means for the records' database; no query is made."""
+    if not _ours(app_configs):
+        return []
+    messages: list[CheckMessage] = []
+    alias = router.db_for_write(IdempotencyRecord)
+    connection = connections[alias]
+    if connection.vendor != "postgresql":
+        messages.append(
+            CheckWarning(
+                f"Idempotency records are stored on {connection.display_name} (database "
+                f"{alias!r}) in a plain table: expired records leave by batched DELETEs and a "
+                "duplicate request gets 409 at once instead of waiting for the replay.",
+                hint="This fallback is meant for development; use PostgreSQL in production.",
+                id="django_idempotency.W003",
+            )
+        )
+    else:
+        from django.db.backends.postgresql.psycopg_any import IsolationLevel
+
+        level = connection.settings_dict.get("OPTIONS", {}).get("isolation_level")
+        if level is not None and level != IsolationLevel.READ_COMMITTED:
+            messages.append(
+                Error(
+                    f"Database {alias!r}, where idempotency records are stored, runs at "
+                    f"isolation level {level!r}: the claim needs READ COMMITTED, and refuses "
+                    "to run, so every idempotent request would fail.",
+                    hint=f"Remove 'isolation_level' from DATABASES[{alias!r}]['OPTIONS'], or "
+                    "route IdempotencyRecord to a database that runs at READ COMMITTED.",
+                    id="django_idempotency.E007",
+                )
+            )
+    for other in connections:
+        if other != alias and connections[other].settings_dict.get("ATOMIC_REQUESTS"):
+            messages.append(
+                CheckWarning(
+                    f"ATOMIC_REQUESTS is on for database {other!r}, but idempotency records "
+                    f"are stored on {alias!r}: the record commits before the request's "
+                    f"transaction on {other!r} does, so if that commit fails, retries replay a "
+                    "response whose writes never happened.",
+                    hint="Route IdempotencyRecord to the database your idempotent views write "
+                    "to; only writes to that database commit together with the record.",
+                    id="django_idempotency.W002",
                 )
             )
     return messages

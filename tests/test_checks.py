@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import os
 import re
+import subprocess
+import sys
 from datetime import timedelta
 from io import StringIO
 from pathlib import Path
@@ -16,6 +19,8 @@ from django.test import modify_settings, override_settings
 from django_idempotency import checks
 from django_idempotency.partitions import TABLE, partition_name
 from tests.test_partitions import execute, today
+
+ROOT = Path(__file__).resolve().parent.parent
 
 pytestmark = pytest.mark.django_db
 
@@ -116,8 +121,245 @@ def test_check_ids_are_unique() -> None:
     assert sorted(found) == sorted(set(found))
     assert set(found) == {
         "django_idempotency.E001",
+        "django_idempotency.E002",
+        "django_idempotency.E003",
+        "django_idempotency.E004",
+        "django_idempotency.E005",
+        "django_idempotency.E006",
+        "django_idempotency.E007",
+        "django_idempotency.E008",
+        "django_idempotency.E009",
         "django_idempotency.W001",
+        "django_idempotency.W002",
+        "django_idempotency.W003",
         "django_idempotency.W101",
         "django_idempotency.W102",
         "django_idempotency.W103",
     }
+
+
+# Settings and the DATABASES setting (django_idempotency.E002-E009, W002, W003).
+
+
+def setting_ids() -> list[str]:
+    return ids(checks.check_settings(None))
+
+
+def database_ids() -> list[str]:
+    return ids(checks.check_databases(None))
+
+
+def manage_py_check(tmp_path: Path, extra_settings: str) -> str:
+    """``manage.py check`` in a child process whose settings are the tests' plus
+    ``extra_settings``: for DATABASES layouts a running test cannot switch to."""
+    (tmp_path / "check_settings.py").write_text(
+        "from tests.settings import *  # noqa\n" + extra_settings
+    )
+    done = subprocess.run(
+        [sys.executable, "manage.py", "check"],
+        cwd=ROOT,
+        env={
+            **os.environ,
+            "DJANGO_SETTINGS_MODULE": "check_settings",
+            "PYTHONPATH": os.pathsep.join([str(tmp_path), str(ROOT)]),
+        },
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    return done.stdout + done.stderr
+
+
+def test_default_settings_and_databases_raise_nothing() -> None:
+    assert setting_ids() == []
+    assert database_ids() == []
+
+
+@pytest.mark.parametrize("header", ["Idempotency Key", "Idempotency_Key", "", "Idempotency-Key:"])
+def test_e002_header_that_is_no_header_name(header: str) -> None:
+    with override_settings(IDEMPOTENCY_HEADER=header):
+        (message,) = checks.check_settings(None)
+    assert message.id == "django_idempotency.E002"
+    assert repr(header) in message.msg and "Idempotency-Key" in message.hint
+
+
+@override_settings(IDEMPOTENCY_HEADER="X-Request-Key")
+def test_another_header_name_is_fine() -> None:
+    assert setting_ids() == []
+
+
+@pytest.mark.parametrize(
+    ("name", "value"),
+    [
+        ("TTL", timedelta(0)),
+        ("TTL", 86400),
+        ("MAX_TTL", timedelta(hours=-1)),
+        ("EXPIRED_WINDOW", timedelta(seconds=-1)),
+        ("WAIT", timedelta(seconds=-1)),
+        ("MAX_WAIT", "10s"),
+        ("PARTITION_GRACE", timedelta(minutes=-5)),
+        ("DDL_LOCK_TIMEOUT", timedelta(0)),
+    ],
+)
+def test_e003_duration_out_of_range(name: str, value: object) -> None:
+    with override_settings(**{f"IDEMPOTENCY_{name}": value}):
+        messages = checks.check_settings(None)
+    assert ids(messages) == ["django_idempotency.E003"]
+    assert f"IDEMPOTENCY_{name} is {value!r}" in messages[0].msg
+    assert "timedelta" in messages[0].hint
+
+
+@override_settings(
+    IDEMPOTENCY_WAIT=timedelta(0),
+    IDEMPOTENCY_MAX_WAIT=timedelta(0),
+    IDEMPOTENCY_EXPIRED_WINDOW=timedelta(0),
+)
+def test_zero_waits_and_no_expired_window_are_fine() -> None:
+    assert setting_ids() == []
+
+
+@pytest.mark.parametrize(
+    ("overrides", "named"),
+    [
+        ({"IDEMPOTENCY_TTL": timedelta(hours=48)}, "IDEMPOTENCY_TTL (2 days, 0:00:00)"),
+        ({"IDEMPOTENCY_WAIT": timedelta(seconds=30)}, "IDEMPOTENCY_WAIT (0:00:30)"),
+    ],
+)
+def test_e004_a_default_beyond_its_maximum(overrides: dict[str, timedelta], named: str) -> None:
+    with override_settings(**overrides):
+        (message,) = checks.check_settings(None)
+    assert message.id == "django_idempotency.E004"
+    assert named in message.msg
+    with override_settings(
+        **overrides,
+        IDEMPOTENCY_MAX_TTL=timedelta(days=7),
+        IDEMPOTENCY_MAX_WAIT=timedelta(minutes=1),
+    ):
+        assert setting_ids() == []
+
+
+def test_e005_unknown_error_format() -> None:
+    with override_settings(IDEMPOTENCY_ERROR_FORMAT="json"):
+        (message,) = checks.check_settings(None)
+    assert message.id == "django_idempotency.E005"
+    assert "'json'" in message.msg and '"stripe"' in message.hint
+    with override_settings(IDEMPOTENCY_ERROR_FORMAT="stripe"):
+        assert setting_ids() == []
+
+
+@pytest.mark.parametrize(
+    ("methods", "said"),
+    [
+        (["POST", "get"], ": GET."),
+        (("PATCH", "HEAD", "OPTIONS"), ": HEAD, OPTIONS."),
+        ("POST", "not a list of method names"),
+    ],
+)
+def test_e006_methods_that_are_safe_or_no_list(methods: object, said: str) -> None:
+    with override_settings(IDEMPOTENCY_METHODS=methods):
+        (message,) = checks.check_settings(None)
+    assert message.id == "django_idempotency.E006"
+    assert said in message.msg
+
+
+@override_settings(IDEMPOTENCY_METHODS=["post", "PUT", "DELETE"])
+def test_unsafe_methods_in_any_case_are_fine() -> None:
+    assert setting_ids() == []
+
+
+def test_e007_isolation_level_other_than_read_committed(monkeypatch) -> None:
+    from django.db import connection
+    from django.db.backends.postgresql.psycopg_any import IsolationLevel
+
+    options = {**connection.settings_dict.get("OPTIONS", {})}
+    monkeypatch.setitem(connection.settings_dict, "OPTIONS", options)
+    options["isolation_level"] = IsolationLevel.READ_COMMITTED
+    assert database_ids() == []
+    options["isolation_level"] = IsolationLevel.REPEATABLE_READ
+    (message,) = checks.check_databases(None)
+    assert message.id == "django_idempotency.E007"
+    assert "READ COMMITTED" in message.msg and "isolation_level" in message.hint
+
+
+@pytest.mark.django_db(transaction=True)
+def test_e007_is_right_that_the_claim_refuses_other_levels() -> None:
+    # What the check saves users from: the claim itself refuses to run.
+    from django.db import DatabaseError, connection, transaction
+
+    with pytest.raises(DatabaseError, match="requires READ COMMITTED"):
+        with transaction.atomic():
+            with connection.cursor() as cursor:
+                cursor.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ")
+                cursor.execute("SELECT * FROM django_idempotency_claim('s', 'k', '1 day', '0', 0)")
+
+
+@pytest.mark.parametrize(
+    ("name", "value"),
+    [
+        ("PARTITIONS_AHEAD", 1),
+        ("DELETE_BATCH_SIZE", 0),
+        ("DELETE_BATCH_SIZE", "100"),
+        ("MAX_RESPONSE_BYTES", True),
+        ("COMPRESS_MIN_BYTES", -1),
+    ],
+)
+def test_e008_integer_out_of_range(name: str, value: object) -> None:
+    with override_settings(**{f"IDEMPOTENCY_{name}": value}):
+        (message,) = checks.check_settings(None)
+    assert message.id == "django_idempotency.E008"
+    assert f"IDEMPOTENCY_{name} is {value!r}" in message.msg
+
+
+@pytest.mark.parametrize(
+    ("principal", "said"),
+    [("tests.views.no_such_function", "cannot be imported"), (42, "is not callable")],
+)
+def test_e009_principal_that_is_no_function(principal: object, said: str) -> None:
+    with override_settings(IDEMPOTENCY_PRINCIPAL=principal):
+        (message,) = checks.check_settings(None)
+    assert message.id == "django_idempotency.E009"
+    assert said in message.msg
+
+
+@override_settings(IDEMPOTENCY_PRINCIPAL="tests.views.tenant_principal")
+def test_a_principal_given_by_dotted_path_is_fine() -> None:
+    assert setting_ids() == []
+
+
+def test_w002_atomic_requests_on_another_database_than_the_records(tmp_path: Path) -> None:
+    (tmp_path / "records_router.py").write_text(
+        "class RecordsRouter:\n"
+        "    def db_for_write(self, model, **hints):\n"
+        "        return 'records' if model._meta.app_label == 'django_idempotency' else None\n"
+    )
+    output = manage_py_check(
+        tmp_path,
+        "DATABASES = {'default': {**DATABASES['default'], 'ATOMIC_REQUESTS': True},\n"
+        "             'records': {**DATABASES['default']}}\n"
+        "DATABASE_ROUTERS = ['records_router.RecordsRouter']\n",
+    )
+    assert "django_idempotency.W002" in output
+    assert "ATOMIC_REQUESTS is on for database 'default'" in output
+
+
+def test_atomic_requests_on_the_records_database_is_fine(monkeypatch) -> None:
+    from django.db import connection
+
+    monkeypatch.setitem(connection.settings_dict, "ATOMIC_REQUESTS", True)
+    assert database_ids() == []
+
+
+def test_w003_records_on_a_database_without_partitions(tmp_path: Path) -> None:
+    output = manage_py_check(
+        tmp_path,
+        "DATABASES = {'default': {'ENGINE': 'django.db.backends.sqlite3', "
+        f"'NAME': {str(tmp_path / 'db.sqlite3')!r}}}}}\n",
+    )
+    assert "django_idempotency.W003" in output
+    assert "SQLite" in output and "plain table" in output
+
+
+def test_the_check_command_runs_the_settings_checks() -> None:
+    with override_settings(IDEMPOTENCY_ERROR_FORMAT="json"):
+        with pytest.raises(SystemCheckError, match=r"django_idempotency\.E005"):
+            call_command("check", stderr=StringIO())
