@@ -1,0 +1,135 @@
+"""Fault injectors that run beside the traffic: worker kills, database outages, connection
+cuts, and partition maintenance with its DDL."""
+
+from __future__ import annotations
+
+import importlib.util
+import random
+import signal
+import threading
+import time
+from dataclasses import dataclass
+
+import psycopg
+from psycopg import sql
+
+from django_idempotency.partitions import PARTITION_COMMENT, TABLE
+from tests.conftest import GunicornServer
+from tests.reliability.app import manage, workers
+from tests.reliability.postgres import Database
+from tests.reliability.profiles import Profile
+
+
+@dataclass(frozen=True)
+class Fault:
+    kind: str
+    at: float
+    detail: str
+    ok: bool = True
+
+
+def maintenance_available() -> bool:
+    return (
+        importlib.util.find_spec("django_idempotency.management.commands.idempotency_partitions")
+        is not None
+    )
+
+
+class Injector(threading.Thread):
+    """Base: call ``inject()`` every ``every`` seconds (uniform) until stopped."""
+
+    def __init__(self, every: tuple[float, float], rng: random.Random) -> None:
+        super().__init__(name=type(self).__name__, daemon=True)
+        self.every = every
+        self.rng = rng
+        self.stopping = threading.Event()
+        self.faults: list[Fault] = []
+
+    def run(self) -> None:
+        while not self.stopping.wait(self.rng.uniform(*self.every)):
+            started = time.monotonic()
+            try:
+                kind, detail = self.inject()
+            except Exception as exc:  # recorded, never fatal: the run goes on
+                detail = f"{type(exc).__name__}: {str(exc)[:300]}"
+                self.faults.append(Fault(f"{self.name} error", started, detail, False))
+            else:
+                self.faults.append(Fault(kind, started, detail))
+
+    def inject(self) -> tuple[str, str]:
+        raise NotImplementedError
+
+    def stop(self) -> list[Fault]:
+        self.stopping.set()
+        self.join()
+        return self.faults
+
+
+class ServerFaults(Injector):
+    """kill -9 a gunicorn worker, take the database away for a moment, or cut the app's
+    connections."""
+
+    def __init__(
+        self, server: GunicornServer, database: Database, profile: Profile, rng: random.Random
+    ) -> None:
+        super().__init__(profile.fault_every, rng)
+        self.server = server
+        self.database = database
+        self.weights = profile.fault_weights
+
+    def inject(self) -> tuple[str, str]:
+        kind = self.rng.choices(list(self.weights), weights=list(self.weights.values()))[0]
+        if kind == "worker-kill":
+            victims = workers(self.server)
+            if not victims:
+                return kind, "no worker alive to kill"
+            victim = self.rng.choice(victims)
+            victim.send_signal(signal.SIGKILL)
+            return kind, f"SIGKILL worker {victim.pid}"
+        if kind == "db-outage":
+            mode = self.rng.choice(["fast", "immediate"])
+            pause = self.rng.uniform(0.2, 2.0)
+            started = time.monotonic()
+            with self.database.outage(mode):
+                time.sleep(pause)
+            what = f"restart -m {mode}" if self.database.private else "refused connections"
+            return kind, f"{what}, unreachable {time.monotonic() - started:.1f}s"
+        if kind == "connection-cut":
+            return kind, f"terminated {self.database.terminate_app_backends()} app backends"
+        raise ValueError(kind)
+
+
+class Maintenance(Injector):
+    """``manage.py idempotency_partitions`` again and again while duplicates arrive. Before
+    each run the farthest future partition is dropped so that the run has DDL to do."""
+
+    def __init__(self, database: Database, profile: Profile, rng: random.Random) -> None:
+        every = profile.maintenance_every
+        super().__init__((every * 0.5, every * 1.5), rng)
+        self.database = database
+
+    def inject(self) -> tuple[str, str]:
+        dropped = self._drop_farthest_partition()
+        output = manage(self.database, "idempotency_partitions")
+        created = output.count(f"created {TABLE}_p")
+        return "maintenance", f"dropped {dropped or 'none'}, maintenance created {created}"
+
+    def _drop_farthest_partition(self) -> str | None:
+        with self.database.connect() as conn:
+            row = conn.execute(
+                "SELECT c.relname FROM pg_inherits i JOIN pg_class c ON c.oid = i.inhrelid "
+                "WHERE i.inhparent = %s::regclass AND obj_description(c.oid, 'pg_class') = %s "
+                # Two days ahead at least: traffic never needs it during the run.
+                "AND c.relname > %s || to_char(now() AT TIME ZONE 'UTC' + interval '2 days', "
+                "'YYYYMMDD') ORDER BY c.relname DESC LIMIT 1",
+                [TABLE, PARTITION_COMMENT, f"{TABLE}_p"],
+            ).fetchone()
+            if row is None:
+                return None
+            # Never let the drop queue the live claims behind it for long.
+            conn.execute("SET lock_timeout = '100ms'")
+            try:
+                conn.execute(sql.SQL("DROP TABLE {}").format(sql.Identifier(row[0])))
+            except psycopg.errors.LockNotAvailable:
+                return None
+        return str(row[0])
