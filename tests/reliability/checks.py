@@ -1,0 +1,212 @@
+"""The invariant, checked against the database at the end of a run:
+
+every logical request answered 2xx has exactly one business effect, and no principal ever
+saw another principal's response. Plus: no stored half-results, no secrets in stored
+headers or in logs.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import zlib
+from collections import Counter, defaultdict
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from tests.reliability.client import Exchange
+from tests.reliability.postgres import Database
+
+TABLES = {"/api/refunds/": "payments_refund"}
+DEFAULT_TABLE = "payments_charge"
+# The contract's "never Set-Cookie or authentication headers", written out independently.
+SENSITIVE_HEADERS = frozenset(
+    {
+        "set-cookie",
+        "cookie",
+        "authorization",
+        "proxy-authorization",
+        "www-authenticate",
+        "proxy-authenticate",
+    }
+)
+UUID = re.compile(r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}")
+
+# Violation kinds, by what they break.
+DUPLICATE = "duplicate"  # more than one effect for one logical request
+LEAK = "leak"  # a principal saw or could read what is not theirs
+OTHER = "other"  # lost effects, half-results, wrong answers
+
+
+@dataclass(frozen=True)
+class Violation:
+    kind: str
+    what: str
+    detail: str
+
+
+@dataclass
+class Findings:
+    violations: list[Violation] = field(default_factory=list)
+    unresolved: int = 0
+    checked: Counter[str] = field(default_factory=Counter)
+
+    def add(self, kind: str, what: str, detail: str) -> None:
+        self.violations.append(Violation(kind, what, detail))
+
+    def count(self, kind: str) -> int:
+        return sum(1 for v in self.violations if v.kind == kind)
+
+
+def table_for(path: str) -> str:
+    return TABLES.get(path, DEFAULT_TABLE)
+
+
+def check_exchanges(database: Database, exchanges: Sequence[Exchange]) -> Findings:
+    """Compare what each client was told with what the database holds."""
+    findings = Findings()
+    with database.connect() as conn:
+        users = dict(conn.execute("SELECT username, id FROM auth_user").fetchall())
+        rows: dict[str, dict[int, list[tuple[int, int]]]] = {}
+        for table in {DEFAULT_TABLE, *TABLES.values()}:
+            found: dict[int, list[tuple[int, int]]] = defaultdict(list)
+            for amount, row_id, user_id in conn.execute(f"SELECT amount, id, user_id FROM {table}"):
+                found[amount].append((row_id, user_id))
+            rows[table] = found
+
+    sent: dict[str, set[int]] = defaultdict(set)
+    for exchange in exchanges:
+        table = table_for(exchange.path)
+        sent[table].add(exchange.amount)
+        _check_exchange(exchange, rows[table].get(exchange.amount, []), users, findings)
+    for table, found in rows.items():
+        for amount in set(found) - sent[table]:
+            findings.add(OTHER, "phantom row", f"{table}: amount {amount} was never sent")
+    return findings
+
+
+def _check_exchange(
+    exchange: Exchange,
+    rows: list[tuple[int, int]],
+    users: dict[str, int],
+    findings: Findings,
+) -> None:
+    label = f"{exchange.kind} {exchange.path} amount {exchange.amount} ({exchange.principal.auth})"
+    findings.checked[exchange.expect] += 1
+    if exchange.expect == "any":  # the unprotected baseline: no promise to keep
+        return
+    if len(rows) > 1:
+        findings.add(DUPLICATE, "several effects", f"{label}: {len(rows)} rows")
+    answered = [a for a in exchange.attempts if a.ok]
+    if len({a.body for a in answered}) > 1:
+        findings.add(OTHER, "replay differs", f"{label}: {len(answered)} 2xx answers differ")
+    user_id = users.get(exchange.principal.username)
+    for row_id, owner in rows:
+        if owner != user_id:
+            findings.add(LEAK, "effect on another principal", f"{label}: row {row_id}")
+
+    if exchange.expect == "effect":
+        if not answered:
+            findings.unresolved += 1
+            findings.add(OTHER, "never answered 2xx", f"{label}: {_outcomes(exchange)}")
+            return
+        if not rows:
+            findings.add(OTHER, "answered 2xx, no effect", label)
+        body = _json(answered[0].body)
+        if body.get("user") != exchange.principal.username:
+            who = body.get("user")
+            findings.add(LEAK, "another principal's response", f"{label}: user {who!r}")
+        if body.get("amount") != exchange.amount:
+            findings.add(LEAK, "another request's response", f"{label}: got {body.get('amount')}")
+        if rows and body.get("id") != rows[0][0]:
+            findings.add(OTHER, "response names another row", f"{label}: id {body.get('id')}")
+    elif exchange.expect == "refused":
+        final = exchange.final
+        if answered:
+            findings.add(LEAK, "reused key executed or replayed", f"{label}: {_outcomes(exchange)}")
+        elif final is None or final.status != 422 or final.problem != "key-reused":
+            findings.unresolved += 1
+            findings.add(OTHER, "reused key not refused", f"{label}: {_outcomes(exchange)}")
+        if rows:
+            findings.add(DUPLICATE, "reused key wrote", f"{label}: {len(rows)} rows")
+    elif exchange.expect == "none":
+        if answered:
+            findings.add(OTHER, "answered 2xx unprotected", f"{label}: {_outcomes(exchange)}")
+        if rows:
+            findings.add(OTHER, "effect while refused", f"{label}: {len(rows)} rows")
+
+
+def _outcomes(exchange: Exchange) -> str:
+    return " ".join(a.outcome for a in exchange.attempts) or "never sent"
+
+
+def _json(body: bytes) -> dict[str, Any]:
+    try:
+        data = json.loads(body)
+    except ValueError:
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def check_records(database: Database) -> Findings:
+    """The stored records themselves: one per key, never a half-result, no secrets."""
+    findings = Findings()
+    with database.connect() as conn:
+        for scope, key_count in conn.execute(
+            "SELECT scope, count(*) FROM django_idempotency_record GROUP BY scope, key "
+            "HAVING count(*) > 1"
+        ):
+            findings.add(DUPLICATE, "key stored twice", f"{scope}: {key_count} records")
+        for status, code, count in conn.execute(
+            "SELECT status, response_code, count(*) FROM django_idempotency_record "
+            "WHERE status <> 1 OR response_code IS NULL OR response_code >= 500 "
+            "GROUP BY 1, 2"
+        ):
+            findings.add(OTHER, "half-result stored", f"status {status}, code {code}: {count}")
+        names = [
+            name
+            for (name,) in conn.execute(
+                "SELECT DISTINCT lower(h ->> 0) FROM django_idempotency_record r, "
+                "jsonb_array_elements(r.response_headers) h"
+            )
+        ]
+        for name in sorted(set(names) & SENSITIVE_HEADERS):
+            findings.add(LEAK, "sensitive header stored", name)
+        findings.checked["stored header names"] = len(names)
+        # A stored success must describe a committed row: no record outlives its effect.
+        ids: dict[str, set[int]] = {}
+        for table in {DEFAULT_TABLE, *TABLES.values()}:
+            ids[table] = {i for (i,) in conn.execute(f"SELECT id FROM {table}")}
+        stored = conn.execute(
+            "SELECT path, response_body, body_encoding FROM django_idempotency_record "
+            "WHERE response_code BETWEEN 200 AND 299"
+        ).fetchall()
+    for path, body, encoding in stored:
+        raw = bytes(body or b"")
+        if encoding == "zlib":
+            raw = zlib.decompress(raw)
+        row_id = _json(raw).get("id")
+        findings.checked["stored successes"] += 1
+        if row_id not in ids[table_for(path)]:
+            findings.add(OTHER, "stored success without its row", f"{path} id {row_id}")
+    return findings
+
+
+def scan_logs(
+    logs: Iterable[str], keys: Iterable[str], secrets: Iterable[str], canary: str
+) -> Findings:
+    """Whole keys, credentials and request bodies must not reach the logs."""
+    findings = Findings()
+    text = "\n".join(logs)
+    findings.checked["log bytes"] = len(text)
+    logged_uuids = set(UUID.findall(text))
+    leaked_keys = logged_uuids & set(keys)
+    if leaked_keys:
+        findings.add(LEAK, "whole key in logs", f"{len(leaked_keys)} keys")
+    leaked_secrets = [s for s in set(secrets) if s and s in text]
+    if leaked_secrets:
+        findings.add(LEAK, "credential in logs", f"{len(leaked_secrets)} credentials")
+    if canary in text:
+        findings.add(LEAK, "request body in logs", f"{text.count(canary)} occurrences")
+    return findings
