@@ -1,0 +1,86 @@
+"""The reliability suite's short profile (``tests/reliability``), run once for this module:
+faults under load against the testproject under gunicorn, then the invariant.
+
+The run uses a database of its own (a private PostgreSQL cluster, or its own database on
+the server of an explicit ``DATABASE_URL``), not pytest-django's test database.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.reliability.postgres import explicit_server_url
+from tests.reliability.profiles import FAULT_KINDS, PROFILES
+from tests.reliability.report import Report
+from tests.reliability.run import run
+
+# The run takes about a minute and a half on two shared cores; leave it room.
+pytestmark = pytest.mark.timeout(290)
+
+
+@pytest.fixture(scope="module")
+def report(tmp_path_factory: pytest.TempPathFactory) -> Report:
+    result = run(PROFILES["short"], server_url=explicit_server_url())
+    markdown, _ = result.write(tmp_path_factory.mktemp("reliability") / "short.md")
+    print(markdown.read_text())
+    return result
+
+
+def failed_checks(report: Report, prefix: str) -> list[str]:
+    matching = [c for c in report.checks if c.name.startswith(prefix)]
+    assert matching, f"no check named {prefix!r} ran"
+    return [f"{c.name}: {c.detail}" for c in matching if c.passed is False]
+
+
+def test_every_key_answered_2xx_has_exactly_one_effect(report: Report) -> None:
+    assert report.requests["logical requests"] > 300
+    assert report.duplicates == 0, report.violations
+    assert report.other_violations == 0, report.violations
+
+
+def test_no_principal_saw_another_principals_response(report: Report) -> None:
+    assert report.kinds.get("cross-principal", 0) > 0
+    assert report.leaks == 0, report.violations
+
+
+def test_every_kind_of_fault_was_injected_and_survived(report: Report) -> None:
+    for kind in FAULT_KINDS:
+        assert report.faults.get(kind, 0) > 0, report.faults
+    assert report.faults["crash_once: worker exited after writing"] > 0
+    assert report.faults["fail_once: 500 after writing"] > 0
+    assert report.outcomes.get("connection-error", 0) + report.outcomes.get("timeout", 0) > 0
+
+
+def test_every_key_is_answered_after_recovery_and_none_stays_blocked(report: Report) -> None:
+    assert report.unresolved == 0, report.violations
+    assert failed_checks(report, "after recovery") == []
+
+
+def test_store_unreachable_at_start_fails_closed(report: Report) -> None:
+    assert failed_checks(report, "store unreachable at start") == []
+    assert failed_checks(report, "store back") == []
+
+
+def test_isolation_across_principals_and_credentials(report: Report) -> None:
+    checks = ("one key,", "anonymous", "wrong token", "a key is bound", "@idempotent view")
+    assert [failure for prefix in checks for failure in failed_checks(report, prefix)] == []
+
+
+def test_hot_key_executes_once(report: Report) -> None:
+    assert failed_checks(report, "hot key") == []
+
+
+def test_distinct_keys_run_in_parallel(report: Report) -> None:
+    assert failed_checks(report, "distinct keys") == []
+
+
+def test_logs_and_stored_headers_hold_no_secrets(report: Report) -> None:
+    assert failed_checks(report, "logs carry") == []
+    assert not [v for v in report.violations if v["what"] == "sensitive header stored"]
+
+
+def test_admin_escapes_stored_bodies(report: Report) -> None:
+    check = report.check("admin escapes stored bodies")
+    if check.passed is None:
+        pytest.skip(check.detail)
+    assert check.passed, check.detail
