@@ -5,9 +5,10 @@
 Loads ``--rows`` records (default 10 million) spread evenly over the last ``--days`` daily
 partitions into its own database, ``idempotency_admin_bench``, on the server of
 ``DATABASE_URL`` (else the embedded server), and keeps them for the next run on the same
-day: loading 10 million rows takes several minutes and about 7 GB. Then it requests the changelist, the searches, every
-filter and a detail page as a superuser, and prints for each the median and the fastest
-time of the whole request, its number of queries and the time spent in them.
+day: loading 10 million rows takes several minutes and about 7 GB. Then it requests the
+changelist, the searches, every filter and a detail page as a superuser, and prints for each
+the median and the fastest time of the whole request, its number of queries and the time
+spent in them.
 """
 
 from __future__ import annotations
@@ -79,8 +80,9 @@ def load(rows: int, days: int, reload: bool) -> None:
 
     now = timezone.now()
     with connection.cursor() as cursor:
-        cursor.execute("SELECT count(*) FROM (SELECT 1 FROM django_idempotency_record "
-                       "LIMIT %s) t", [rows + 1])
+        cursor.execute(
+            "SELECT count(*) FROM (SELECT 1 FROM django_idempotency_record LIMIT %s) t", [rows + 1]
+        )
         (present,) = cursor.fetchone()
         cursor.execute("SELECT max(created_at) FROM django_idempotency_record")
         (newest,) = cursor.fetchone()
@@ -163,8 +165,11 @@ def measure(repeat: int, days: int, explain: bool) -> None:
         with CaptureQueriesContext(connection) as queries:
             client.get(url, query)
         in_queries = sum(float(q["time"]) for q in queries.captured_queries) * 1000
-        print(f"{what:<40} {statistics.median(timings):>10.1f} {min(timings):>8.1f} "
-              f"{len(queries):>8} {in_queries:>14.1f}", flush=True)
+        print(
+            f"{what:<40} {statistics.median(timings):>10.1f} {min(timings):>8.1f} "
+            f"{len(queries):>8} {in_queries:>14.1f}",
+            flush=True,
+        )
         if explain:
             for captured in queries.captured_queries:
                 if captured["sql"].startswith("SELECT") and "django_idempotency" in captured["sql"]:
@@ -179,8 +184,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--days", type=int, default=10, help="daily partitions (default: 10)")
     parser.add_argument("--repeat", type=int, default=5, help="timed requests per page")
     parser.add_argument("--reload", action="store_true", help="load the records again")
-    parser.add_argument("--explain", action="store_true",
-                        help="print the plan of each query on the records table")
+    parser.add_argument(
+        "--explain", action="store_true", help="print the plan of each query on the records table"
+    )
     args = parser.parse_args(argv)
 
     os.environ["DATABASE_URL"] = bench_database_url()

@@ -7,13 +7,13 @@ catalog), an exact key search, and the newest-first order read from the primary 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 import zlib
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from datetime import date, datetime, timedelta
-from datetime import timezone as dt_timezone
 from typing import TYPE_CHECKING, Any
 
 from django.contrib import admin
@@ -49,7 +49,16 @@ BODY_PREVIEW_CHARS = 100_000
 _NAMED_GROUP = re.compile(r"\(\?P<\w+>")
 
 
-class EstimatedCountPaginator(Paginator):
+if TYPE_CHECKING:
+    # Generic in django-stubs only; at runtime these take no type argument.
+    RecordPaginator = Paginator[IdempotencyRecord]
+    RecordModelAdmin = admin.ModelAdmin[IdempotencyRecord]
+else:
+    RecordPaginator = Paginator
+    RecordModelAdmin = admin.ModelAdmin
+
+
+class EstimatedCountPaginator(RecordPaginator):
     """Counts with the planner's estimate on PostgreSQL, where an exact ``COUNT(*)`` reads
     every row of every partition. Small results are counted exactly: that is cheap, worth
     showing, and keeps the changelist from fetching a whole result it believed was small."""
@@ -171,7 +180,11 @@ class ResponseStatusFilter(admin.SimpleListFilter):
     parameter_name = "response"
 
     def lookups(self, request: HttpRequest, model_admin: Any) -> list[tuple[str, str]]:
-        return [("2xx", _("2xx success")), ("3xx", _("3xx redirect")), ("4xx", _("4xx client error"))]
+        return [
+            ("2xx", gettext("2xx success")),
+            ("3xx", gettext("3xx redirect")),
+            ("4xx", gettext("4xx client error")),
+        ]
 
     def queryset(self, request: HttpRequest, queryset: QuerySet[Any]) -> QuerySet[Any]:
         value = self.value()
@@ -211,8 +224,8 @@ class CreatedFilter(admin.SimpleListFilter):
     def lookups(self, request: HttpRequest, model_admin: Any) -> list[tuple[str, str]]:
         using = model_admin.get_queryset(request).db
         return [
-            ("1h", _("Last hour")),
-            ("24h", _("Last 24 hours")),
+            ("1h", gettext("Last hour")),
+            ("24h", gettext("Last 24 hours")),
             *((day.isoformat(), date_format(day)) for day in _record_days(using)),
         ]
 
@@ -242,23 +255,14 @@ def body_text(record: IdempotencyRecord) -> str:
         text = body.decode()
     except UnicodeDecodeError:
         return gettext("%(size)d bytes of binary data") % {"size": len(body)}
-    try:
+    with contextlib.suppress(ValueError):  # not JSON: shown as it is
         text = json.dumps(json.loads(text), indent=2, ensure_ascii=False)
-    except ValueError:
-        pass
     if len(text) > BODY_PREVIEW_CHARS:
         return gettext("%(text)s\n… (%(size)d characters in all)") % {
             "text": text[:BODY_PREVIEW_CHARS],
             "size": len(text),
         }
     return text
-
-
-if TYPE_CHECKING:
-    # Generic in django-stubs only; at runtime ModelAdmin takes no type argument.
-    RecordModelAdmin = admin.ModelAdmin[IdempotencyRecord]
-else:
-    RecordModelAdmin = admin.ModelAdmin
 
 
 @admin.register(IdempotencyRecord)
@@ -270,7 +274,7 @@ class IdempotencyRecordAdmin(RecordModelAdmin):
     # Newest first from the primary key index of each partition, merged; the other
     # columns have no index to sort by.
     ordering = ("-id",)
-    sortable_by: Sequence[str] = ()
+    sortable_by = ()
     list_per_page = 50
     paginator = EstimatedCountPaginator
     show_full_result_count = False
@@ -286,8 +290,17 @@ class IdempotencyRecordAdmin(RecordModelAdmin):
         (_("Lifetime"), {"fields": ("created_at", "expires_at")}),
     )
     readonly_fields = (
-        "key", "scope", "method", "path", "fingerprint_parts", "response_code",
-        "response_headers_list", "body_encoding", "body", "created_at", "expires_at",
+        "key",
+        "scope",
+        "method",
+        "path",
+        "fingerprint_parts",
+        "response_code",
+        "response_headers_list",
+        "body_encoding",
+        "body",
+        "created_at",
+        "expires_at",
     )
 
     def get_changelist(self, request: HttpRequest, **kwargs: Any) -> type[ChangeList]:
@@ -301,10 +314,8 @@ class IdempotencyRecordAdmin(RecordModelAdmin):
         term = search_term.strip()
         if not term:
             return queryset, False
-        try:
+        with contextlib.suppress(InvalidKey):  # then no record has it: nothing is found
             term = parse_key(term)
-        except InvalidKey:
-            pass  # no record has such a key; the search finds nothing
         return queryset.filter(key=term), False
 
     def has_add_permission(self, request: HttpRequest) -> bool:
@@ -325,8 +336,11 @@ class IdempotencyRecordAdmin(RecordModelAdmin):
     def fingerprint_parts(self, obj: IdempotencyRecord) -> SafeString:
         parts = obj.fingerprint or {}
         names = [*(p for p in PARTS if p in parts), *sorted(set(parts) - set(PARTS))]
-        rows = format_html_join("", "<tr><th>{}</th><td><code>{}</code></td></tr>",
-                                ((name, parts[name]) for name in names))
+        rows = format_html_join(
+            "",
+            "<tr><th>{}</th><td><code>{}</code></td></tr>",
+            ((name, parts[name]) for name in names),
+        )
         return format_html("<table>{}</table>", rows)
 
     @admin.display(description=_("response headers"))

@@ -209,10 +209,10 @@ def check_settings(app_configs: Sequence[AppConfig] | None, **kwargs: Any) -> li
                     id="django_idempotency.E006",
                 )
             )
-    for name, least in INTEGERS:
+    for name, smallest in INTEGERS:
         number = _as_written(name)
         if number is not None and (
-            not isinstance(number, int) or isinstance(number, bool) or number < least
+            not isinstance(number, int) or isinstance(number, bool) or number < smallest
         ):
             messages.append(
                 Error(

@@ -72,9 +72,8 @@ def test_changelist_takes_a_handful_of_queries_with_filter_choices_computed_with
 ):
     IdempotencyRecordFactory.create_batch(60)
 
-    with CaptureQueriesContext(connection) as queries:
-        with django_assert_max_num_queries(6):
-            response = superuser_client.get(CHANGELIST)
+    with CaptureQueriesContext(connection) as queries, django_assert_max_num_queries(6):
+        response = superuser_client.get(CHANGELIST)
 
     assert response.status_code == 200
     assert len(listed(response)) == 50
@@ -213,8 +212,15 @@ def test_detail_shows_the_request_fingerprint_and_the_pretty_printed_response(su
 
     assert response.status_code == 200
     page = response.text
-    for text in (record.key, "user:7", "PATCH", "/api/charges/", "header:x-account", "a" * 64,
-                 "Location: /api/charges/9/"):
+    for text in (
+        record.key,
+        "user:7",
+        "PATCH",
+        "/api/charges/",
+        "header:x-account",
+        "a" * 64,
+        "Location: /api/charges/9/",
+    ):
         assert text in page
     assert escape(json.dumps({"id": 9, "amount": 2499}, indent=2)) in page
     # Read-only: no form to save.
@@ -260,7 +266,10 @@ def test_view_only_staff_can_list_and_open_records_but_not_add_change_or_delete(
     page = viewer_client.get(detail_url(record))
     assert page.status_code == 200
     assert delete_url(record) not in page.text
-    assert viewer_client.get(reverse("admin:django_idempotency_idempotencyrecord_add")).status_code == 403
+    assert (
+        viewer_client.get(reverse("admin:django_idempotency_idempotencyrecord_add")).status_code
+        == 403
+    )
     assert viewer_client.post(detail_url(record), {"key": "changed"}).status_code == 403
     assert viewer_client.get(delete_url(record)).status_code == 403
     assert viewer_client.post(delete_url(record), {"post": "yes"}).status_code == 403
@@ -270,9 +279,10 @@ def test_view_only_staff_can_list_and_open_records_but_not_add_change_or_delete(
 def test_superuser_cannot_add_or_change_either(superuser_client):
     record = IdempotencyRecordFactory(method="POST")
 
-    assert superuser_client.get(
-        reverse("admin:django_idempotency_idempotencyrecord_add")
-    ).status_code == 403
+    assert (
+        superuser_client.get(reverse("admin:django_idempotency_idempotencyrecord_add")).status_code
+        == 403
+    )
     assert superuser_client.post(detail_url(record), {"method": "PATCH"}).status_code == 403
     record.refresh_from_db()
     assert record.method == "POST"
@@ -303,8 +313,11 @@ def test_deleting_asks_for_confirmation_then_frees_the_key(superuser_client, api
         deleted = superuser_client.post(delete_url(record), {"post": "yes"})
     assert deleted.status_code == 302
     assert not IdempotencyRecord.objects.filter(key=key).exists()
-    [delete] = [q["sql"] for q in queries if q["sql"].startswith("DELETE")
-                and "django_idempotency_record" in q["sql"]]
+    [delete] = [
+        q["sql"]
+        for q in queries
+        if q["sql"].startswith("DELETE") and "django_idempotency_record" in q["sql"]
+    ]
     assert '"created_at" =' in delete  # pruned to the record's partition
 
     retry = api_client.post("/api/charges/", charge, format="json", HTTP_IDEMPOTENCY_KEY=key)

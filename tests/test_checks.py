@@ -286,11 +286,13 @@ def test_e007_is_right_that_the_claim_refuses_other_levels() -> None:
     # What the check saves users from: the claim itself refuses to run.
     from django.db import DatabaseError, connection, transaction
 
-    with pytest.raises(DatabaseError, match="requires READ COMMITTED"):
-        with transaction.atomic():
-            with connection.cursor() as cursor:
-                cursor.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ")
-                cursor.execute("SELECT * FROM django_idempotency_claim('s', 'k', '1 day', '0', 0)")
+    with (
+        pytest.raises(DatabaseError, match="requires READ COMMITTED"),
+        transaction.atomic(),
+        connection.cursor() as cursor,
+    ):
+        cursor.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ")
+        cursor.execute("SELECT * FROM django_idempotency_claim('s', 'k', '1 day', '0', 0)")
 
 
 @pytest.mark.parametrize(
@@ -360,6 +362,8 @@ def test_w003_records_on_a_database_without_partitions(tmp_path: Path) -> None:
 
 
 def test_the_check_command_runs_the_settings_checks() -> None:
-    with override_settings(IDEMPOTENCY_ERROR_FORMAT="json"):
-        with pytest.raises(SystemCheckError, match=r"django_idempotency\.E005"):
-            call_command("check", stderr=StringIO())
+    with (
+        override_settings(IDEMPOTENCY_ERROR_FORMAT="json"),
+        pytest.raises(SystemCheckError, match=r"django_idempotency\.E005"),
+    ):
+        call_command("check", stderr=StringIO())

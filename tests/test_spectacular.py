@@ -75,8 +75,11 @@ def parameter(operation: dict, name: str) -> dict | None:
 
 
 def problem_codes(operation: dict) -> set[str]:
-    return {code for code, response in operation["responses"].items()
-            if PROBLEM in response.get("content", {})}
+    return {
+        code
+        for code, response in operation["responses"].items()
+        if PROBLEM in response.get("content", {})
+    }
 
 
 @pytest.fixture(scope="module")
@@ -148,7 +151,11 @@ def test_the_views_own_responses_and_docs_are_kept():
     }
     assert validation[PROBLEM]["schema"] == {"$ref": "#/components/schemas/IdempotencyProblem"}
     assert set(schema["components"]["schemas"]["IdempotencyProblem"]["properties"]) == {
-        "type", "title", "status", "detail", "differing"
+        "type",
+        "title",
+        "status",
+        "detail",
+        "differing",
     }
     assert "/excluded/" not in schema["paths"]
 
@@ -196,11 +203,22 @@ def test_the_testproject_schema_validates_and_documents_its_idempotent_endpoints
     )
     out = tmp_path / "schema.json"
     done = subprocess.run(
-        [sys.executable, "manage.py", "spectacular", "--validate", "--format",
-         "openapi-json", "--file", str(out)],
+        [
+            sys.executable,
+            "manage.py",
+            "spectacular",
+            "--validate",
+            "--format",
+            "openapi-json",
+            "--file",
+            str(out),
+        ],
         cwd=ROOT,
-        env={**os.environ, "DJANGO_SETTINGS_MODULE": "spectacular_settings",
-             "PYTHONPATH": f"{tmp_path}:{ROOT}"},
+        env={
+            **os.environ,
+            "DJANGO_SETTINGS_MODULE": "spectacular_settings",
+            "PYTHONPATH": f"{tmp_path}:{ROOT}",
+        },
         capture_output=True,
         text=True,
         timeout=120,

@@ -100,10 +100,15 @@ def error_responses(errors: list[type[IdempotencyError]]) -> dict[tuple[int, str
                     "status": status,
                     "detail": error.title + ".",
                 }
-            examples.append(OpenApiExample(
-                error.name, value=value, media_type=media_type, status_codes=[status],
-                response_only=True,
-            ))
+            examples.append(
+                OpenApiExample(
+                    error.name,
+                    value=value,
+                    media_type=media_type,
+                    status_codes=[status],
+                    response_only=True,
+                )
+            )
         responses[status, media_type] = OpenApiResponse(
             IdempotencyStripeErrorSerializer if stripe else IdempotencyProblemSerializer,
             description="; ".join(f"{error.name}: {error.title}" for error in group),
@@ -200,7 +205,7 @@ class IdempotencySchemaMixin:
         return responses
 
 
-class IdempotencyViewExtension(OpenApiViewExtension):
+class IdempotencyViewExtension(OpenApiViewExtension):  # type: ignore[no-untyped-call]
     """Swaps each idempotent view, for schema generation only, for a subclass whose
     handlers carry a schema class with ``IdempotencySchemaMixin`` on top.
 
