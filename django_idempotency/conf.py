@@ -72,7 +72,7 @@ class Settings:
         if isinstance(value, str):
             func: PrincipalFunc = import_string(value)
             return func
-        return value  # type: ignore[no-any-return]
+        return value
 
     @property
     def ERROR_FORMAT(self) -> str:

@@ -111,11 +111,10 @@ def claim(
     if connection.vendor != "postgresql":
         return _claim_plain(using, attempt, gone, now)
     wait_ms = max(0, int(wait.total_seconds() * 1000))
+    # psycopg adapts timedelta to interval; django-stubs' parameter types leave it out.
+    params: list[Any] = [scope, key, window, gone, wait_ms, now]
     with connection.cursor() as cursor:
-        cursor.execute(
-            "SELECT * FROM django_idempotency_claim(%s, %s, %s, %s, %s, %s)",
-            [scope, key, window, gone, wait_ms, now],
-        )
+        cursor.execute("SELECT * FROM django_idempotency_claim(%s, %s, %s, %s, %s, %s)", params)
         row = cursor.fetchone()
     assert row is not None
     outcome, *fields = row

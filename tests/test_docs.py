@@ -140,8 +140,19 @@ def test_docs_build_without_warnings(tmp_path):
     if importlib.util.find_spec("sphinx") is None:
         pytest.skip("Sphinx is not installed (the `docs` dependency group)")
     build = subprocess.run(
-        [sys.executable, "-m", "sphinx", "-W", "--keep-going", "-E", "-q", "-b", "html",
-         str(DOCS), str(tmp_path)],
+        [
+            sys.executable,
+            "-m",
+            "sphinx",
+            "-W",
+            "--keep-going",
+            "-E",
+            "-q",
+            "-b",
+            "html",
+            str(DOCS),
+            str(tmp_path),
+        ],
         capture_output=True,
         text=True,
         check=False,
