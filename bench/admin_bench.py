@@ -30,23 +30,27 @@ DATABASE = "idempotency_admin_bench"
 CHANGELIST = "/admin/django_idempotency/idempotencyrecord/"
 
 # One row per generate_series value, created_at evenly spaced from ``start`` by ``step``,
-# ids in the same order. The mix is a payments API's: POST on three endpoints and some
-# PATCH, mostly 201, some 4xx, rare redirects; bodies of about 150 bytes.
+# ids in the same order. The mix is a payments API's, each column drawn from its own hash so
+# that filters combine as they would on real data: 10% PATCH (on /api/charges/ only), POST
+# on three endpoints, mostly 201, 8% 4xx, and 0.1% redirects (answered to POST only);
+# bodies of about 150 bytes.
 INSERT = """
 INSERT INTO django_idempotency_record
     (scope, key, method, path, fingerprint, status, response_code, response_headers,
      response_body, body_encoding, created_at, expires_at)
-SELECT 'user:' || (mod(i, 20000)),
+SELECT 'user:' || mod(i, 20000),
        md5(i::text)::uuid::text,
-       CASE WHEN mod(i, 10) = 0 THEN 'PATCH' ELSE 'POST' END,
-       CASE WHEN mod(i, 20) = 1 THEN '/api/charges-django/'
-            WHEN mod(i, 4) = 2 THEN '/api/refunds/' ELSE '/api/charges/' END,
+       CASE WHEN patch THEN 'PATCH' ELSE 'POST' END,
+       CASE WHEN patch THEN '/api/charges/'
+            WHEN mod(abs(hashtext('path' || i)), 20) = 0 THEN '/api/charges-django/'
+            WHEN mod(abs(hashtext('path' || i)), 20) < 6 THEN '/api/refunds/'
+            ELSE '/api/charges/' END,
        jsonb_build_object(
            'method', md5('m' || i) || md5('M' || i), 'path', md5('p' || i) || md5('P' || i),
            'query', md5('q' || i) || md5('Q' || i), 'body', md5('b' || i) || md5('B' || i)),
        1,
-       CASE WHEN mod(i, 1000) = 7 THEN 303 WHEN mod(i, 50) = 3 THEN 422
-            WHEN mod(i, 15) = 4 THEN 400 ELSE 201 END,
+       CASE WHEN response = 0 AND NOT patch THEN 303 WHEN response < 20 THEN 422
+            WHEN response < 80 THEN 400 ELSE 201 END,
        '[["Content-Type", "application/json"]]'::jsonb,
        convert_to(json_build_object(
            'id', i, 'amount', mod(i, 100000), 'currency', 'EUR',
@@ -54,7 +58,9 @@ SELECT 'user:' || (mod(i, 20000)),
        '',
        %(start)s::timestamptz + (i - 1) * %(step)s::interval,
        %(start)s::timestamptz + (i - 1) * %(step)s::interval + interval '24 hours'
-  FROM generate_series(%(low)s::bigint, %(high)s::bigint) AS i
+  FROM generate_series(%(low)s::bigint, %(high)s::bigint) AS i,
+       LATERAL (SELECT mod(abs(hashtext('method' || i)), 10) = 0 AS patch,
+                       mod(abs(hashtext('response' || i)), 1000) AS response) AS drawn
 """
 
 
@@ -134,7 +140,7 @@ def pages(days: int) -> list[tuple[str, str, dict[str, str]]]:
         ("method: PATCH", {"method": "PATCH"}),
         *((f"endpoint: {e.route}", {"endpoint": e.route}) for e in idempotent_endpoints()),
         (f"{day} + PATCH + 4xx", {"created": day, "method": "PATCH", "response": "4xx"}),
-        ("3xx + PATCH (no such record)", {"response": "3xx", "method": "PATCH"}),
+        ("3xx + PATCH (no record has both)", {"response": "3xx", "method": "PATCH"}),
     ]
     detail = reverse("admin:django_idempotency_idempotencyrecord_change", args=[middle.pk])
     return [(what, changelist, query) for what, query in listed] + [("detail", detail, {})]
