@@ -8,9 +8,21 @@ from typing import Any
 
 from django.conf import settings
 from django.http import HttpRequest
+from django.utils.functional import empty
 from django.utils.module_loading import import_string
 
 PrincipalFunc = Callable[[HttpRequest], Any]
+
+
+def _setting(name: str, default: Any) -> Any:
+    # Read from the wrapped settings object: LazySettings.__getattr__ costs about 8 times
+    # more for a setting that is not set, the usual case, and the engine reads a dozen per
+    # request. override_settings swaps the wrapped object, so overrides still apply.
+    wrapped = settings._wrapped
+    if wrapped is empty:
+        settings._setup()
+        wrapped = settings._wrapped
+    return getattr(wrapped, name, default)
 
 
 class Settings:
@@ -18,57 +30,57 @@ class Settings:
 
     @property
     def HEADER(self) -> str:
-        return str(getattr(settings, "IDEMPOTENCY_HEADER", "Idempotency-Key"))
+        return str(_setting("IDEMPOTENCY_HEADER", "Idempotency-Key"))
 
     @property
     def METHODS(self) -> frozenset[str]:
-        methods = getattr(settings, "IDEMPOTENCY_METHODS", ("POST", "PATCH"))
+        methods = _setting("IDEMPOTENCY_METHODS", ("POST", "PATCH"))
         return frozenset(m.upper() for m in methods)
 
     @property
     def REQUIRED(self) -> bool:
-        return bool(getattr(settings, "IDEMPOTENCY_REQUIRED", False))
+        return bool(_setting("IDEMPOTENCY_REQUIRED", False))
 
     @property
     def TTL(self) -> timedelta:
-        value: timedelta = getattr(settings, "IDEMPOTENCY_TTL", timedelta(hours=24))
+        value: timedelta = _setting("IDEMPOTENCY_TTL", timedelta(hours=24))
         return value
 
     @property
     def MAX_TTL(self) -> timedelta:
-        value: timedelta = getattr(settings, "IDEMPOTENCY_MAX_TTL", timedelta(hours=24))
+        value: timedelta = _setting("IDEMPOTENCY_MAX_TTL", timedelta(hours=24))
         return value
 
     @property
     def EXPIRED_WINDOW(self) -> timedelta:
-        value: timedelta = getattr(settings, "IDEMPOTENCY_EXPIRED_WINDOW", timedelta(0))
+        value: timedelta = _setting("IDEMPOTENCY_EXPIRED_WINDOW", timedelta(0))
         return value
 
     @property
     def WAIT(self) -> timedelta:
-        value: timedelta = getattr(settings, "IDEMPOTENCY_WAIT", timedelta(seconds=2))
+        value: timedelta = _setting("IDEMPOTENCY_WAIT", timedelta(seconds=2))
         return value
 
     @property
     def MAX_WAIT(self) -> timedelta:
-        value: timedelta = getattr(settings, "IDEMPOTENCY_MAX_WAIT", timedelta(seconds=10))
+        value: timedelta = _setting("IDEMPOTENCY_MAX_WAIT", timedelta(seconds=10))
         return value
 
     @property
     def UNSTORED_STATUSES(self) -> frozenset[int]:
-        return frozenset(getattr(settings, "IDEMPOTENCY_UNSTORED_STATUSES", (408, 409, 425, 429)))
+        return frozenset(_setting("IDEMPOTENCY_UNSTORED_STATUSES", (408, 409, 425, 429)))
 
     @property
     def REPLAY_HEADERS(self) -> tuple[str, ...]:
-        return tuple(getattr(settings, "IDEMPOTENCY_REPLAY_HEADERS", ()))
+        return tuple(_setting("IDEMPOTENCY_REPLAY_HEADERS", ()))
 
     @property
     def FINGERPRINT_HEADERS(self) -> tuple[str, ...]:
-        return tuple(getattr(settings, "IDEMPOTENCY_FINGERPRINT_HEADERS", ()))
+        return tuple(_setting("IDEMPOTENCY_FINGERPRINT_HEADERS", ()))
 
     @property
     def PRINCIPAL(self) -> PrincipalFunc | None:
-        value = getattr(settings, "IDEMPOTENCY_PRINCIPAL", None)
+        value = _setting("IDEMPOTENCY_PRINCIPAL", None)
         if isinstance(value, str):
             func: PrincipalFunc = import_string(value)
             return func
@@ -76,51 +88,49 @@ class Settings:
 
     @property
     def ERROR_FORMAT(self) -> str:
-        return str(getattr(settings, "IDEMPOTENCY_ERROR_FORMAT", "problem"))
+        return str(_setting("IDEMPOTENCY_ERROR_FORMAT", "problem"))
 
     @property
     def PROBLEM_TYPE_BASE(self) -> str:
-        return str(getattr(settings, "IDEMPOTENCY_PROBLEM_TYPE_BASE", "urn:django-idempotency:"))
+        return str(_setting("IDEMPOTENCY_PROBLEM_TYPE_BASE", "urn:django-idempotency:"))
 
     @property
     def COMPRESS_MIN_BYTES(self) -> int:
-        return int(getattr(settings, "IDEMPOTENCY_COMPRESS_MIN_BYTES", 2048))
+        return int(_setting("IDEMPOTENCY_COMPRESS_MIN_BYTES", 2048))
 
     @property
     def MAX_RESPONSE_BYTES(self) -> int:
-        return int(getattr(settings, "IDEMPOTENCY_MAX_RESPONSE_BYTES", 16 * 1024 * 1024))
+        return int(_setting("IDEMPOTENCY_MAX_RESPONSE_BYTES", 16 * 1024 * 1024))
 
     @property
     def PARTITIONS_AHEAD(self) -> int:
-        return int(getattr(settings, "IDEMPOTENCY_PARTITIONS_AHEAD", 4))
+        return int(_setting("IDEMPOTENCY_PARTITIONS_AHEAD", 4))
 
     @property
     def DROP_PARTITIONS(self) -> bool:
-        return bool(getattr(settings, "IDEMPOTENCY_DROP_PARTITIONS", True))
+        return bool(_setting("IDEMPOTENCY_DROP_PARTITIONS", True))
 
     @property
     def PARTITION_GRACE(self) -> timedelta:
-        value: timedelta = getattr(settings, "IDEMPOTENCY_PARTITION_GRACE", timedelta(hours=1))
+        value: timedelta = _setting("IDEMPOTENCY_PARTITION_GRACE", timedelta(hours=1))
         return value
 
     @property
     def DDL_LOCK_TIMEOUT(self) -> timedelta:
-        value: timedelta = getattr(
-            settings, "IDEMPOTENCY_DDL_LOCK_TIMEOUT", timedelta(milliseconds=50)
-        )
+        value: timedelta = _setting("IDEMPOTENCY_DDL_LOCK_TIMEOUT", timedelta(milliseconds=50))
         return value
 
     @property
     def DELETE_BATCH_SIZE(self) -> int:
-        return int(getattr(settings, "IDEMPOTENCY_DELETE_BATCH_SIZE", 1000))
+        return int(_setting("IDEMPOTENCY_DELETE_BATCH_SIZE", 1000))
 
     @property
     def BEAT_REGISTER(self) -> bool:
-        return bool(getattr(settings, "IDEMPOTENCY_BEAT_REGISTER", False))
+        return bool(_setting("IDEMPOTENCY_BEAT_REGISTER", False))
 
     @property
     def BEAT_CRONTAB(self) -> str:
-        return str(getattr(settings, "IDEMPOTENCY_BEAT_CRONTAB", "17 * * * *"))
+        return str(_setting("IDEMPOTENCY_BEAT_CRONTAB", "17 * * * *"))
 
 
 conf = Settings()
