@@ -9,21 +9,14 @@ from datetime import timedelta
 from typing import Any
 
 from django.http.response import HttpResponseBase
-from rest_framework.renderers import BaseRenderer, JSONRenderer
+from rest_framework.exceptions import NotAcceptable
+from rest_framework.renderers import BaseRenderer
 from rest_framework.request import Request
 
 from django_idempotency import engine
 from django_idempotency.conf import PrincipalFunc
 from django_idempotency.exceptions import IdempotencyError
 from django_idempotency.problems import PROBLEM_CONTENT_TYPE, problem_response
-
-
-class ProblemJSONRenderer(JSONRenderer):
-    """Lets a client that accepts only ``application/problem+json`` get our errors
-    instead of a 406 from content negotiation."""
-
-    media_type = PROBLEM_CONTENT_TYPE
-    format = "problem+json"
 
 
 class _Replay(Exception):
@@ -64,8 +57,17 @@ class IdempotencyMixin:
             principal=getattr(principal, "__func__", principal),
         )
 
-    def get_renderers(self) -> list[BaseRenderer]:
-        return [*super().get_renderers(), ProblemJSONRenderer()]  # type: ignore[misc]
+    def perform_content_negotiation(
+        self, request: Request, force: bool = False
+    ) -> tuple[BaseRenderer, str]:
+        try:
+            return super().perform_content_negotiation(request, force)  # type: ignore[misc, no-any-return]
+        except NotAcceptable:
+            # A client that accepts only problem+json must still get our errors (not a
+            # 406), and its success labelled truthfully by the view's first renderer.
+            if PROBLEM_CONTENT_TYPE not in request.META.get("HTTP_ACCEPT", ""):
+                raise
+            return super().perform_content_negotiation(request, force=True)  # type: ignore[misc, no-any-return]
 
     def initialize_request(self, request: Any, *args: Any, **kwargs: Any) -> Request:
         self._idempotency_arrived = time.monotonic()

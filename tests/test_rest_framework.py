@@ -246,3 +246,14 @@ def test_body_read_by_an_authenticator_is_still_fingerprinted(multipart: bool) -
     assert changed.status_code == 422
     assert json.loads(changed.content)["differing"] == ["body"]
     assert CALLS[tag] == 1
+
+
+def test_success_for_a_client_accepting_only_problem_json_is_labelled_as_what_it_is(
+    client,
+) -> None:
+    response = send(
+        client, "POST", "/drf/", ScriptFactory(), key=new_key(),
+        headers={"Accept": "application/problem+json"},
+    )  # fmt: skip
+    assert response.status_code == 201
+    assert response["Content-Type"] == "application/json"

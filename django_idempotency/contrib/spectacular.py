@@ -30,7 +30,6 @@ from django_idempotency.exceptions import (
 from django_idempotency.fingerprint import PARTS
 from django_idempotency.keys import MAX_KEY_LENGTH
 from django_idempotency.problems import PROBLEM_CONTENT_TYPE
-from django_idempotency.rest_framework import ProblemJSONRenderer
 
 
 class IdempotencyProblemSerializer(serializers.Serializer[Any]):
@@ -182,13 +181,6 @@ class IdempotencySchemaMixin:
                 description="Seconds to wait before retrying with the same key.",
             ),
         ]
-
-    def map_renderers(self, attribute: str) -> list[Any]:
-        # The mixin's problem+json renderer only ever renders our errors, never the view's
-        # own responses, so it is no media type or format of the view.
-        problem = (ProblemJSONRenderer.media_type, ProblemJSONRenderer.format)
-        mapped: list[Any] = super().map_renderers(attribute)  # type: ignore[misc]
-        return [value for value in mapped if value not in problem]
 
     def get_response_serializers(self) -> Any:
         options = self.idempotency_options()
