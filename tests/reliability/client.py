@@ -88,8 +88,9 @@ class Exchange:
 
     @property
     def seconds(self) -> float:
-        """From the first send to the first 2xx, or to the last answer."""
-        end = self.success or self.final
+        """From the first send to the first final answer (2xx, or a 4xx not retried), or
+        to the last attempt."""
+        end = next((a for a in self.attempts if not a.retryable), self.final)
         return end.started + end.latency - self.attempts[0].started if end else 0.0
 
     def describe(self) -> str:
