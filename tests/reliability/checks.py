@@ -15,7 +15,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from tests.reliability.client import Exchange
+from tests.reliability.client import Attempt, Exchange
 from tests.reliability.postgres import Database
 
 TABLES = {"/api/refunds/": "payments_refund"}
@@ -101,6 +101,8 @@ def _check_exchange(
     answered = [a for a in exchange.attempts if a.ok]
     if len({a.body for a in answered}) > 1:
         findings.add(OTHER, "replay differs", f"{label}: {len(answered)} 2xx answers differ")
+    for attempt in exchange.attempts:
+        _check_answer(exchange, attempt, label, findings)
     user_id = users.get(exchange.principal.username)
     for row_id, owner in rows:
         if owner != user_id:
@@ -135,6 +137,24 @@ def _check_exchange(
             findings.add(OTHER, "answered 2xx unprotected", f"{label}: {_outcomes(exchange)}")
         if rows:
             findings.add(OTHER, "effect while refused", f"{label}: {len(rows)} rows")
+
+
+def _check_answer(exchange: Exchange, attempt: Attempt, label: str, findings: Findings) -> None:
+    """Every answer must be one the contract allows for this exchange."""
+    status = attempt.status
+    if status == 503:
+        if attempt.problem != "store-unavailable":
+            findings.add(OTHER, "503 that is not store-unavailable", label)
+    elif status == 409:
+        if attempt.problem != "in-progress" or attempt.retry_after is None:
+            findings.add(OTHER, "409 that is not in-progress with Retry-After", label)
+    elif status == 422:
+        if exchange.expect != "refused":
+            # A key blocked by the same principal's other request, or by another's.
+            kind = LEAK if exchange.kind == "cross-principal" else OTHER
+            findings.add(kind, "fresh request refused as a reused key", label)
+    elif status is not None and 400 <= status < 500 and exchange.expect != "none":
+        findings.add(OTHER, f"unexpected {status}", f"{label}: {attempt.body[:200]!r}")
 
 
 def _outcomes(exchange: Exchange) -> str:

@@ -10,10 +10,9 @@ import threading
 import time
 from dataclasses import dataclass
 
-import psycopg
 from psycopg import sql
 
-from django_idempotency.partitions import PARTITION_COMMENT, TABLE
+from django_idempotency.partitions import DROPPING_COMMENT, PARTITION_COMMENT, TABLE
 from tests.conftest import GunicornServer
 from tests.reliability.app import manage, workers
 from tests.reliability.postgres import Database
@@ -26,6 +25,11 @@ class Fault:
     at: float
     detail: str
     ok: bool = True
+    # A finer kind ("restart -m immediate"), and a count of what it touched ("backends
+    # terminated": 3) for the report.
+    variant: str = ""
+    unit: str = ""
+    units: int = 0
 
 
 def maintenance_available() -> bool:
@@ -49,14 +53,12 @@ class Injector(threading.Thread):
         while not self.stopping.wait(self.rng.uniform(*self.every)):
             started = time.monotonic()
             try:
-                kind, detail = self.inject()
+                self.faults.append(self.inject(started))
             except Exception as exc:  # recorded, never fatal: the run goes on
                 detail = f"{type(exc).__name__}: {str(exc)[:300]}"
                 self.faults.append(Fault(f"{self.name} error", started, detail, False))
-            else:
-                self.faults.append(Fault(kind, started, detail))
 
-    def inject(self) -> tuple[str, str]:
+    def inject(self, started: float) -> Fault:
         raise NotImplementedError
 
     def stop(self) -> list[Fault]:
@@ -77,25 +79,27 @@ class ServerFaults(Injector):
         self.database = database
         self.weights = profile.fault_weights
 
-    def inject(self) -> tuple[str, str]:
+    def inject(self, started: float) -> Fault:
         kind = self.rng.choices(list(self.weights), weights=list(self.weights.values()))[0]
         if kind == "worker-kill":
             victims = workers(self.server)
             if not victims:
-                return kind, "no worker alive to kill"
+                return Fault("worker-kill skipped", started, "no worker alive to kill")
             victim = self.rng.choice(victims)
             victim.send_signal(signal.SIGKILL)
-            return kind, f"SIGKILL worker {victim.pid}"
+            return Fault(kind, started, f"SIGKILL worker {victim.pid}")
         if kind == "db-outage":
             mode = self.rng.choice(["fast", "immediate"])
             pause = self.rng.uniform(0.2, 2.0)
-            started = time.monotonic()
             with self.database.outage(mode):
                 time.sleep(pause)
             what = f"restart -m {mode}" if self.database.private else "refused connections"
-            return kind, f"{what}, unreachable {time.monotonic() - started:.1f}s"
+            down = time.monotonic() - started
+            return Fault(kind, started, f"{what}, unreachable {down:.1f}s", variant=what)
         if kind == "connection-cut":
-            return kind, f"terminated {self.database.terminate_app_backends()} app backends"
+            cut = self.database.terminate_app_backends()
+            return Fault(kind, started, f"terminated {cut} app backends",
+                         unit="app backends terminated", units=cut)  # fmt: skip
         raise ValueError(kind)
 
 
@@ -108,17 +112,22 @@ class Maintenance(Injector):
         super().__init__((every * 0.5, every * 1.5), rng)
         self.database = database
 
-    def inject(self) -> tuple[str, str]:
+    def inject(self, started: float) -> Fault:
         dropped = self._drop_farthest_partition()
         output = manage(self.database, "idempotency_partitions")
         created = output.count(f"created {TABLE}_p")
-        return "maintenance", f"dropped {dropped or 'none'}, maintenance created {created}"
+        return Fault("maintenance", started, f"dropped {dropped or 'none'}, created {created}",
+                     unit="partitions created", units=created)  # fmt: skip
 
     def _drop_farthest_partition(self) -> str | None:
+        """Drop our farthest partition the way maintenance itself drops one (marked, then
+        detached concurrently, so live claims are never queued behind it), so that the
+        next maintenance run has one to create. A drop cut short is finished by that run."""
         with self.database.connect() as conn:
             row = conn.execute(
                 "SELECT c.relname FROM pg_inherits i JOIN pg_class c ON c.oid = i.inhrelid "
-                "WHERE i.inhparent = %s::regclass AND obj_description(c.oid, 'pg_class') = %s "
+                "WHERE i.inhparent = %s::regclass AND NOT i.inhdetachpending "
+                "AND obj_description(c.oid, 'pg_class') = %s "
                 # Two days ahead at least: traffic never needs it during the run.
                 "AND c.relname > %s || to_char(now() AT TIME ZONE 'UTC' + interval '2 days', "
                 "'YYYYMMDD') ORDER BY c.relname DESC LIMIT 1",
@@ -126,10 +135,10 @@ class Maintenance(Injector):
             ).fetchone()
             if row is None:
                 return None
-            # Never let the drop queue the live claims behind it for long.
-            conn.execute("SET lock_timeout = '100ms'")
-            try:
-                conn.execute(sql.SQL("DROP TABLE {}").format(sql.Identifier(row[0])))
-            except psycopg.errors.LockNotAvailable:
-                return None
+            name = sql.Identifier(row[0])
+            conn.execute(sql.SQL("COMMENT ON TABLE {} IS {}").format(
+                name, sql.Literal(DROPPING_COMMENT)))  # fmt: skip
+            conn.execute(sql.SQL("ALTER TABLE {} DETACH PARTITION {} CONCURRENTLY").format(
+                sql.Identifier(TABLE), name))  # fmt: skip
+            conn.execute(sql.SQL("DROP TABLE {}").format(name))
         return str(row[0])

@@ -89,6 +89,9 @@ class Runner:
         self.started = time.monotonic()
         # Exchanges before this index went through a recovery already.
         self.recovered = 0
+        # (server shape, logical requests, seconds) of each faulted-traffic phase.
+        self.throughput: list[tuple[str, int, float]] = []
+        self.load_at_start = os.getloadavg()
 
     @contextmanager
     def phase(self, name: str) -> Iterator[None]:
@@ -393,12 +396,15 @@ class Runner:
             injectors.append(Maintenance(database, self.profile, random.Random(self.rng.random())))
         for injector in injectors:
             injector.start()
+        before, started = len(self.ledger.exchanges), time.monotonic()
         try:
             traffic.run(seconds)
         finally:
             for injector in injectors:
                 self.faults += injector.stop()
-        self.say(f"  {sum(1 for _ in self.ledger.exchanges)} logical requests so far")
+        sent, elapsed = len(self.ledger.exchanges) - before, time.monotonic() - started
+        self.throughput.append((shape.describe(), sent, elapsed))
+        self.say(f"  {sent} logical requests in {elapsed:.0f}s")
 
     def recover(self, base_url: str) -> None:
         """Faults are over: every request still without its final answer is retried until
@@ -491,6 +497,11 @@ class Runner:
 
     def count_faults(self, database: Database) -> dict[str, int]:
         counted = Counter(f.kind for f in self.faults)
+        for fault in self.faults:
+            if fault.variant:
+                counted[f"{fault.kind}: {fault.variant}"] += 1
+            if fault.unit:
+                counted[f"{fault.kind}: {fault.unit}"] += fault.units
         with database.connect() as conn:
             for prefix, label in (("crash_once:", "crash_once: worker exited after writing"),
                                   ("fail_once:", "fail_once: 500 after writing")):  # fmt: skip
@@ -512,8 +523,9 @@ class Runner:
         memory = psutil.virtual_memory().total / 2**30
         return {
             "machine": f"{os.cpu_count()} CPU cores, {memory:.0f} GiB RAM, {platform.platform()}",
-            "load": "shared: other sessions' test suites ran on the same cores during the run; "
-            f"load average at the end {', '.join(f'{x:.1f}' for x in os.getloadavg())}",
+            "load": "1-minute load average "
+            f"{self.load_at_start[0]:.1f} at the start, {os.getloadavg()[0]:.1f} at the end "
+            "(the run, its server and database, and anything else on the machine)",
             "software": f"Python {platform.python_version()}, Django {django.__version__}, "
             f"DRF {rest_framework.VERSION}, gunicorn {gunicorn.__version__}",
             "code": _code_version(),
@@ -539,6 +551,10 @@ class Runner:
             "HTTP attempts": len(attempts),
             "retries (attempts beyond the first)": len(attempts) - len(exchanges),
             "answered 2xx as a replay": sum(a.ok and a.replayed for a in attempts),
+            **{
+                f"logical requests per second under faults, {shape}": round(sent / seconds)
+                for shape, sent, seconds in self.throughput
+            },
         }
         report.kinds = dict(Counter(e.kind for e in exchanges))
         report.endpoints = dict(Counter(e.path for e in exchanges))
