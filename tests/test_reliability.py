@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import pytest
 
+from tests.reliability.faults import maintenance_available
 from tests.reliability.postgres import explicit_server_url
 from tests.reliability.profiles import FAULT_KINDS, PROFILES
 from tests.reliability.report import Report
@@ -72,6 +73,12 @@ def test_hot_key_executes_once(report: Report) -> None:
 
 def test_distinct_keys_run_in_parallel(report: Report) -> None:
     assert failed_checks(report, "distinct keys") == []
+
+
+def test_duplicates_arrive_while_partition_maintenance_creates_partitions(report: Report) -> None:
+    if not maintenance_available():
+        pytest.skip("no idempotency_partitions command in this checkout")
+    assert report.faults.get("maintenance: partitions created", 0) > 0, report.faults
 
 
 def test_logs_and_stored_headers_hold_no_secrets(report: Report) -> None:
