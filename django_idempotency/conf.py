@@ -18,10 +18,12 @@ def _setting(name: str, default: Any) -> Any:
     # Read from the wrapped settings object: LazySettings.__getattr__ costs about 8 times
     # more for a setting that is not set, the usual case, and the engine reads a dozen per
     # request. override_settings swaps the wrapped object, so overrides still apply.
-    wrapped = settings._wrapped
+    # Any: the django-stubs plugin checks attribute names on it against the settings.
+    lazy: Any = settings
+    wrapped = lazy._wrapped
     if wrapped is empty:
-        settings._setup()
-        wrapped = settings._wrapped
+        lazy._setup()
+        wrapped = lazy._wrapped
     return getattr(wrapped, name, default)
 
 
@@ -80,7 +82,7 @@ class Settings:
 
     @property
     def PRINCIPAL(self) -> PrincipalFunc | None:
-        value = _setting("IDEMPOTENCY_PRINCIPAL", None)
+        value: PrincipalFunc | str | None = _setting("IDEMPOTENCY_PRINCIPAL", None)
         if isinstance(value, str):
             func: PrincipalFunc = import_string(value)
             return func
