@@ -134,28 +134,27 @@ def test_key_held_for_one_principal_does_not_block_another() -> None:
         assert claim("user:2", key).outcome == storage.WON
 
 
-@pytest.mark.django_db(transaction=True)
-def test_waiter_gets_the_record_the_holder_commits() -> None:
-    key = new_key()
-    holder = ClaimThread("anonymous", key, complete=True)
+def holder_and_waiter(key: str, *, complete: bool) -> tuple[ClaimThread, ClaimThread]:
+    """A holder that has claimed ``key``, and a waiter queued on its lock."""
+    holder = ClaimThread("anonymous", key, complete=complete)
     holder.start()
     holder.claimed.wait(30)
     waiter = ClaimThread("anonymous", key, wait=timedelta(seconds=30))
     waiter.start()
     wait_for_lock_waiters(1)
+    return holder, waiter
+
+
+@pytest.mark.django_db(transaction=True)
+def test_waiter_gets_the_record_the_holder_commits() -> None:
+    holder, waiter = holder_and_waiter(new_key(), complete=True)
     assert holder.result() == storage.WON
     assert waiter.result() == storage.FOUND
 
 
 @pytest.mark.django_db(transaction=True)
 def test_waiter_wins_when_the_holder_rolls_back() -> None:
-    key = new_key()
-    holder = ClaimThread("anonymous", key, complete=False)
-    holder.start()
-    holder.claimed.wait(30)
-    waiter = ClaimThread("anonymous", key, wait=timedelta(seconds=30))
-    waiter.start()
-    wait_for_lock_waiters(1)
+    holder, waiter = holder_and_waiter(new_key(), complete=False)
     assert holder.result() == storage.WON
     assert waiter.result() == storage.WON
 
@@ -165,12 +164,7 @@ def test_waiter_wins_when_the_holders_connection_dies_mid_request() -> None:
     # What a worker killed by kill -9 or the OOM killer leaves: a dead backend. Its claim
     # goes with it; there is no in-progress row to time out.
     key = new_key()
-    holder = ClaimThread("anonymous", key, complete=True)
-    holder.start()
-    holder.claimed.wait(30)
-    waiter = ClaimThread("anonymous", key, wait=timedelta(seconds=30))
-    waiter.start()
-    wait_for_lock_waiters(1)
+    holder, waiter = holder_and_waiter(key, complete=True)
     with connection.cursor() as cursor:
         cursor.execute("SELECT pg_terminate_backend(%s)", [holder.pid])
     assert waiter.result() == storage.WON
