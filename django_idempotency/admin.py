@@ -13,7 +13,7 @@ import re
 import zlib
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
-from datetime import date, datetime, timedelta
+from datetime import date, timedelta
 from typing import TYPE_CHECKING, Any
 
 from django.contrib import admin
@@ -202,12 +202,8 @@ def _record_days(using: str) -> list[date]:
     today = partitions.utc_today()
     connection = connections[using]
     if connection.vendor == "postgresql":
-        prefix = partitions.partition_name(today)[: -len("YYYYMMDD")]
-        days = {
-            datetime.strptime(name.removeprefix(prefix), "%Y%m%d").date()
-            for name in partitions.attached_partitions(connection)
-            if name.startswith(prefix)
-        }
+        named = (partitions.partition_day(n) for n in partitions.attached_partitions(connection))
+        days = {day for day in named if day is not None}
     else:
         retention = conf.MAX_TTL + conf.EXPIRED_WINDOW
         days = {today - timedelta(days=n) for n in range(retention.days + 2)}
