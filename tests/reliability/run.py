@@ -102,8 +102,8 @@ class Runner:
         finally:
             self.phases[name] = round(time.monotonic() - started, 1)
 
-    def client(self) -> Callable[[str], SDKClient]:
-        return lambda url: SDKClient(url, self.profile.policy, random.Random(self.rng.random()))
+    def client(self, base_url: str) -> SDKClient:
+        return SDKClient(base_url, self.profile.policy, random.Random(self.rng.random()))
 
     def run(self, database: Database, traffic_seconds: float) -> Report:
         report = Report(
@@ -156,7 +156,7 @@ class Runner:
             try:
                 server = stack.enter_context(serve(database, shape, self.logs))
                 alice = self.token_principals()[0]
-                client = self.client()(server.url)
+                client = self.client(server.url)
                 cold = [
                     self.ledger.new(alice, path, kind="cold-start")
                     for path in self.paths(self.profile.cold_start_requests)
@@ -190,7 +190,7 @@ class Runner:
         """Log the staff users in, and find out whether the payments endpoints take a
         session: only then do session principals join the traffic."""
         self.sessions = [session_principal(base_url, u) for u in self.users if u.password]
-        client = self.client()(base_url)
+        client = self.client(base_url)
         probe = self.ledger.new(self.sessions[0], kind="session probe", expect="none")
         self.session_accepted = client.attempt(probe).ok
         if self.session_accepted:
@@ -210,7 +210,7 @@ class Runner:
         staff = next(u for u in self.users if u.password)
         by_session = next(p for p in self.sessions if p.username == staff.username)
         by_token = staff.token_principal()
-        client = self.client()(base_url)
+        client = self.client(base_url)
         key = str(uuid.uuid4())
 
         def send(principal: Principal, path: str = "/api/charges/", **kw: Any) -> Exchange:
@@ -288,7 +288,7 @@ class Runner:
         alice = self.token_principals()[0]
         marker = f"idem-xss-{self.ledger.run_tag}"
         payload = f'<script>alert("{marker}")</script>'
-        client = self.client()(base_url)
+        client = self.client(base_url)
         exchange = client.send(self.ledger.new(alice, kind="markup", expect="none", fail=payload))
         with database.connect() as conn:
             row = conn.execute(
@@ -368,7 +368,7 @@ class Runner:
                     # Anything the single attempt missed is settled now, outside the timing.
                     for exchange in batch:
                         if exchange.success is None:
-                            self.client()(base_url).send(exchange)
+                            self.client(base_url).send(exchange)
             rows.append({"n": n, **walls, "serial": round(n * delay / 1000, 2)})
         self.contention["scaling"] = rows
         self.contention["scaling_delay_ms"] = delay
@@ -451,10 +451,9 @@ class Runner:
         if not exchanges:
             return
         barrier = threading.Barrier(len(exchanges)) if limit is None else None
-        make = self.client()
 
         def one(exchange: Exchange) -> None:
-            client = make(base_url)
+            client = self.client(base_url)
             try:
                 if barrier is not None:
                     barrier.wait()
