@@ -526,16 +526,12 @@ def drop_partition(
 
 
 def announce(created: list[str], dropped: list[str], using: str) -> None:
-    """Send ``partitions_created`` / ``partitions_dropped``; a failing receiver is logged."""
-    for signal, names in (
-        (signals.partitions_created, created),
-        (signals.partitions_dropped, dropped),
-    ):
-        if not names:
-            continue
-        for receiver, result in signal.send_robust(sender=None, names=names, using=using):
-            if isinstance(result, Exception):
-                logger.error("Receiver %r of a partitions signal failed", receiver, exc_info=result)
+    """Send ``partitions_created`` / ``partitions_dropped``, with ``send_robust``: a failing
+    receiver is logged by Django and fails nothing."""
+    if created:
+        signals.partitions_created.send_robust(sender=None, names=created, using=using)
+    if dropped:
+        signals.partitions_dropped.send_robust(sender=None, names=dropped, using=using)
 
 
 def ensure_current_partition(connection: BaseDatabaseWrapper) -> list[str]:

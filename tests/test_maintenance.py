@@ -502,3 +502,54 @@ def test_deletes_expired_records_in_batches_on_sqlite(
     outcome = json.loads(result.stdout.strip().splitlines()[-1])
     # Seven expired (4 batches of 2), one in its gone window, one live.
     assert outcome == {"left": ["k7", "k8"], "deletes": 4}
+
+
+@sandboxed
+def test_a_step_that_cannot_get_its_lock_in_time_fails_and_the_others_are_done() -> None:
+    (expired,) = old_partitions(10)
+    missing = today() + timedelta(days=4)
+    detach_and_drop(missing)
+    # Another session creating partitions holds the lock that creators take in turn.
+    other = connection.copy()
+    try:
+        with other.cursor() as cursor:
+            cursor.execute("BEGIN")
+            cursor.execute(
+                "SELECT pg_advisory_xact_lock(hashtextextended(%s, 0))", [partitions.CREATE_LOCK]
+            )
+            with pytest.raises(maintenance.MaintenanceFailed, match="lock timeout") as failed:
+                maintenance.maintain(retry_for=timedelta(seconds=0.5))
+            cursor.execute("ROLLBACK")
+    finally:
+        other.close()
+    report = failed.value.report
+    assert report is not None
+    assert report.created == [] and report.dropped == [expired]
+    assert report.errors[0].startswith(f"create {partition_name(missing)}: ")
+    # Left for the next run.
+    assert maintenance.maintain().created == [partition_name(missing)]
+
+
+@sandboxed
+def test_a_failing_signal_receiver_is_logged_and_the_run_succeeds(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    (expired,) = old_partitions(10)
+
+    def broken(sender: Any, **kwargs: Any) -> None:
+        raise RuntimeError("receiver bug")
+
+    signals.partitions_dropped.connect(broken)
+    try:
+        report = maintenance.maintain()
+    finally:
+        signals.partitions_dropped.disconnect(broken)
+    assert report.dropped == [expired]
+    (record,) = [r for r in caplog.records if r.levelname == "ERROR"]
+    assert record.name == "django.dispatch" and record.exc_info is not None
+
+
+def test_without_the_table_maintenance_says_to_run_migrate(db: None) -> None:
+    execute(f"ALTER TABLE {TABLE} RENAME TO moved_away")
+    with pytest.raises(maintenance.MaintenanceFailed, match="does not exist; run migrate"):
+        maintenance.maintain()

@@ -424,3 +424,11 @@ def test_creating_refuses_a_table_of_the_same_name_that_is_not_a_partition(
     with pytest.raises(partitions.PartitionConflict, match="not a partition"):
         partitions.create_partition(connection, day, retry_for=timedelta(0))
     assert execute(f'SELECT count(*) FROM "{partition_name(day)}"') == [(0,)]
+
+
+def test_an_error_on_the_side_connection_reaches_the_caller(partition_sandbox: None) -> None:
+    day = today()
+    detach_and_drop(day)
+    execute(f'CREATE TABLE "{partition_name(day)}" (note text)')
+    with transaction.atomic(), pytest.raises(partitions.PartitionConflict):
+        partitions.ensure_current_partition(connection)
