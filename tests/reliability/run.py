@@ -49,7 +49,7 @@ from tests.reliability.faults import (
 from tests.reliability.postgres import Database, provision
 from tests.reliability.profiles import Profile, ServerShape
 from tests.reliability.report import Check, Report, percentiles
-from tests.reliability.traffic import Ledger, Traffic
+from tests.reliability.traffic import DRF_ENDPOINTS, Ledger, Traffic
 
 COUNT_PATH = "/api/charges/count/"
 
@@ -168,12 +168,23 @@ class Runner:
             for exchange in cold:
                 client.send(exchange)
             first = [next((a for a in e.attempts if a.ok), None) for e in cold]
-            statuses = Counter(a.outcome for a in during)
+            statuses = Counter(f"{e.path} {a.outcome}" for e, a in zip(cold, during, strict=True))
             self.checks.append(
                 Check(
                     "store unreachable at start: 5xx, never a 2xx",
                     all(a.status is not None and a.status >= 500 for a in during),
                     f"{len(during)} requests while down: {_counts(statuses)}",
+                )
+            )
+            # The mixin answers for DRF's authentication too; the plain view's token check
+            # is the testproject's own code, run before @idempotent sees the request.
+            drf = [a for e, a in zip(cold, during, strict=True) if e.path in DRF_ENDPOINTS]
+            self.checks.append(
+                Check(
+                    "store unreachable at start, DRF views: 503 store-unavailable",
+                    bool(drf)
+                    and all(a.problem == "store-unavailable" and a.retry_after for a in drf),
+                    f"{len(drf)} requests: {_counts(Counter(a.outcome for a in drf))}",
                 )
             )
             self.checks.append(

@@ -15,8 +15,8 @@ from tests.reliability.client import Amounts, Exchange, Principal, SDKClient
 from tests.reliability.profiles import Profile
 
 STRAGGLERS_SECONDS = 15.0
-# Endpoints that accept a DRF session (the @idempotent view takes tokens only).
-SESSION_ENDPOINTS = ("/api/charges/", "/api/refunds/")
+# The DRF views (where a session could authenticate; the @idempotent view checks tokens only).
+DRF_ENDPOINTS = ("/api/charges/", "/api/refunds/")
 
 
 class Ledger:
@@ -112,7 +112,7 @@ class Traffic:
         principal = rng.choice(self.principals)
         paths = self.profile.endpoints
         if principal.auth == "session":
-            paths = {p: w for p, w in paths.items() if p in SESSION_ENDPOINTS}
+            paths = {p: w for p, w in paths.items() if p in DRF_ENDPOINTS}
         path = rng.choices(list(paths), weights=list(paths.values()))[0]
         tag = f"{self.ledger.run_tag}-{uuid.uuid4().hex[:12]}"
         choices: list[tuple[float, Callable[[], Exchange]]] = [
