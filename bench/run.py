@@ -16,6 +16,7 @@ from urllib.parse import urlsplit, urlunsplit
 BENCHMARKS = {
     "request": "bench.request_bench",
     "claim": "bench.claim_bench",
+    "partitions": "bench.partitions_bench",
 }
 
 

@@ -134,6 +134,7 @@ class Command(BaseCommand):
         base_url = f"http://127.0.0.1:{port}"
         call_command("migrate", interactive=False, verbosity=0)
         call_command("seed_demo", stdout=self.stdout)
+        self.show_partitions()
         server = self.start_gunicorn(port, options["workers"], quiet=options["smoke"])
         # Stop gunicorn with us on SIGTERM too, not only on Ctrl-C.
         signal.signal(signal.SIGTERM, _interrupt)
@@ -151,6 +152,14 @@ class Command(BaseCommand):
             if server.poll() is None:
                 server.terminate()
                 server.wait(timeout=60)
+
+    def show_partitions(self) -> None:
+        self.stdout.write("\n$ python manage.py idempotency_partitions --dry-run")
+        call_command("idempotency_partitions", dry_run=True, stdout=self.stdout)
+        self.stdout.write(
+            "Partition maintenance: `python manage.py idempotency_partitions` hourly (cron), or "
+            "the Celery task django_idempotency.maintain_partitions (see docs/partitions.md).\n"
+        )
 
     def start_gunicorn(self, port: int, workers: int, *, quiet: bool) -> subprocess.Popen[bytes]:
         # DATABASE_URL is in the environment by now (the settings set it when they start the
