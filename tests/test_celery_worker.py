@@ -15,6 +15,10 @@ from datetime import timedelta
 from typing import Any
 
 import pytest
+
+# Celery and django-celery-beat are an optional extra: without them these tests skip.
+pytest.importorskip("celery")
+pytest.importorskip("django_celery_beat")
 from celery import Celery
 from celery.contrib.testing.worker import start_worker
 from django.conf import settings

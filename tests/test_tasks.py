@@ -16,6 +16,9 @@ from django.db import connection
 
 from django_idempotency import maintenance
 from django_idempotency.partitions import partition_name
+
+# Celery and django-celery-beat are an optional extra: without them these tests skip.
+pytest.importorskip("celery")
 from django_idempotency.tasks import maintain_partitions
 from tests.test_partitions import (  # noqa: F401  (partition_sandbox is a fixture)
     detach_and_drop,
