@@ -6,9 +6,8 @@ import hashlib
 import json
 from collections.abc import Iterable
 from typing import Any
-from urllib.parse import parse_qsl
 
-from django.http import HttpRequest
+from django.http import HttpRequest, QueryDict
 
 # The order in which differing parts are reported.
 PARTS = ("method", "path", "query", "body")
@@ -41,6 +40,10 @@ def _canonical_json(raw: bytes, exclude: Iterable[str]) -> bytes | None:
         return None
 
 
+def _pairs(data: QueryDict) -> list[tuple[str, str]]:
+    return [(name, value) for name, values in data.lists() for value in values]
+
+
 def _canonical_pairs(pairs: Iterable[tuple[str, str]], exclude: Iterable[str]) -> bytes:
     excluded = set(exclude)
     kept = sorted((k, v) for k, v in pairs if k not in excluded)
@@ -52,9 +55,10 @@ def canonical_body(request: HttpRequest, exclude: Iterable[str] = ()) -> bytes:
     digests; anything else as raw bytes. Each form is tagged so they never collide."""
     exclude = tuple(exclude)
     content_type = request.content_type or ""
-    if content_type == "multipart/form-data":
-        # Parsed by Django: the raw stream may already have been consumed (CSRF, DRF).
-        pairs = [(k, v) for k in request.POST for v in request.POST.getlist(k)]
+    if content_type in ("multipart/form-data", "application/x-www-form-urlencoded"):
+        # Parsed by Django, which caps the number of fields (DATA_UPLOAD_MAX_NUMBER_FIELDS),
+        # and the raw stream of a multipart body may already have been consumed.
+        pairs = _pairs(request.POST)
         for name in request.FILES:
             for upload in request.FILES.getlist(name):
                 digest = hashlib.sha256()
@@ -62,11 +66,8 @@ def canonical_body(request: HttpRequest, exclude: Iterable[str] = ()) -> bytes:
                     digest.update(chunk)
                 upload.seek(0)
                 pairs.append((name, f"file:{upload.name}:{digest.hexdigest()}"))
-        return b"multipart:" + _canonical_pairs(pairs, exclude)
-    raw = request.body
-    if content_type == "application/x-www-form-urlencoded":
-        pairs = parse_qsl(raw.decode("latin-1"), keep_blank_values=True)
         return b"form:" + _canonical_pairs(pairs, exclude)
+    raw = request.body
     if content_type == "application/json" or content_type.endswith("+json"):
         canonical = _canonical_json(raw, exclude)
         if canonical is not None:
@@ -78,11 +79,10 @@ def fingerprint(
     request: HttpRequest, exclude: Iterable[str] = (), headers: Iterable[str] = ()
 ) -> dict[str, str]:
     """Digest of each part of the request, so a mismatch can name the parts that differ."""
-    query = parse_qsl(request.META.get("QUERY_STRING", ""), keep_blank_values=True)
     parts = {
         "method": _digest((request.method or "").encode()),
         "path": _digest(request.path.encode()),
-        "query": _digest(_canonical_pairs(query, ())),
+        "query": _digest(_canonical_pairs(_pairs(request.GET), ())),
         "body": _digest(canonical_body(request, exclude)),
     }
     for name in headers:
