@@ -33,7 +33,7 @@ class IdempotencyRecord(models.Model):
         db_table = "django_idempotency_record"
         verbose_name = _("idempotency record")
         verbose_name_plural = _("idempotency records")
-        indexes = [models.Index(fields=["scope", "key"], name="idempotency_scope_key")]
+        indexes = [models.Index(fields=["key", "scope"], name="idempotency_key_scope")]
 
     def __str__(self) -> str:
         return f"{self.method} {self.path} [{self.key[:12]}]"

@@ -133,7 +133,7 @@ def test_partition_ddl_shown_is_what_the_code_runs():
     for statement in partitions.create_partition_statements(date(2026, 11, 22)):
         assert f"{statement};" in shown
     migration = importlib.import_module("django_idempotency.migrations.0001_initial")
-    assert migration.SCOPE_KEY_INDEX in shown
+    assert migration.KEY_SCOPE_INDEX in shown
 
 
 def test_docs_build_without_warnings(tmp_path):

@@ -85,12 +85,12 @@ def test_primary_key_is_id_and_created_at_in_the_database() -> None:
 
 
 @pytest.mark.django_db
-def test_claim_function_and_scope_key_index_exist() -> None:
+def test_claim_function_and_key_scope_index_exist() -> None:
     assert fetch_one("SELECT to_regproc('django_idempotency_claim')::text") == (
         "django_idempotency_claim",
     )
-    assert fetch_one("SELECT to_regclass('idempotency_scope_key')::text") == (
-        "idempotency_scope_key",
+    assert fetch_one("SELECT to_regclass('idempotency_key_scope')::text") == (
+        "idempotency_key_scope",
     )
 
 
@@ -107,9 +107,7 @@ def assert_migrated_schema_works() -> None:
     with transaction.atomic():
         claimed = claim("anonymous", key)
         assert claimed.pending is not None
-        storage.complete(
-            DEFAULT_DB_ALIAS, claimed.pending, code=201, headers=[], body=b"ok", encoding=""
-        )
+        storage.complete(DEFAULT_DB_ALIAS, claimed.pending, code=201, headers=[], body=b"ok")
     with transaction.atomic():
         assert claim("anonymous", key).outcome == storage.FOUND
 

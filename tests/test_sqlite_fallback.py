@@ -86,7 +86,7 @@ ENDPOINTS = pytest.mark.parametrize("path", ["/drf/", "/plain/"])
 
 @on_sqlite
 @pytest.mark.django_db
-def test_on_sqlite_the_records_table_is_plain_with_a_unique_scope_key_index() -> None:
+def test_on_sqlite_the_records_table_is_plain_with_a_unique_key_scope_index() -> None:
     assert connection.vendor == "sqlite"
     with connection.cursor() as cursor:
         cursor.execute("SELECT type FROM sqlite_master WHERE name = 'django_idempotency_record'")
@@ -97,7 +97,7 @@ def test_on_sqlite_the_records_table_is_plain_with_a_unique_scope_key_index() ->
         for index in unique:
             cursor.execute(f"PRAGMA index_info('{index}')")
             columns.append([row[2] for row in cursor.fetchall()])
-    assert ["scope", "key"] in columns
+    assert ["key", "scope"] in columns
 
 
 @on_sqlite
@@ -166,9 +166,7 @@ def test_on_sqlite_an_expired_record_is_gone_then_replaced() -> None:
     with transaction.atomic():
         claimed = claim("anonymous", key, now=now, ttl=timedelta(hours=1))
         assert claimed.pending is not None
-        storage.complete(
-            DEFAULT_DB_ALIAS, claimed.pending, code=201, headers=[], body=b"1", encoding=""
-        )
+        storage.complete(DEFAULT_DB_ALIAS, claimed.pending, code=201, headers=[], body=b"1")
     gone = timedelta(hours=1)
     with transaction.atomic():
         assert claim("anonymous", key, now=now + timedelta(minutes=30)).outcome == storage.FOUND

@@ -34,7 +34,9 @@ CREATE TABLE django_idempotency_record (
 ) PARTITION BY RANGE (created_at)
 """
 
-SCOPE_KEY_INDEX = "CREATE INDEX idempotency_scope_key ON django_idempotency_record (scope, key)"
+# Key first: the claim looks up (scope, key) by equality, which either order serves, and
+# the admin searches by key alone, which only this order serves.
+KEY_SCOPE_INDEX = "CREATE INDEX idempotency_key_scope ON django_idempotency_record (key, scope)"
 
 # The claim, in one round trip. The advisory lock and the lookup must be separate
 # statements: a plpgsql statement takes its snapshot when it starts, so only a lookup
@@ -121,13 +123,13 @@ def create_table(apps: Apps, schema_editor: BaseDatabaseSchemaEditor) -> None:
         schema_editor.create_model(apps.get_model("django_idempotency", "IdempotencyRecord"))
         # Without partitions a plain unique index arbitrates concurrent claims.
         schema_editor.execute(
-            "CREATE UNIQUE INDEX idempotency_scope_key_unique "
-            "ON django_idempotency_record (scope, key)"
+            "CREATE UNIQUE INDEX idempotency_key_scope_unique "
+            "ON django_idempotency_record (key, scope)"
         )
         return
     # params=None: the DDL contains '%' that must not be read as placeholders.
     schema_editor.execute(PARTITIONED_TABLE, params=None)
-    schema_editor.execute(SCOPE_KEY_INDEX, params=None)
+    schema_editor.execute(KEY_SCOPE_INDEX, params=None)
     schema_editor.execute(CLAIM_FUNCTION, params=None)
     today = partitions.utc_today()
     partitions.create_partitions(
@@ -200,7 +202,7 @@ class Migration(migrations.Migration):
                         "verbose_name_plural": "idempotency records",
                         "db_table": "django_idempotency_record",
                         "indexes": [
-                            models.Index(fields=["scope", "key"], name="idempotency_scope_key")
+                            models.Index(fields=["key", "scope"], name="idempotency_key_scope")
                         ],
                     },
                 ),
