@@ -43,6 +43,7 @@ class IdempotencyMixin:
 
     _idempotency: engine.Execution | None = None
     _idempotency_arrived: float | None = None
+    _idempotency_covered = False
 
     def get_idempotency_options(self) -> engine.Options:
         principal = self.idempotency_principal
@@ -76,14 +77,9 @@ class IdempotencyMixin:
     def initial(self, request: Request, *args: Any, **kwargs: Any) -> None:
         options = self.get_idempotency_options()
         django_request = request._request
-        covered = engine.covers(django_request, options)
-        # Keep the raw body for the fingerprint before an authenticator, permission or
-        # throttle reads request.data, which consumes the stream. Multipart is
-        # fingerprinted from the parsed fields instead.
-        if covered and django_request.content_type != "multipart/form-data":
-            django_request.body  # noqa: B018
+        self._idempotency_covered = engine.covers(django_request, options)
         # Authentication usually queries the same database: if it is gone, answer 503.
-        with engine.failing_closed() if covered else nullcontext():
+        with engine.failing_closed() if self._idempotency_covered else nullcontext():
             super().initial(request, *args, **kwargs)  # type: ignore[misc]
         result = engine.begin(
             django_request,
@@ -95,6 +91,16 @@ class IdempotencyMixin:
         if isinstance(result, HttpResponseBase):
             raise _Replay(result)
         self._idempotency = result
+
+    def perform_authentication(self, request: Request) -> None:
+        # Keep the raw body for the fingerprint before an authenticator, permission or
+        # throttle reads request.data, which consumes the stream (after content
+        # negotiation, so that a body too large is answered like any other error).
+        # Multipart is fingerprinted from the parsed fields instead.
+        django_request = request._request
+        if self._idempotency_covered and django_request.content_type != "multipart/form-data":
+            django_request.body  # noqa: B018
+        super().perform_authentication(request)  # type: ignore[misc]
 
     def handle_exception(self, exc: Exception) -> HttpResponseBase:
         if isinstance(exc, _Replay):
