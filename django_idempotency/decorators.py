@@ -73,6 +73,8 @@ def idempotent(view: Any = None, **overrides: Any) -> Any:
             except IdempotencyError as exc:
                 return problem_response(exc)
 
+        # How the admin finds idempotent plain views in the URLconf.
+        wrapper.idempotency_overrides = dict(overrides)  # type: ignore[attr-defined]
         return wrapper  # type: ignore[return-value]
 
     return decorate(view) if view is not None else decorate

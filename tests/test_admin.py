@@ -352,3 +352,10 @@ def test_changelist_says_an_estimated_count_is_one(superuser_client, monkeypatch
 
     assert response.context["cl"].paginator.estimated
     assert "About" in response.text
+
+
+@pytest.mark.urls("tests.urls")
+def test_idempotent_plain_views_are_found_for_the_endpoint_filter() -> None:
+    found = {endpoint.route: endpoint.methods for endpoint in idempotent_endpoints()}
+    assert found["/plain/"] == frozenset({"POST", "PATCH"})
+    assert found["/plain/put-only/"] == frozenset({"PUT"})
