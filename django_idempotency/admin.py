@@ -10,7 +10,6 @@ from __future__ import annotations
 import contextlib
 import json
 import re
-import zlib
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from datetime import date, timedelta
@@ -34,7 +33,7 @@ from django.utils.safestring import SafeString
 from django.utils.translation import gettext
 from django.utils.translation import gettext_lazy as _
 
-from django_idempotency import engine, partitions
+from django_idempotency import engine, partitions, storage
 from django_idempotency.conf import conf
 from django_idempotency.exceptions import InvalidKey
 from django_idempotency.fingerprint import PARTS
@@ -244,9 +243,7 @@ def _pre(text: str) -> SafeString:
 
 def body_text(record: IdempotencyRecord) -> str:
     """The stored body for people: decompressed, JSON indented, binary described."""
-    body = bytes(record.response_body or b"")
-    if record.body_encoding == "zlib":
-        body = zlib.decompress(body)
+    body = storage.decode_body(record.response_body, record.body_encoding)
     try:
         text = body.decode()
     except UnicodeDecodeError:

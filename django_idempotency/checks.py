@@ -18,6 +18,7 @@ from django.db import connections, router
 from django_idempotency import beat, partitions
 from django_idempotency.conf import conf
 from django_idempotency.models import IdempotencyRecord
+from django_idempotency.problems import ERROR_FORMATS
 
 SCHEDULE_HINT = (
     "Run `manage.py idempotency_partitions` now, and schedule it hourly: the Celery task "
@@ -29,7 +30,6 @@ SCHEDULE_HINT = (
 # RFC 9110 token characters, less "_": WSGI servers drop header names with underscores.
 HEADER_NAME = re.compile(r"[!#$%&'*+\-.^`|~0-9A-Za-z]+")
 SAFE_METHODS = frozenset({"GET", "HEAD", "OPTIONS", "TRACE"})
-ERROR_FORMATS = ("problem", "stripe")
 # (setting, smallest value allowed)
 DURATIONS = (
     ("TTL", timedelta.resolution),

@@ -6,7 +6,6 @@ from __future__ import annotations
 import logging
 import sys
 import time
-import zlib
 from collections.abc import Iterable, Iterator
 from contextlib import ExitStack, contextmanager, suppress
 from dataclasses import dataclass
@@ -244,18 +243,8 @@ class Execution:
                 f"An idempotent response of {len(body)} bytes exceeds "
                 f"IDEMPOTENCY_MAX_RESPONSE_BYTES ({conf.MAX_RESPONSE_BYTES})."
             )
-        encoding = ""
-        if len(body) >= conf.COMPRESS_MIN_BYTES:
-            compressed = zlib.compress(body, 6)
-            if len(compressed) < len(body):
-                body, encoding = compressed, "zlib"
         storage.complete(
-            self.using,
-            self.pending,
-            code=code,
-            headers=_replay_headers(response),
-            body=body,
-            encoding=encoding,
+            self.using, self.pending, code=code, headers=_replay_headers(response), body=body
         )
         return True
 
@@ -268,9 +257,7 @@ def _replay_headers(response: HttpResponseBase) -> list[list[str]]:
 
 def replay(record: storage.Record) -> HttpResponse:
     """The stored response, byte for byte, marked as a replay."""
-    body = record.response_body or b""
-    if record.body_encoding == "zlib":
-        body = zlib.decompress(body)
+    body = storage.decode_body(record.response_body, record.body_encoding)
     response = HttpResponse(body, status=record.response_code or 200)
     del response["Content-Type"]
     for name, value in record.response_headers or ():

@@ -11,6 +11,8 @@ from django_idempotency.conf import conf
 from django_idempotency.exceptions import IdempotencyError
 
 PROBLEM_CONTENT_TYPE = "application/problem+json"
+# IDEMPOTENCY_ERROR_FORMAT: RFC 9457 problems, or Stripe's error object.
+ERROR_FORMATS = ("problem", "stripe")
 
 
 def problem_response(exc: IdempotencyError) -> HttpResponse:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import zlib
 from dataclasses import asdict, dataclass, replace
 from datetime import datetime, timedelta
 from typing import Any
@@ -10,6 +11,7 @@ from typing import Any
 from django.db import IntegrityError, connections, transaction
 from django.utils import timezone
 
+from django_idempotency.conf import conf
 from django_idempotency.models import IdempotencyRecord
 
 WON, FOUND, EXPIRED, BUSY, NO_PARTITION = "won", "found", "expired", "busy", "nopartition"
@@ -183,6 +185,23 @@ _INSERT_COMPLETED = (
 )
 
 
+ZLIB = "zlib"
+
+
+def encode_body(body: bytes) -> tuple[bytes, str]:
+    """The body as stored, and how: compressed when it is large and that pays."""
+    if len(body) >= conf.COMPRESS_MIN_BYTES:
+        compressed = zlib.compress(body, 6)
+        if len(compressed) < len(body):
+            return compressed, ZLIB
+    return body, ""
+
+
+def decode_body(stored: bytes | None, encoding: str) -> bytes:
+    body = bytes(stored or b"")
+    return zlib.decompress(body) if encoding == ZLIB else body
+
+
 def complete(
     using: str,
     pending: Pending,
@@ -190,9 +209,9 @@ def complete(
     code: int,
     headers: list[list[str]],
     body: bytes,
-    encoding: str,
 ) -> None:
     """Write the finished record, in the claim's transaction."""
+    body, encoding = encode_body(body)
     if pending.id is not None:
         IdempotencyRecord.objects.using(using).filter(pk=pending.id).update(
             status=IdempotencyRecord.Status.COMPLETED,

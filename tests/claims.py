@@ -64,7 +64,7 @@ class ClaimThread(threading.Thread):
                 if self.complete and claimed.pending is not None:
                     storage.complete(
                         DEFAULT_DB_ALIAS, claimed.pending, code=201,
-                        headers=[["Content-Type", "text/plain"]], body=b"first", encoding="",
+                        headers=[["Content-Type", "text/plain"]], body=b"first",
                     )  # fmt: skip
                 else:
                     transaction.set_rollback(True)

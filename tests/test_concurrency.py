@@ -275,7 +275,7 @@ def test_claims_straddling_midnight_utc_never_produce_two_winners() -> None:
                     if claimed.pending is not None:
                         storage.complete(
                             DEFAULT_DB_ALIAS, claimed.pending, code=201, headers=[],
-                            body=str(index).encode(), encoding="",
+                            body=str(index).encode(),
                         )  # fmt: skip
                 outcomes[key].append(claimed.outcome)
         except BaseException as exc:

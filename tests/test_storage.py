@@ -20,7 +20,7 @@ def complete(pending: storage.Pending | None, body: bytes = b"stored") -> None:
     assert pending is not None
     storage.complete(
         DEFAULT_DB_ALIAS, pending, code=201, headers=[["Content-Type", "text/plain"]],
-        body=body, encoding="",
+        body=body,
     )  # fmt: skip
 
 
