@@ -40,6 +40,10 @@ INSTALLED_APPS = [
 # allow Django 6.1), so the project runs with or without them.
 if importlib.util.find_spec("django_celery_beat") is not None:
     INSTALLED_APPS.append("django_celery_beat")
+# drf-spectacular (the spectacular extra) documents the Idempotency-Key header by itself.
+SPECTACULAR = importlib.util.find_spec("drf_spectacular") is not None
+if SPECTACULAR:
+    INSTALLED_APPS.append("drf_spectacular")
 
 MIDDLEWARE = [
     "django.middleware.security.SecurityMiddleware",
@@ -103,6 +107,8 @@ REST_FRAMEWORK = {
     ],
     "DEFAULT_PARSER_CLASSES": ["rest_framework.parsers.JSONParser"],
 }
+if SPECTACULAR:
+    REST_FRAMEWORK["DEFAULT_SCHEMA_CLASS"] = "drf_spectacular.openapi.AutoSchema"
 
 # The payments app's fault switches (fail, fail_once, crash_once, delay_ms in a charge
 # body). Off unless asked for: the demo and the test settings turn them on.

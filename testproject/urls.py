@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+from django.conf import settings
 from django.contrib import admin
 from django.urls import include, path
 
@@ -7,3 +8,7 @@ urlpatterns = [
     path("admin/", admin.site.urls),
     path("api/", include("testproject.payments.urls")),
 ]
+if settings.SPECTACULAR:
+    from drf_spectacular.views import SpectacularAPIView
+
+    urlpatterns.append(path("api/schema/", SpectacularAPIView.as_view(), name="schema"))

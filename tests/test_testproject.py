@@ -3,6 +3,7 @@ commands. What it proves about idempotency over real HTTP is in test_e2e_payment
 
 from __future__ import annotations
 
+import json
 import socket
 import subprocess
 import sys
@@ -253,3 +254,22 @@ def test_demo_smoke_runs_the_readme_requests_against_gunicorn(
     assert "Smoke test passed" in demo.stdout
     assert f"curl -i -X POST http://127.0.0.1:{port}/api/charges/" in demo.stdout
     assert Charge.objects.filter(user__username="alice").count() == 1
+
+
+@pytest.mark.django_db
+def test_openapi_schema_documents_the_idempotency_key_on_idempotent_endpoints_only(
+    client,
+) -> None:
+    pytest.importorskip("drf_spectacular")
+    response = client.get("/api/schema/", HTTP_ACCEPT="application/vnd.oai.openapi+json")
+    assert response.status_code == 200
+    paths = json.loads(response.content)["paths"]
+
+    def header_names(path: str) -> set[str]:
+        parameters = paths[path]["post"].get("parameters", [])
+        return {p["name"] for p in parameters if p["in"] == "header"}
+
+    assert "Idempotency-Key" in header_names("/api/charges/")
+    assert "Idempotency-Key" in header_names("/api/refunds/")
+    assert "Idempotency-Key" not in header_names("/api/charges-plain/")
+    assert "422" in paths["/api/charges/"]["post"]["responses"]
