@@ -197,7 +197,7 @@ def encode_body(body: bytes) -> tuple[bytes, str]:
     return body, ""
 
 
-def decode_body(stored: bytes | None, encoding: str) -> bytes:
+def decode_body(stored: bytes | memoryview | None, encoding: str) -> bytes:
     body = bytes(stored or b"")
     return zlib.decompress(body) if encoding == ZLIB else body
 
