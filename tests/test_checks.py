@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import re
 import subprocess
@@ -78,6 +79,14 @@ def test_w103_default_partition() -> None:
     assert "DEFAULT partition" in message.msg and message.hint
 
 
+# With django-celery-beat installed, as the celery extra brings it.
+needs_beat = pytest.mark.skipif(
+    importlib.util.find_spec("django_celery_beat") is None,
+    reason="the celery extra is not installed",
+)
+
+
+@needs_beat
 @override_settings(IDEMPOTENCY_BEAT_REGISTER=True)
 def test_w001_beat_registration_without_django_celery_beat() -> None:
     assert checks.check_beat(None) == []
@@ -92,6 +101,7 @@ def test_no_beat_check_unless_registration_is_asked_for() -> None:
     assert checks.check_beat(None) == []
 
 
+@needs_beat
 @override_settings(IDEMPOTENCY_BEAT_REGISTER=True, IDEMPOTENCY_BEAT_CRONTAB="hourly")
 def test_e001_malformed_crontab() -> None:
     (message,) = checks.check_beat(None)
