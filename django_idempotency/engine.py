@@ -331,7 +331,8 @@ def begin(
             extra_headers=extra_headers,
             **context,
         )
-    stack.close()  # nothing was written; ends the transaction and frees the lock
+    with failing_closed():
+        stack.close()  # nothing was written; ends the transaction and frees the lock
     record = claimed.record
     error: IdempotencyError
     if claimed.outcome == storage.BUSY or (record and record.status != 1):
