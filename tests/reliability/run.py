@@ -24,6 +24,7 @@ import subprocess
 import sys
 import threading
 import time
+import traceback
 import uuid
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
@@ -113,6 +114,30 @@ class Runner:
         )
         with self.phase("setup"):
             self.users = prepare(database, self.profile)
+        try:
+            self.phases_in_order(database, traffic_seconds)
+        except Exception as exc:
+            # Report what was found so far; the failure itself fails the run.
+            self.say(traceback.format_exc())
+            self.checks.append(Check(
+                "every phase ran to its end", False,
+                f"{type(exc).__name__}: {exc}"[:2000] + f"\nserver log:\n{database.log_tail()}",
+            ))  # fmt: skip
+            database.bring_back()
+        with self.phase("invariant and leak checks"):
+            findings = [
+                checks.check_exchanges(database, self.ledger.exchanges),
+                checks.check_records(database),
+                self.scan_logs(),
+            ]
+            report.faults = self.count_faults(database)
+        report.environment = self.environment(database, traffic_seconds)
+        self.fill(report, findings)
+        return report
+
+    # -- phases ---------------------------------------------------------------------------
+
+    def phases_in_order(self, database: Database, traffic_seconds: float) -> None:
         shapes = self.profile.shapes
         for index, shape in enumerate(shapes):
             with ExitStack() as stack:
@@ -133,18 +158,6 @@ class Runner:
                     self.faulted_traffic(server, database, shape, traffic_seconds / len(shapes))
                 with self.phase(f"recovery, {shape.describe()}"):
                     self.recover(server.url)
-        with self.phase("invariant and leak checks"):
-            findings = [
-                checks.check_exchanges(database, self.ledger.exchanges),
-                checks.check_records(database),
-                self.scan_logs(),
-            ]
-            report.faults = self.count_faults(database)
-        report.environment = self.environment(database, traffic_seconds)
-        self.fill(report, findings)
-        return report
-
-    # -- phases ---------------------------------------------------------------------------
 
     def cold_start(
         self, database: Database, shape: ServerShape, stack: ExitStack
@@ -401,10 +414,12 @@ class Runner:
     ) -> None:
         traffic = Traffic(server.url, self.principals, self.profile, self.ledger, self.seed)
         injectors: list[Injector] = [
-            ServerFaults(server, database, self.profile, random.Random(self.rng.random()))
+            ServerFaults(server, database, self.profile, random.Random(self.rng.random()), self.say)
         ]
         if maintenance_available():
-            injectors.append(Maintenance(database, self.profile, random.Random(self.rng.random())))
+            injectors.append(
+                Maintenance(database, self.profile, random.Random(self.rng.random()), self.say)
+            )
         for injector in injectors:
             injector.start()
         before, started = len(self.ledger.exchanges), time.monotonic()
