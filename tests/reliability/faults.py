@@ -91,7 +91,10 @@ class ServerFaults(Injector):
         self.weights = profile.fault_weights
 
     def inject(self, started: float) -> Fault:
-        kind = self.rng.choices(list(self.weights), weights=list(self.weights.values()))[0]
+        # Every kind once first, so that even a short run sees them all; then by weight.
+        untried = [k for k in self.weights if k not in {f.kind for f in self.faults}]
+        kind = self.rng.choice(untried) if untried else self.rng.choices(
+            list(self.weights), weights=list(self.weights.values()))[0]  # fmt: skip
         if kind == "worker-kill":
             victims = workers(self.server)
             if not victims:
