@@ -21,9 +21,7 @@ import time
 import uuid
 from datetime import timedelta
 from pathlib import Path
-from urllib.parse import urlencode, urlsplit, urlunsplit
-
-import psycopg
+from urllib.parse import urlencode
 
 ROOT = Path(__file__).resolve().parent.parent
 DATABASE = "idempotency_admin_bench"
@@ -62,20 +60,6 @@ SELECT 'user:' || mod(i, 20000),
        LATERAL (SELECT mod(abs(hashtext('method' || i)), 10) = 0 AS patch,
                        mod(abs(hashtext('response' || i)), 1000) AS response) AS drawn
 """
-
-
-def bench_database_url() -> str:
-    """The bench database on the server of DATABASE_URL (or the embedded one), created if
-    missing."""
-    sys.path.insert(0, str(ROOT))
-    from testproject.database import database_url
-
-    base = database_url()
-    url = urlunsplit(urlsplit(base)._replace(path=f"/{DATABASE}"))
-    with psycopg.connect(base, autocommit=True) as conn:
-        if not conn.execute("SELECT 1 FROM pg_database WHERE datname = %s", [DATABASE]).fetchone():
-            conn.execute(f'CREATE DATABASE "{DATABASE}"')
-    return url
 
 
 def load(rows: int, days: int, reload: bool) -> None:
@@ -195,7 +179,10 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = parser.parse_args(argv)
 
-    os.environ["DATABASE_URL"] = bench_database_url()
+    sys.path.insert(0, str(ROOT))
+    from bench.server import database_url
+
+    os.environ["DATABASE_URL"] = database_url(None, name=DATABASE)
     os.environ["DJANGO_SETTINGS_MODULE"] = "testproject.settings"
     os.environ.pop("DJANGO_DEBUG", None)
     import django

@@ -23,24 +23,23 @@ ROOT = Path(__file__).resolve().parent.parent
 DATABASE = "idempotency_bench"
 
 
-def database_url(explicit: str | None, reset: bool = False) -> str:
-    """``explicit`` as given, else the ``idempotency_bench`` database (created if missing,
-    recreated if ``reset``) on the server of ``DATABASE_URL``, or on the embedded server
-    when that is unset."""
+def database_url(explicit: str | None, reset: bool = False, name: str = DATABASE) -> str:
+    """``explicit`` as given, else the database ``name`` (created if missing, recreated if
+    ``reset``) on the server of ``DATABASE_URL``, or on the embedded server when that is
+    unset."""
     if explicit:
         return explicit
     sys.path.insert(0, str(ROOT))
     from testproject.database import database_url as server_url
 
     base = server_url()
-    parts = urlsplit(base)
-    url = urlunsplit(parts._replace(path=f"/{DATABASE}"))
+    url = urlunsplit(urlsplit(base)._replace(path=f"/{name}"))
     with psycopg.connect(base, autocommit=True) as conn:
         if reset:
-            conn.execute(f'DROP DATABASE IF EXISTS "{DATABASE}" WITH (FORCE)')
-        exists = conn.execute("SELECT 1 FROM pg_database WHERE datname = %s", [DATABASE]).fetchone()
+            conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+        exists = conn.execute("SELECT 1 FROM pg_database WHERE datname = %s", [name]).fetchone()
         if not exists:
-            conn.execute(f'CREATE DATABASE "{DATABASE}"')
+            conn.execute(f'CREATE DATABASE "{name}"')
     return url
 
 
