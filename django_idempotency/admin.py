@@ -33,12 +33,13 @@ from django.utils.safestring import SafeString
 from django.utils.translation import gettext
 from django.utils.translation import gettext_lazy as _
 
-from django_idempotency import engine, partitions, storage
+from django_idempotency import partitions
 from django_idempotency.conf import conf
-from django_idempotency.exceptions import InvalidKey
-from django_idempotency.fingerprint import PARTS
-from django_idempotency.keys import parse_key
+from django_idempotency.engine import unit as engine
+from django_idempotency.engine.errors import InvalidKey
+from django_idempotency.engine.identity import PARTS, parse_key
 from django_idempotency.models import IdempotencyRecord
+from django_idempotency.storage import records as storage
 
 # Columns the list never shows; a stored body alone may be megabytes.
 DETAIL_ONLY_FIELDS = ("fingerprint", "response_headers", "response_body")

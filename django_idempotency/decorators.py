@@ -13,9 +13,9 @@ from django.core.handlers.exception import response_for_exception
 from django.http import Http404, HttpRequest
 from django.http.response import HttpResponseBase
 
-from django_idempotency import engine
 from django_idempotency.conf import PrincipalFunc
-from django_idempotency.exceptions import IdempotencyError
+from django_idempotency.engine import unit as engine
+from django_idempotency.engine.errors import IdempotencyError
 from django_idempotency.problems import problem_response
 
 # Exceptions that Django turns into a 4xx response rather than a 500.

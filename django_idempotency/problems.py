@@ -8,7 +8,7 @@ from typing import Any
 from django.http import HttpResponse
 
 from django_idempotency.conf import conf
-from django_idempotency.exceptions import IdempotencyError
+from django_idempotency.engine.errors import IdempotencyError
 
 PROBLEM_CONTENT_TYPE = "application/problem+json"
 # IDEMPOTENCY_ERROR_FORMAT: RFC 9457 problems, or Stripe's error object.

@@ -13,9 +13,9 @@ from rest_framework.exceptions import NotAcceptable
 from rest_framework.renderers import BaseRenderer
 from rest_framework.request import Request
 
-from django_idempotency import engine
 from django_idempotency.conf import PrincipalFunc
-from django_idempotency.exceptions import IdempotencyError
+from django_idempotency.engine import unit as engine
+from django_idempotency.engine.errors import IdempotencyError
 from django_idempotency.problems import PROBLEM_CONTENT_TYPE, problem_response
 
 

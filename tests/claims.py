@@ -13,8 +13,8 @@ from typing import Any
 from django.db import DEFAULT_DB_ALIAS, connections, transaction
 from django.db.utils import load_backend
 
-from django_idempotency import storage
 from django_idempotency.models import IdempotencyRecord
+from django_idempotency.storage import records as storage
 
 
 def claim(

@@ -16,8 +16,9 @@ import pytest
 import requests
 from django.db import DEFAULT_DB_ALIAS, connection, connections, transaction
 
-from django_idempotency import partitions, storage
+from django_idempotency import partitions
 from django_idempotency.models import IdempotencyRecord
+from django_idempotency.storage import records as storage
 from tests.claims import claim, wait_for_lock_waiters
 from tests.factories import ScriptFactory, TokenFactory, new_key
 from tests.views import CALLS, GATES, business_rows

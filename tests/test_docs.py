@@ -15,9 +15,10 @@ from pathlib import Path
 import pytest
 from django.dispatch import Signal
 
-from django_idempotency import exceptions, partitions, signals
+from django_idempotency import partitions, signals
 from django_idempotency.conf import Settings
 from django_idempotency.decorators import idempotent
+from django_idempotency.engine import errors as exceptions
 from django_idempotency.rest_framework import IdempotencyMixin
 
 ROOT = Path(__file__).resolve().parent.parent

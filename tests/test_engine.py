@@ -12,7 +12,7 @@ from django.core.exceptions import ImproperlyConfigured
 from django.db import connection
 from django.test import Client, RequestFactory
 
-from django_idempotency.engine import prefer_wait
+from django_idempotency.engine.unit import prefer_wait
 from django_idempotency.models import IdempotencyRecord
 from tests.claims import held_claim, unreachable_store
 from tests.client import problem, send

@@ -10,7 +10,7 @@ from django.test import RequestFactory
 from hypothesis import given
 from hypothesis import strategies as st
 
-from django_idempotency.fingerprint import canonical_body, differing, fingerprint
+from django_idempotency.engine.identity import canonical_body, differing, fingerprint
 from django_idempotency.models import IdempotencyRecord
 from tests.client import problem, send
 from tests.factories import ScriptFactory, new_key

@@ -11,8 +11,8 @@ from django.test import RequestFactory
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from django_idempotency.exceptions import InvalidKey
-from django_idempotency.keys import ANONYMOUS, parse_key, principal_for
+from django_idempotency.engine.errors import InvalidKey
+from django_idempotency.engine.identity import ANONYMOUS, parse_key, principal_for
 from django_idempotency.models import IdempotencyRecord
 from tests.client import problem, send
 from tests.factories import ScriptFactory, UserFactory, new_key

@@ -12,8 +12,9 @@ from django.apps import apps
 from django.core.management import call_command
 from django.db import DEFAULT_DB_ALIAS, connection, transaction
 
-from django_idempotency import partitions, storage
+from django_idempotency import partitions
 from django_idempotency.models import IdempotencyRecord
+from django_idempotency.storage import records as storage
 from tests.claims import claim
 from tests.factories import IdempotencyRecordFactory, new_key
 

@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from django_idempotency import exceptions
+from django_idempotency.engine import errors as exceptions
 from django_idempotency.models import IdempotencyRecord
 from django_idempotency.problems import problem_response
 from tests.claims import held_claim, unreachable_store

@@ -22,8 +22,8 @@ from django.db import DEFAULT_DB_ALIAS, IntegrityError, connection, connections,
 from django.test import Client
 from django.utils import timezone
 
-from django_idempotency import storage
 from django_idempotency.models import IdempotencyRecord
+from django_idempotency.storage import records as storage
 from tests.claims import claim
 from tests.client import problem, send
 from tests.factories import IdempotencyRecordFactory, ScriptFactory, new_key

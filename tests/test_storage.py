@@ -8,8 +8,9 @@ import pytest
 from django.db import DEFAULT_DB_ALIAS, NotSupportedError, connection, transaction
 from django.utils import timezone
 
-from django_idempotency import partitions, storage
+from django_idempotency import partitions
 from django_idempotency.models import IdempotencyRecord
+from django_idempotency.storage import records as storage
 from tests.claims import ClaimThread, claim, held_claim, wait_for_lock_waiters
 from tests.factories import new_key
 

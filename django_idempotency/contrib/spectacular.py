@@ -17,8 +17,7 @@ from rest_framework import serializers
 from rest_framework.views import APIView
 
 from django_idempotency.conf import conf
-from django_idempotency.engine import REPLAYED_HEADER, RETRY_AFTER_SECONDS, Options
-from django_idempotency.exceptions import (
+from django_idempotency.engine.errors import (
     IdempotencyError,
     InProgress,
     InvalidKey,
@@ -27,8 +26,8 @@ from django_idempotency.exceptions import (
     MissingKey,
     StoreUnavailable,
 )
-from django_idempotency.fingerprint import PARTS
-from django_idempotency.keys import MAX_KEY_LENGTH
+from django_idempotency.engine.identity import MAX_KEY_LENGTH, PARTS
+from django_idempotency.engine.unit import REPLAYED_HEADER, RETRY_AFTER_SECONDS, Options
 from django_idempotency.problems import PROBLEM_CONTENT_TYPE
 
 

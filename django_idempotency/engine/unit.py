@@ -24,9 +24,9 @@ from django.db import (
 from django.http import HttpRequest, HttpResponse
 from django.http.response import HttpResponseBase
 
-from django_idempotency import signals, storage
+from django_idempotency import signals
 from django_idempotency.conf import PrincipalFunc, conf
-from django_idempotency.exceptions import (
+from django_idempotency.engine.errors import (
     IdempotencyError,
     InProgress,
     KeyExpired,
@@ -34,9 +34,9 @@ from django_idempotency.exceptions import (
     MissingKey,
     StoreUnavailable,
 )
-from django_idempotency.fingerprint import differing, fingerprint
-from django_idempotency.keys import parse_key, principal_for
+from django_idempotency.engine.identity import differing, fingerprint, parse_key, principal_for
 from django_idempotency.models import IdempotencyRecord
+from django_idempotency.storage import records as storage
 
 logger = logging.getLogger("django_idempotency")
 
