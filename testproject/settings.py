@@ -47,6 +47,8 @@ if SPECTACULAR:
 
 MIDDLEWARE = [
     "django.middleware.security.SecurityMiddleware",
+    # Serves the admin's CSS and JS under gunicorn, which serves no files itself.
+    "whitenoise.middleware.WhiteNoiseMiddleware",
     "django.contrib.sessions.middleware.SessionMiddleware",
     "django.middleware.common.CommonMiddleware",
     "django.middleware.csrf.CsrfViewMiddleware",
@@ -94,6 +96,9 @@ USE_I18N = True
 USE_TZ = True
 
 STATIC_URL = "static/"
+# The demo serves the apps' static files straight from their directories, so no
+# collectstatic step is needed; a deployment sets STATIC_ROOT and runs collectstatic.
+WHITENOISE_USE_FINDERS = True
 
 REST_FRAMEWORK = {
     "DEFAULT_AUTHENTICATION_CLASSES": [

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import requests
 from django.contrib.auth import get_user_model
 from django.core.management import call_command
 from django.db import connection, transaction
@@ -202,11 +203,30 @@ def test_seed_demo_creates_alice_and_bob_and_can_run_again() -> None:
         "alice": "a" * 40,
         "bob": "b" * 40,
     }
-    assert User.objects.count() == 2
+    assert set(User.objects.values_list("username", flat=True)) == {"alice", "bob", "admin"}
     assert not User.objects.get(username="alice").has_usable_password()
     client = APIClient()
     client.credentials(HTTP_AUTHORIZATION="Token " + "b" * 40)
     assert client.post("/api/charges/", CHARGE, format="json").json()["user"] == "bob"
+
+
+def test_seed_demo_creates_the_demo_admin_once_and_restores_its_password(client: Any) -> None:
+    User = get_user_model()
+    call_command("seed_demo", stdout=StringIO())
+    admin = User.objects.get(username="admin")
+    admin.set_password("changed")
+    admin.is_superuser = False
+    admin.save()
+
+    out = StringIO()
+    call_command("seed_demo", stdout=out)
+
+    assert User.objects.filter(username="admin").count() == 1
+    admin.refresh_from_db()
+    assert admin.is_staff and admin.is_superuser and admin.check_password("demo-admin")
+    assert "admin password demo-admin" in out.getvalue()
+    assert client.login(username="admin", password="demo-admin")
+    assert client.get("/admin/django_idempotency/idempotencyrecord/").status_code == 200
 
 
 def test_models_match_migrations() -> None:
@@ -249,11 +269,49 @@ def test_demo_smoke_runs_the_readme_requests_against_gunicorn(
     )
 
     assert demo.returncode == 0, demo.stdout + demo.stderr
+    assert f"Admin: http://127.0.0.1:{port}/admin/ (user admin, password demo-admin" in demo.stdout
     assert "HTTP 201, Idempotent-Replayed: true" in demo.stdout
     assert "HTTP 422" in demo.stdout
     assert "Smoke test passed" in demo.stdout
     assert f"curl -i -X POST http://127.0.0.1:{port}/api/charges/" in demo.stdout
     assert Charge.objects.filter(user__username="alice").count() == 1
+
+
+@pytest.mark.parametrize("mode", [[], ["--smoke"]], ids=["serve", "smoke"])
+def test_demo_with_its_port_taken_fails_naming_the_port_and_the_option(
+    subprocess_env: dict[str, str], mode: list[str]
+) -> None:
+    # Another server listening on the port: the demo must neither serve "next to" it nor
+    # run its smoke test against it.
+    with socket.socket() as other:
+        other.bind(("127.0.0.1", 0))
+        other.listen()
+        port = other.getsockname()[1]
+
+        demo = subprocess.run(
+            [sys.executable, "manage.py", "demo", *mode, "--port", str(port)],
+            cwd=ROOT,
+            env=subprocess_env,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+
+    assert demo.returncode != 0
+    assert f"port {port} is taken" in demo.stderr
+    assert f"--port {port + 1}" in demo.stderr
+    assert "Smoke test passed" not in demo.stdout
+    assert "Serving" not in demo.stdout
+
+
+@pytest.mark.django_db(transaction=True)
+def test_admin_static_files_are_served_under_gunicorn(live_gunicorn: str) -> None:
+    stylesheet = requests.get(live_gunicorn + "/static/admin/css/base.css", timeout=10)
+    login = requests.get(live_gunicorn + "/admin/login/", timeout=10)
+
+    assert stylesheet.status_code == 200
+    assert stylesheet.headers["Content-Type"].startswith("text/css")
+    assert "/static/admin/css/base.css" in login.text
 
 
 @pytest.mark.django_db

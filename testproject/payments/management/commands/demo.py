@@ -1,9 +1,11 @@
 from __future__ import annotations
 
+import errno
 import json
 import os
 import shlex
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -19,10 +21,11 @@ from django.core.management import call_command
 from django.core.management.base import BaseCommand, CommandError
 
 import testproject
-from testproject.payments.management.commands.seed_demo import DEMO_TOKENS
+from testproject.payments.management.commands.seed_demo import DEMO_ADMIN, DEMO_TOKENS
 
 REPO_ROOT = Path(testproject.__file__).resolve().parent.parent
 STARTUP_TIMEOUT = 30.0
+ADMIN_CSS = "/static/admin/css/base.css"
 
 
 @dataclass(frozen=True)
@@ -84,6 +87,14 @@ class Call:
             return Answer(error.code, _lower(error.headers.items()), error.read())
 
 
+def admin_login(base_url: str) -> str:
+    username, password = DEMO_ADMIN
+    return (
+        f"Admin: {base_url}/admin/ (user {username}, password {password}; "
+        "demo only, like the tokens)"
+    )
+
+
 def _interrupt(signum: int, frame: object) -> None:
     raise KeyboardInterrupt
 
@@ -132,10 +143,16 @@ class Command(BaseCommand):
     def handle(self, *args: Any, **options: Any) -> None:
         port: int = options["port"]
         base_url = f"http://127.0.0.1:{port}"
-        call_command("migrate", interactive=False, verbosity=0)
-        call_command("seed_demo", stdout=self.stdout)
-        self.show_partitions()
-        server = self.start_gunicorn(port, options["workers"], quiet=options["smoke"])
+        # Bound here, before anything else, and handed to gunicorn: a taken port fails at
+        # once, and whatever answers on it afterwards can only be our own gunicorn.
+        listener = self.listen(port)
+        try:
+            call_command("migrate", interactive=False, verbosity=0)
+            call_command("seed_demo", stdout=self.stdout)
+            self.show_partitions()
+            server = self.start_gunicorn(listener, options["workers"], quiet=options["smoke"])
+        finally:
+            listener.close()
         # Stop gunicorn with us on SIGTERM too, not only on Ctrl-C.
         signal.signal(signal.SIGTERM, _interrupt)
         try:
@@ -145,13 +162,32 @@ class Command(BaseCommand):
                 self.smoke(calls, base_url)
             else:
                 self.show(calls, base_url)
-                server.wait()
+                code = server.wait()
+                if code != 0:
+                    raise CommandError(f"gunicorn exited with code {code}.")
         except KeyboardInterrupt:
             pass
         finally:
             if server.poll() is None:
                 server.terminate()
                 server.wait(timeout=60)
+
+    def listen(self, port: int) -> socket.socket:
+        listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        # Lets a restarted demo reuse its port at once; a port another socket listens on
+        # still refuses (on Linux SO_REUSEADDR only reclaims TIME_WAIT connections).
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            listener.bind(("127.0.0.1", port))
+            listener.listen(128)
+        except OSError as exc:
+            listener.close()
+            reason = "is taken by another program" if exc.errno == errno.EADDRINUSE else exc
+            raise CommandError(
+                f"Cannot serve on 127.0.0.1:{port}: port {port} {reason}. Stop what uses it, "
+                f"or choose another port: python manage.py demo --port {port + 1}"
+            ) from exc
+        return listener
 
     def show_partitions(self) -> None:
         self.stdout.write("\n$ python manage.py idempotency_partitions --dry-run")
@@ -161,13 +197,16 @@ class Command(BaseCommand):
             "the Celery task django_idempotency.maintain_partitions (see docs/partitions.md).\n"
         )
 
-    def start_gunicorn(self, port: int, workers: int, *, quiet: bool) -> subprocess.Popen[bytes]:
+    def start_gunicorn(
+        self, listener: socket.socket, workers: int, *, quiet: bool
+    ) -> subprocess.Popen[bytes]:
         # DATABASE_URL is in the environment by now (the settings set it when they start the
         # embedded server), so every worker uses the database that was just migrated.
         env = {
             **os.environ,
             "PAYMENTS_FAULTS_ENABLED": os.environ.get("PAYMENTS_FAULTS_ENABLED", "1"),
         }
+        host, port = listener.getsockname()
         command = [
             sys.executable,
             "-m",
@@ -176,21 +215,19 @@ class Command(BaseCommand):
             "--workers",
             str(workers),
             "--bind",
-            f"127.0.0.1:{port}",
+            f"fd://{listener.fileno()}",
         ]
         if not quiet:
             command += ["--access-logfile", "-"]
-        self.stdout.write("$ " + shlex.join(["gunicorn", *command[3:]]))
-        return subprocess.Popen(command, cwd=REPO_ROOT, env=env)
+        shown = ["gunicorn", "testproject.wsgi", "--workers", str(workers)]
+        self.stdout.write("$ " + shlex.join([*shown, "--bind", f"{host}:{port}"]))
+        return subprocess.Popen(command, cwd=REPO_ROOT, env=env, pass_fds=(listener.fileno(),))
 
     def wait_until_serving(self, server: subprocess.Popen[bytes], base_url: str) -> None:
         deadline = time.monotonic() + STARTUP_TIMEOUT
         while time.monotonic() < deadline:
             if server.poll() is not None:
-                raise CommandError(
-                    f"gunicorn exited with code {server.returncode}; is {base_url} taken? "
-                    "Try --port."
-                )
+                raise CommandError(f"gunicorn exited with code {server.returncode}.")
             try:
                 with urllib.request.urlopen(base_url + "/api/charges/count/", timeout=2):
                     return
@@ -200,6 +237,7 @@ class Command(BaseCommand):
 
     def show(self, calls: list[Call], base_url: str) -> None:
         self.stdout.write(self.style.SUCCESS(f"\nServing the payments API on {base_url}/api/"))
+        self.stdout.write(admin_login(base_url))
         for call in calls:
             self.stdout.write(f"\n# {call.title}\n{call.curl(base_url)}")
         self.stdout.write("\nCtrl-C stops the server.\n")
@@ -216,6 +254,7 @@ class Command(BaseCommand):
         first, retry, reuse, counted = answers
         after = json.loads(counted.body)
         executions = after["executions"]
+        stylesheet = Call("The admin's stylesheet", "GET", ADMIN_CSS, token=None).send(base_url)
         checks = {
             f"the charge answered {first.status}, not 201": first.status == 201,
             "the first charge was marked replayed": not first.replayed,
@@ -226,8 +265,11 @@ class Command(BaseCommand):
             "the handler did not run exactly once": executions is None
             or executions - before["executions"] == 1,
             "not exactly one charge was committed": after["rows"] - before["rows"] == 1,
+            f"the admin's stylesheet answered {stylesheet.status}, not 200": stylesheet.status
+            == 200,
         }
         problems = [problem for problem, passed in checks.items() if not passed]
         if problems:
             raise CommandError("Smoke test failed: " + "; ".join(problems))
         self.stdout.write(self.style.SUCCESS("\nSmoke test passed: one charge, replayed on retry."))
+        self.stdout.write(admin_login(base_url))
