@@ -134,5 +134,39 @@ class Settings:
     def BEAT_CRONTAB(self) -> str:
         return str(_setting("IDEMPOTENCY_BEAT_CRONTAB", "17 * * * *"))
 
+    @property
+    def OUTBOX_RETENTION(self) -> timedelta:
+        value: timedelta = _setting("IDEMPOTENCY_OUTBOX_RETENTION", timedelta(days=7))
+        return value
+
+    @property
+    def OUTBOX_POLL_INTERVAL(self) -> timedelta:
+        value: timedelta = _setting("IDEMPOTENCY_OUTBOX_POLL_INTERVAL", timedelta(seconds=5))
+        return value
+
+    @property
+    def OUTBOX_MAX_AGE(self) -> timedelta:
+        value: timedelta = _setting("IDEMPOTENCY_OUTBOX_MAX_AGE", timedelta(minutes=5))
+        return value
+
+    @property
+    def OUTBOX_LEASE(self) -> timedelta:
+        value: timedelta = _setting("IDEMPOTENCY_OUTBOX_LEASE", timedelta(seconds=60))
+        return value
+
+    @property
+    def OUTBOX_BATCH_SIZE(self) -> int:
+        return int(_setting("IDEMPOTENCY_OUTBOX_BATCH_SIZE", 500))
+
+    @property
+    def OUTBOX_EVENT_TASK(self) -> str:
+        return str(_setting("IDEMPOTENCY_OUTBOX_EVENT_TASK", "django_idempotency.event"))
+
+    @property
+    def OUTBOX_CELERY_APP(self) -> str | None:
+        value: str | None = _setting("IDEMPOTENCY_OUTBOX_CELERY_APP", None)
+        return value
+
+
 
 conf = Settings()

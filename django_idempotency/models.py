@@ -37,3 +37,48 @@ class IdempotencyRecord(models.Model):
 
     def __str__(self) -> str:
         return f"{self.method} {self.path} [{self.key[:12]}]"
+
+
+class OutboxMessage(models.Model):
+    """A message (a Celery task call or an event) written in the transaction that sent it,
+    published by the relay once that transaction has committed.
+
+    On PostgreSQL the table is partitioned by ``created_at`` and its real primary key is
+    ``(id, created_at)``; Django sees ``id`` alone, as for the records.
+    """
+
+    class Kind(models.IntegerChoices):
+        TASK = 0, _("task")
+        EVENT = 1, _("event")
+
+    # A UUIDv7 string: the Celery task id, the same on every publish attempt.
+    id = models.UUIDField(_("message id"), primary_key=True)
+    created_at = models.DateTimeField(_("created at"))
+    kind = models.SmallIntegerField(_("kind"), choices=Kind.choices)
+    name = models.CharField(_("task or topic"), max_length=255)
+    args = models.JSONField(_("positional arguments"), default=list)
+    kwargs = models.JSONField(_("keyword arguments"), default=dict)
+    payload = models.JSONField(_("event payload"), null=True)
+    options = models.JSONField(_("publish options"), default=dict)
+    published_at = models.DateTimeField(_("published at"), null=True)
+    attempts = models.IntegerField(_("failed attempts"), default=0)
+    last_error = models.TextField(_("last error"), default="", blank=True)
+    lease_owner = models.CharField(_("lease owner"), max_length=64, default="", blank=True)
+    lease_until = models.DateTimeField(_("leased or held until"), null=True)
+    fence = models.BigIntegerField(_("fence"), default=0)
+
+    class Meta:
+        db_table = "django_idempotency_outbox"
+        # The relay's claim and the backlog check read only unpublished rows.
+        indexes = [
+            models.Index(
+                fields=["created_at"],
+                name="idempotency_outbox_pending",
+                condition=models.Q(published_at__isnull=True),
+            )
+        ]
+        verbose_name = _("outbox message")
+        verbose_name_plural = _("outbox messages")
+
+    def __str__(self) -> str:
+        return f"{self.get_kind_display()} {self.name} [{self.id}]"

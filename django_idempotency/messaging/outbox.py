@@ -1,0 +1,155 @@
+"""The outbox: a message written as a row in the caller's transaction, published by the relay
+(``manage.py idempotency_relay``) once, and only if, that transaction commits."""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+import uuid
+from datetime import UTC, datetime
+from typing import Any, Protocol
+
+from django.db import connections, router
+
+from django_idempotency.models import OutboxMessage
+
+TABLE = "django_idempotency_outbox"
+# The relay LISTENs here; a NOTIFY is delivered only when the sending transaction commits.
+CHANNEL = "django_idempotency_outbox"
+
+# One statement, one round trip: the row and the wake-up call for the relays.
+INSERT = f"""
+WITH message AS (
+    INSERT INTO {TABLE} (id, created_at, kind, name, args, kwargs, payload, options)
+    VALUES (%s, %s, %s, %s, %s::jsonb, %s::jsonb, %s::jsonb, %s::jsonb)
+    RETURNING 1
+)
+SELECT pg_notify('{CHANNEL}', '') FROM message
+"""
+
+
+class OutboxError(Exception):
+    """A message could not be put in the outbox."""
+
+
+class NotInTransaction(OutboxError):
+    """``enqueue_task()`` or ``enqueue_event()`` ran outside ``transaction.atomic()``."""
+
+
+class NamedTask(Protocol):
+    @property
+    def name(self) -> str: ...
+
+
+_clock_lock = threading.Lock()
+_last_stamp = 0  # (milliseconds << 12) | counter of the last id made in this process
+
+
+def new_message_id() -> tuple[uuid.UUID, datetime]:
+    """A UUIDv7 (RFC 9562) and the instant its first 48 bits encode.
+
+    Within a process ids only ever grow: 12 bits count ids made in the same millisecond, and
+    a clock stepping back keeps counting on from the last id instead.
+    """
+    global _last_stamp
+    now_ms = time.time_ns() // 1_000_000
+    with _clock_lock:
+        stamp = max(now_ms << 12, _last_stamp + 1)
+        _last_stamp = stamp
+    millis, counter = stamp >> 12, stamp & 0xFFF
+    random_bits = int.from_bytes(os.urandom(8), "big") & ((1 << 62) - 1)
+    value = (millis << 80) | (0x7 << 76) | (counter << 64) | (0b10 << 62) | random_bits
+    return uuid.UUID(int=value), datetime.fromtimestamp(millis / 1000, UTC)
+
+
+def _database(using: str | None) -> str:
+    alias = using or router.db_for_write(OutboxMessage)
+    if not connections[alias].in_atomic_block:
+        raise NotInTransaction(
+            f"The outbox writes its row in the current transaction on database {alias!r}, and "
+            "there is none: call enqueue_task() / enqueue_event() inside transaction.atomic() "
+            "(a protected view or an exactly-once task already is), so that the message is "
+            "published if and only if your writes commit."
+        )
+    return alias
+
+
+def _dumps(value: object, what: str) -> str:
+    try:
+        return json.dumps(value, separators=(",", ":"), allow_nan=False)
+    except (TypeError, ValueError) as exc:
+        raise OutboxError(f"The {what} cannot be stored as JSON: {exc}") from exc
+
+
+def _insert(
+    alias: str,
+    kind: OutboxMessage.Kind,
+    name: str,
+    args: object,
+    kwargs: object,
+    payload: object,
+    options: dict[str, Any],
+) -> str:
+    message_id, created_at = new_message_id()
+    connection = connections[alias]
+    if connection.vendor != "postgresql":
+        OutboxMessage.objects.using(alias).create(
+            id=message_id,
+            created_at=created_at,
+            kind=kind,
+            name=name,
+            args=args,
+            kwargs=kwargs,
+            payload=payload,
+            options=options,
+        )
+        return str(message_id)
+    row: list[Any] = [
+        message_id,
+        created_at,
+        int(kind),
+        name,
+        _dumps(args, "task's args"),
+        _dumps(kwargs, "task's kwargs"),
+        None if payload is None else _dumps(payload, "event's payload"),
+        _dumps(options, "publish options"),
+    ]
+    with connection.cursor() as cursor:
+        cursor.execute(INSERT, row)
+    return str(message_id)
+
+
+def enqueue_task(
+    task_or_name: NamedTask | str,
+    args: tuple[Any, ...] | list[Any] = (),
+    kwargs: dict[str, Any] | None = None,
+    *,
+    queue: str | None = None,
+    countdown: float | None = None,
+    using: str | None = None,
+) -> str:
+    """Put a Celery task call in the outbox, in the current transaction; return its message id.
+
+    The message id (a UUIDv7 string) is the task id the worker sees, on every publish attempt.
+    Arguments must be JSON. ``countdown`` counts from the enqueue, not from the publish.
+    """
+    name = task_or_name if isinstance(task_or_name, str) else task_or_name.name
+    options: dict[str, Any] = {}
+    if queue is not None:
+        options["queue"] = queue
+    if countdown is not None:
+        options["countdown"] = float(countdown)
+    alias = _database(using)
+    return _insert(alias, OutboxMessage.Kind.TASK, name, list(args), kwargs or {}, None, options)
+
+
+def enqueue_event(topic: str, payload: dict[str, Any], *, using: str | None = None) -> str:
+    """Put an event in the outbox, in the current transaction; return its message id.
+
+    It is published as a call of the Celery task named by ``IDEMPOTENCY_OUTBOX_EVENT_TASK``
+    with the arguments ``(topic, payload)`` and the message id as task id.
+    """
+    alias = _database(using)
+    return _insert(alias, OutboxMessage.Kind.EVENT, topic, [], {}, payload, {})

@@ -1,0 +1,163 @@
+"""The outbox API: a row in the caller's transaction, or an error; never a row on its own."""
+
+from __future__ import annotations
+
+import uuid
+from datetime import UTC, datetime, timedelta
+
+import pytest
+from django.db import connection, transaction
+
+from django_idempotency.messaging import outbox
+from django_idempotency.messaging.outbox import (
+    NotInTransaction,
+    OutboxError,
+    enqueue_event,
+    enqueue_task,
+    new_message_id,
+)
+from django_idempotency.models import OutboxMessage
+
+
+def test_message_ids_are_uuid7_growing_and_carry_their_time() -> None:
+    before = datetime.now(UTC) - timedelta(milliseconds=1)
+    made = [new_message_id() for _ in range(5000)]
+    after = datetime.now(UTC) + timedelta(milliseconds=1)
+    ids = [message_id for message_id, _ in made]
+    assert all(message_id.version == 7 for message_id in ids)
+    assert all(message_id.variant == uuid.RFC_4122 for message_id in ids)
+    assert ids == sorted(ids, key=lambda u: u.int) and len(set(ids)) == len(ids)
+    for message_id, created_at in made:
+        assert before <= created_at <= after
+        assert message_id.int >> 80 == int(created_at.timestamp() * 1000)
+
+
+@pytest.mark.django_db(transaction=True)
+def test_enqueue_outside_a_transaction_is_refused_and_writes_nothing() -> None:
+    with pytest.raises(NotInTransaction, match=r"transaction\.atomic"):
+        enqueue_task("tests.noop")
+    with pytest.raises(NotInTransaction):
+        enqueue_event("charge.created", {"id": 1})
+    assert not OutboxMessage.objects.exists()
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_committed_task_call_is_one_pending_row_with_its_arguments() -> None:
+    with transaction.atomic():
+        message_id = enqueue_task(
+            "payments.post_ledger_entry", (1, "inr"), {"amount": 2499}, queue="ledger", countdown=5
+        )
+    row = OutboxMessage.objects.get()
+    assert str(row.id) == message_id and uuid.UUID(message_id).version == 7
+    assert row.kind == OutboxMessage.Kind.TASK and row.name == "payments.post_ledger_entry"
+    assert (row.args, row.kwargs, row.payload) == ([1, "inr"], {"amount": 2499}, None)
+    assert row.options == {"queue": "ledger", "countdown": 5.0}
+    assert row.published_at is None and row.attempts == 0 and row.fence == 0
+    assert row.created_at == new_message_id_time(message_id)
+
+
+def new_message_id_time(message_id: str) -> datetime:
+    return datetime.fromtimestamp((uuid.UUID(message_id).int >> 80) / 1000, UTC)
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_task_object_is_enqueued_by_its_name() -> None:
+    class Task:
+        name = "payments.tasks.send_receipt"
+
+    with transaction.atomic():
+        enqueue_task(Task())
+    assert OutboxMessage.objects.get().name == "payments.tasks.send_receipt"
+
+
+@pytest.mark.django_db(transaction=True)
+def test_an_event_is_a_row_with_its_topic_and_payload() -> None:
+    with transaction.atomic():
+        message_id = enqueue_event("charge.settled", {"charge": 7, "amount": "24.99"})
+    row = OutboxMessage.objects.get(id=message_id)
+    assert row.kind == OutboxMessage.Kind.EVENT
+    assert (row.name, row.payload, row.args, row.kwargs) == (
+        "charge.settled",
+        {"charge": 7, "amount": "24.99"},
+        [],
+        {},
+    )
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_rolled_back_transaction_leaves_no_row() -> None:
+    class Boom(Exception):
+        pass
+
+    with pytest.raises(Boom), transaction.atomic():
+        enqueue_task("tests.noop")
+        enqueue_event("x", {})
+        raise Boom
+    assert not OutboxMessage.objects.exists()
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_rolled_back_savepoint_takes_its_message_with_it() -> None:
+    with transaction.atomic():
+        kept = enqueue_task("tests.kept")
+        try:
+            with transaction.atomic():
+                enqueue_task("tests.dropped")
+                raise ValueError
+        except ValueError:
+            pass
+    assert [str(pk) for pk in OutboxMessage.objects.values_list("id", flat=True)] == [kept]
+
+
+@pytest.mark.django_db(transaction=True)
+def test_arguments_that_are_not_json_are_refused_in_the_request() -> None:
+    with transaction.atomic():
+        with pytest.raises(OutboxError, match="JSON"):
+            enqueue_task("tests.noop", (object(),))
+        with pytest.raises(OutboxError, match="JSON"):
+            enqueue_event("x", {"amount": float("nan")})
+    assert not OutboxMessage.objects.exists()
+
+
+@pytest.mark.django_db(transaction=True)
+def test_the_insert_notifies_the_relay_channel_on_commit_only() -> None:
+    listener = connection.get_new_connection(connection.get_connection_params())
+    listener.autocommit = True
+    try:
+        listener.execute(f"LISTEN {outbox.CHANNEL}")
+        with transaction.atomic():
+            enqueue_task("tests.noop")
+            assert list(listener.notifies(timeout=0.2)) == []  # not before the commit
+        (note,) = list(listener.notifies(timeout=2, stop_after=1))
+        assert note.channel == outbox.CHANNEL
+    finally:
+        listener.close()
+
+
+@pytest.mark.django_db(transaction=True)
+def test_the_table_is_partitioned_by_created_at_with_first_partitions_marked_ours() -> None:
+    with connection.cursor() as cursor:
+        cursor.execute(
+            "SELECT pg_get_partkeydef(%s::regclass), "
+            "(SELECT array_agg(a.attname ORDER BY a.attname) FROM pg_index i "
+            " JOIN pg_attribute a ON a.attrelid = i.indrelid AND a.attnum = ANY(i.indkey) "
+            " WHERE i.indrelid = %s::regclass AND i.indisprimary)",
+            [outbox.TABLE, outbox.TABLE],
+        )
+        assert cursor.fetchone() == ("RANGE (created_at)", ["created_at", "id"])
+        cursor.execute(
+            "SELECT c.relname, obj_description(c.oid, 'pg_class') FROM pg_inherits i "
+            "JOIN pg_class c ON c.oid = i.inhrelid WHERE i.inhparent = %s::regclass "
+            "ORDER BY 1",
+            [outbox.TABLE],
+        )
+        found = cursor.fetchall()
+        cursor.execute("SELECT pg_get_indexdef(%s::regclass)", ["idempotency_outbox_pending"])
+        (index,) = cursor.fetchone()
+    today = datetime.now(UTC).date()
+    expected = [
+        (f"{outbox.TABLE}_p{today + timedelta(days=n):%Y%m%d}", "django_idempotency:auto")
+        for n in range(-1, 8)
+    ]
+    assert found == expected
+    assert index.endswith("(created_at) WHERE (published_at IS NULL)")
