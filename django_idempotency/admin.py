@@ -10,7 +10,7 @@ from __future__ import annotations
 import contextlib
 import json
 import re
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from datetime import date, timedelta
 from typing import TYPE_CHECKING, Any
@@ -19,9 +19,11 @@ from django.contrib import admin
 from django.contrib.admin.options import IncorrectLookupParameters
 from django.contrib.admin.views.main import ChangeList
 from django.contrib.admindocs.views import simplify_regex
+from django.contrib.auth import get_user_model
+from django.core.exceptions import ValidationError
 from django.core.paginator import Paginator
 from django.db import connections
-from django.db.models import QuerySet
+from django.db.models import Q, QuerySet
 from django.http import HttpRequest
 from django.urls import URLPattern, URLResolver, get_resolver, get_script_prefix
 from django.urls.resolvers import RoutePattern
@@ -83,9 +85,49 @@ class EstimatedCountPaginator(RecordPaginator):
         return max(estimate, self.exact_below)
 
 
+def usernames(principals: list[str]) -> dict[str, str]:
+    """The default ``IDEMPOTENCY_PRINCIPAL_DISPLAY``: ``user:<pk>`` to the user's username,
+    in one query."""
+    User = get_user_model()
+    pks: dict[str, Any] = {}
+    for principal in principals:
+        kind, _, raw_pk = principal.partition(":")
+        if kind == "user":
+            with contextlib.suppress(ValidationError):  # not a pk of this user model
+                pks[principal] = User._meta.pk.to_python(raw_pk)
+    if not pks:
+        return {}
+    users = User._default_manager.filter(pk__in=set(pks.values()))
+    names = {user.pk: user.get_username() for user in users}
+    return {principal: names[pk] for principal, pk in pks.items() if pk in names}
+
+
+def principal_of_username(username: str) -> str | None:
+    """``user:<pk>`` for the user with this username, as the default principal names them."""
+    User = get_user_model()
+    pk = User._default_manager.filter(**{User.USERNAME_FIELD: username}).values_list(
+        "pk", flat=True
+    )[:1]
+    return f"user:{pk[0]}" if pk else None
+
+
+def _principal_label(principal: str, labels: Mapping[str, str]) -> str:
+    label = labels.get(principal)
+    return principal if label is None else f"{label} ({principal})"
+
+
 class RecordChangeList(ChangeList):
     def get_queryset(self, request: HttpRequest, exclude_parameters: Any = None) -> QuerySet[Any]:
         return super().get_queryset(request, exclude_parameters).defer(*DETAIL_ONLY_FIELDS)
+
+    def get_results(self, request: HttpRequest) -> None:
+        super().get_results(request)
+        # One call to the display hook for the whole page, not one per row.
+        page = list(self.result_list)
+        labels = conf.PRINCIPAL_DISPLAY(sorted({record.scope for record in page}))
+        for record in page:
+            record.principal_label = _principal_label(record.scope, labels)
+        self.result_list = page
 
 
 @dataclass(frozen=True)
@@ -261,10 +303,18 @@ def body_text(record: IdempotencyRecord) -> str:
 
 @admin.register(IdempotencyRecord)
 class IdempotencyRecordAdmin(RecordModelAdmin):
-    list_display = ("key", "scope", "method", "path", "response_code", "created_at", "expires_at")
+    list_display = (
+        "key",
+        "principal",
+        "method",
+        "path",
+        "response_code",
+        "created_at",
+        "expires_at",
+    )
     list_filter = (CreatedFilter, ResponseStatusFilter, MethodFilter, EndpointFilter)
     search_fields = ("key",)
-    search_help_text = _("The exact Idempotency-Key, as the client sent it.")
+    search_help_text = _("The exact Idempotency-Key, as the client sent it, or a username.")
     # Newest first from the primary key index of each partition, merged; the other
     # columns have no index to sort by.
     ordering = ("-id",)
@@ -276,7 +326,7 @@ class IdempotencyRecordAdmin(RecordModelAdmin):
     # Deleting frees a key; it is done one record at a time, from its page.
     actions = None
     fieldsets = (
-        (_("Request"), {"fields": ("key", "scope", "method", "path", "fingerprint_parts")}),
+        (_("Request"), {"fields": ("key", "principal", "method", "path", "fingerprint_parts")}),
         (
             _("Response"),
             {"fields": ("response_code", "response_headers_list", "body_encoding", "body")},
@@ -285,7 +335,7 @@ class IdempotencyRecordAdmin(RecordModelAdmin):
     )
     readonly_fields = (
         "key",
-        "scope",
+        "principal",
         "method",
         "path",
         "fingerprint_parts",
@@ -308,9 +358,14 @@ class IdempotencyRecordAdmin(RecordModelAdmin):
         term = search_term.strip()
         if not term:
             return queryset, False
-        with contextlib.suppress(InvalidKey):  # then no record has it: nothing is found
+        with contextlib.suppress(InvalidKey):  # then no record has it: it finds nothing
             term = parse_key(term)
-        return queryset.filter(key=term), False
+        found = Q(key=term)
+        # A support person knows the customer's username, the records the principal.
+        principal = principal_of_username(term)
+        if principal is not None:
+            found |= Q(scope=principal)
+        return queryset.filter(found), False
 
     def has_add_permission(self, request: HttpRequest) -> bool:
         return False
@@ -325,6 +380,13 @@ class IdempotencyRecordAdmin(RecordModelAdmin):
         IdempotencyRecord.objects.using(obj._state.db).filter(
             pk=obj.pk, created_at=obj.created_at
         ).delete()
+
+    @admin.display(description=_("principal"))
+    def principal(self, obj: IdempotencyRecord) -> str:
+        label: str | None = getattr(obj, "principal_label", None)
+        if label is None:  # the record's own page
+            label = _principal_label(obj.scope, conf.PRINCIPAL_DISPLAY([obj.scope]))
+        return label
 
     @admin.display(description=_("request fingerprint"))
     def fingerprint_parts(self, obj: IdempotencyRecord) -> SafeString:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from datetime import timedelta
 from typing import Any
 
@@ -12,6 +12,8 @@ from django.utils.functional import empty
 from django.utils.module_loading import import_string
 
 PrincipalFunc = Callable[[HttpRequest], Any]
+# Principals (as stored) to the labels the admin shows; principals left out show as stored.
+PrincipalDisplayFunc = Callable[[list[str]], Mapping[str, str]]
 
 
 def _setting(name: str, default: Any) -> Any:
@@ -85,6 +87,16 @@ class Settings:
         value: PrincipalFunc | str | None = _setting("IDEMPOTENCY_PRINCIPAL", None)
         if isinstance(value, str):
             func: PrincipalFunc = import_string(value)
+            return func
+        return value
+
+    @property
+    def PRINCIPAL_DISPLAY(self) -> PrincipalDisplayFunc:
+        value: PrincipalDisplayFunc | str = _setting(
+            "IDEMPOTENCY_PRINCIPAL_DISPLAY", "django_idempotency.admin.usernames"
+        )
+        if isinstance(value, str):
+            func: PrincipalDisplayFunc = import_string(value)
             return func
         return value
 

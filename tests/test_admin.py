@@ -10,6 +10,7 @@ from datetime import timedelta
 import pytest
 from django.contrib.auth.models import Permission, User
 from django.db import connection
+from django.test import override_settings
 from django.test.utils import CaptureQueriesContext
 from django.urls import reverse
 from django.utils import timezone
@@ -359,3 +360,77 @@ def test_idempotent_plain_views_are_found_for_the_endpoint_filter() -> None:
     found = {endpoint.route: endpoint.methods for endpoint in idempotent_endpoints()}
     assert found["/plain/"] == frozenset({"POST", "PATCH"})
     assert found["/plain/put-only/"] == frozenset({"PUT"})
+
+
+def page_principals(principals: list[str]) -> dict[str, str]:
+    """An IDEMPOTENCY_PRINCIPAL_DISPLAY of a project whose principals are tenants."""
+    page_principals.calls.append(principals)  # type: ignore[attr-defined]
+    return {p: p.removeprefix("tenant:").title() for p in principals if p.startswith("tenant:")}
+
+
+def test_changelist_shows_usernames_resolved_in_one_query_per_page(
+    superuser_client, django_assert_num_queries
+):
+    users = [User.objects.create_user(f"customer{n}") for n in range(10)]
+    for n in range(60):
+        IdempotencyRecordFactory(scope=f"user:{users[n % 10].pk}")
+    IdempotencyRecordFactory(scope="user:999999")
+    IdempotencyRecordFactory(scope="anonymous")
+    with (
+        override_settings(IDEMPOTENCY_PRINCIPAL_DISPLAY=lambda principals: {}),
+        CaptureQueriesContext(connection) as without_names,
+    ):
+        superuser_client.get(CHANGELIST)
+
+    with django_assert_num_queries(len(without_names) + 1) as queries:
+        response = superuser_client.get(CHANGELIST)
+
+    assert response.status_code == 200
+    for user in users:
+        assert f"{user.username} (user:{user.pk})" in response.text
+    # A principal with no user left, and one that is no user, show as stored.
+    assert '<td class="field-principal">user:999999</td>' in response.text
+    assert '<td class="field-principal">anonymous</td>' in response.text
+    # The one extra query: all the page's user ids at once.
+    assert len([q for q in queries if '"auth_user"."id" IN' in q["sql"]]) == 1
+
+
+def test_principal_display_hook_is_called_once_per_page_and_on_the_detail_page(
+    superuser_client,
+):
+    page_principals.calls = []  # type: ignore[attr-defined]
+    record = IdempotencyRecordFactory(scope="tenant:acme")
+    IdempotencyRecordFactory(scope="tenant:globex")
+    IdempotencyRecordFactory(scope="tenant:acme")
+
+    with override_settings(IDEMPOTENCY_PRINCIPAL_DISPLAY=f"{__name__}.page_principals"):
+        listing = superuser_client.get(CHANGELIST)
+        detail = superuser_client.get(detail_url(record))
+
+    assert page_principals.calls == [["tenant:acme", "tenant:globex"], ["tenant:acme"]]  # type: ignore[attr-defined]
+    assert "Acme (tenant:acme)" in listing.text and "Globex (tenant:globex)" in listing.text
+    assert "Acme (tenant:acme)" in detail.text
+
+
+def test_detail_shows_the_username(superuser_client):
+    alice = User.objects.create_user("alice")
+    record = IdempotencyRecordFactory(scope=f"user:{alice.pk}")
+
+    response = superuser_client.get(detail_url(record))
+
+    assert f"alice (user:{alice.pk})" in response.text
+
+
+def test_search_by_username_finds_that_users_records(superuser_client):
+    alice = User.objects.create_user("alice")
+    bob = User.objects.create_user("bob")
+    alices = [IdempotencyRecordFactory(scope=f"user:{alice.pk}") for _ in range(2)]
+    IdempotencyRecordFactory(scope=f"user:{bob.pk}")
+    keyed_alice = IdempotencyRecordFactory(key="alice", scope=f"user:{bob.pk}")
+
+    found = listed(superuser_client.get(CHANGELIST, {"q": "alice"}))
+    nobody = listed(superuser_client.get(CHANGELIST, {"q": "mallory"}))
+
+    # The key "alice" still matches as a key; the username adds alice's own records.
+    assert sorted(found) == sorted([keyed_alice.pk, *(r.pk for r in alices)])
+    assert nobody == []
