@@ -225,3 +225,27 @@ def test_the_testproject_schema_validates_and_documents_its_idempotent_endpoints
         assert parameter(operation, "Idempotency-Key") is not None
         assert problem_codes(operation) >= {"400", "409", "422"}
     assert parameter(paths["/api/charges-plain/"]["post"], "Idempotency-Key") is None
+
+
+def test_the_testproject_schema_generates_without_a_warning_or_error(tmp_path):
+    # drf-spectacular prints what it cannot describe ("unable to guess serializer") and,
+    # with --fail-on-warn, exits non-zero for it.
+    done = subprocess.run(
+        [
+            sys.executable,
+            "manage.py",
+            "spectacular",
+            "--fail-on-warn",
+            "--file",
+            str(tmp_path / "schema.yaml"),
+        ],
+        cwd=ROOT,
+        env={**os.environ, "DJANGO_SETTINGS_MODULE": "tests.settings", "PYTHONPATH": str(ROOT)},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+    assert done.returncode == 0, done.stderr
+    assert "unable to guess serializer" not in done.stderr
+    assert "Warnings:" not in done.stderr and "Error" not in done.stderr

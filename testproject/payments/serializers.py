@@ -30,3 +30,12 @@ class ChargeSerializer(PaymentSerializer):
 class RefundSerializer(PaymentSerializer):
     class Meta(PaymentSerializer.Meta):
         model = Refund
+
+
+class PaymentCountSerializer(serializers.Serializer[dict[str, Any]]):
+    """What ``PaymentCountView`` answers; declared so the OpenAPI schema describes it."""
+
+    executions = serializers.IntegerField(
+        allow_null=True, help_text="Runs of the handler, rolled back ones included (PostgreSQL)."
+    )
+    rows = serializers.IntegerField(help_text="Payments committed.")

@@ -24,7 +24,12 @@ from testproject.payments import executions
 from testproject.payments.faults import Faults
 from testproject.payments.models import Charge, Payment
 from testproject.payments.parsers import JSONParser
-from testproject.payments.serializers import ChargeSerializer, PaymentSerializer, RefundSerializer
+from testproject.payments.serializers import (
+    ChargeSerializer,
+    PaymentCountSerializer,
+    PaymentSerializer,
+    RefundSerializer,
+)
 
 
 def create_payment(
@@ -72,6 +77,8 @@ class PaymentCountView(APIView):
 
     authentication_classes: list[type[Any]] = []
     permission_classes = [AllowAny]
+    # Read by drf-spectacular for the response schema (APIView has no get_serializer).
+    serializer_class = PaymentCountSerializer
     model: type[Payment] = Charge
 
     def get(self, request: Request) -> Response:
