@@ -288,3 +288,43 @@ def check_databases(app_configs: Sequence[AppConfig] | None, **kwargs: Any) -> l
                 )
             )
     return messages
+
+
+@register(Tags.database)
+def check_outbox_backlog(
+    app_configs: Sequence[AppConfig] | None,
+    databases: Sequence[str] | None = None,
+    **kwargs: Any,
+) -> list[CheckMessage]:
+    """Whether the outbox relay keeps up: the oldest unpublished message's age."""
+    from django.db import DatabaseError
+    from django.db.models import Min
+    from django.utils import timezone
+
+    from django_idempotency.models import OutboxMessage
+
+    if not _ours(app_configs):
+        return []
+    messages: list[CheckMessage] = []
+    for alias in databases or ():
+        if not router.allow_migrate_model(alias, OutboxMessage):
+            continue
+        pending = OutboxMessage.objects.using(alias).filter(published_at__isnull=True)
+        try:
+            oldest = pending.aggregate(oldest=Min("created_at"))["oldest"]
+        except DatabaseError:
+            continue  # not migrated yet
+        if oldest is not None and timezone.now() - oldest > conf.OUTBOX_MAX_AGE:
+            messages.append(
+                CheckWarning(
+                    f"The oldest unpublished outbox message on database {alias!r} was written "
+                    f"at {oldest.isoformat()}, more than IDEMPOTENCY_OUTBOX_MAX_AGE "
+                    f"({conf.OUTBOX_MAX_AGE}) ago: no relay is running, or it cannot reach "
+                    "the broker.",
+                    hint="Run `manage.py idempotency_relay` (one or more, as long-running "
+                    "processes) and read its log; rows that fail to publish show their last "
+                    "error in the admin.",
+                    id="django_idempotency.W120",
+                )
+            )
+    return messages

@@ -27,3 +27,8 @@ response_stored = Signal()
 # kwargs: names (list[str]), using (str: the database alias).
 partitions_created = Signal()
 partitions_dropped = Signal()
+
+# Sent by the outbox relay after it marked messages published, outside any transaction.
+# kwargs: ids (list[str]: the message ids, which are the Celery task ids), using (str: the
+# database alias).
+outbox_published = Signal()
