@@ -145,6 +145,7 @@ def test_check_ids_are_unique() -> None:
         "django_idempotency.W101",
         "django_idempotency.W102",
         "django_idempotency.W103",
+        "django_idempotency.W120",
     }
 
 
