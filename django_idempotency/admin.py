@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import json
 import re
+import uuid
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from datetime import date, timedelta
@@ -40,7 +41,7 @@ from django_idempotency.conf import conf
 from django_idempotency.engine import unit as engine
 from django_idempotency.engine.errors import InvalidKey
 from django_idempotency.engine.identity import PARTS, parse_key
-from django_idempotency.models import IdempotencyRecord
+from django_idempotency.models import IdempotencyRecord, OutboxMessage
 from django_idempotency.storage import records as storage
 
 # Columns the list never shows; a stored body alone may be megabytes.
@@ -406,3 +407,129 @@ class IdempotencyRecordAdmin(RecordModelAdmin):
     @admin.display(description=_("response body"))
     def body(self, obj: IdempotencyRecord) -> SafeString:
         return _pre(body_text(obj))
+
+
+# The outbox ----------------------------------------------------------------------------
+
+if TYPE_CHECKING:
+    OutboxModelAdmin = admin.ModelAdmin[OutboxMessage]
+else:
+    OutboxModelAdmin = admin.ModelAdmin
+
+# Columns the list never shows: arguments and payloads may be large.
+OUTBOX_DETAIL_ONLY_FIELDS = ("args", "kwargs", "payload", "options", "last_error")
+
+
+class OutboxChangeList(ChangeList):
+    def get_queryset(self, request: HttpRequest, exclude_parameters: Any = None) -> QuerySet[Any]:
+        return super().get_queryset(request, exclude_parameters).defer(*OUTBOX_DETAIL_ONLY_FIELDS)
+
+
+class OutboxStateFilter(admin.SimpleListFilter):
+    # "pending" and "failing" read the partial index of unpublished rows only.
+    title = _("state")
+    parameter_name = "state"
+
+    def lookups(self, request: HttpRequest, model_admin: Any) -> list[tuple[str, str]]:
+        return [
+            ("pending", gettext("Pending")),
+            ("failing", gettext("Pending, after a failed publish")),
+            ("published", gettext("Published")),
+        ]
+
+    def queryset(self, request: HttpRequest, queryset: QuerySet[Any]) -> QuerySet[Any]:
+        value = self.value()
+        if value is None:
+            return queryset
+        if value == "pending":
+            return queryset.filter(published_at__isnull=True)
+        if value == "failing":
+            return queryset.filter(published_at__isnull=True, attempts__gt=0)
+        if value == "published":
+            return queryset.filter(published_at__isnull=False)
+        raise IncorrectLookupParameters(value)
+
+
+class OutboxCreatedFilter(admin.SimpleListFilter):
+    """Recent time ranges, which PostgreSQL prunes to the partitions they cover."""
+
+    title = _("created")
+    parameter_name = "created"
+    recent = {"1h": timedelta(hours=1), "24h": timedelta(hours=24), "7d": timedelta(days=7)}
+
+    def lookups(self, request: HttpRequest, model_admin: Any) -> list[tuple[str, str]]:
+        return [
+            ("1h", gettext("Last hour")),
+            ("24h", gettext("Last 24 hours")),
+            ("7d", gettext("Last 7 days")),
+        ]
+
+    def queryset(self, request: HttpRequest, queryset: QuerySet[Any]) -> QuerySet[Any]:
+        value = self.value()
+        if value is None:
+            return queryset
+        if value not in self.recent:
+            raise IncorrectLookupParameters(value)
+        return queryset.filter(created_at__gte=timezone.now() - self.recent[value])
+
+
+@admin.register(OutboxMessage)
+class OutboxMessageAdmin(OutboxModelAdmin):
+    list_display = ("id", "kind", "name", "created_at", "published_at", "attempts", "lease_owner")
+    list_filter = (OutboxStateFilter, OutboxCreatedFilter, "kind")
+    search_fields = ("id",)
+    search_help_text = _("The exact message id, which is the Celery task id.")
+    # Newest first from the primary key index of each partition (UUIDv7 ids grow with time).
+    ordering = ("-id",)
+    sortable_by = ()
+    list_per_page = 50
+    paginator = EstimatedCountPaginator
+    show_full_result_count = False
+    show_facets = admin.ShowFacets.NEVER
+    actions = None
+    fieldsets = (
+        (_("Message"), {"fields": ("id", "kind", "name", "args", "kwargs", "payload", "options")}),
+        (_("Publishing"), {"fields": ("created_at", "published_at", "attempts", "last_error")}),
+        (_("Lease"), {"fields": ("lease_owner", "lease_until", "fence")}),
+    )
+    readonly_fields = (
+        "id",
+        "kind",
+        "name",
+        "args",
+        "kwargs",
+        "payload",
+        "options",
+        "created_at",
+        "published_at",
+        "attempts",
+        "last_error",
+        "lease_owner",
+        "lease_until",
+        "fence",
+    )
+
+    def get_changelist(self, request: HttpRequest, **kwargs: Any) -> type[ChangeList]:
+        return OutboxChangeList
+
+    def get_search_results(
+        self, request: HttpRequest, queryset: QuerySet[OutboxMessage], search_term: str
+    ) -> tuple[QuerySet[OutboxMessage], bool]:
+        term = search_term.strip()
+        if not term:
+            return queryset, False
+        try:
+            message_id = uuid.UUID(term)
+        except ValueError:  # no message has it; the nil UUID is nobody's (none() has no plan)
+            message_id = uuid.UUID(int=0)
+        return queryset.filter(id=message_id), False
+
+    def has_add_permission(self, request: HttpRequest) -> bool:
+        return False
+
+    def has_change_permission(self, request: HttpRequest, obj: OutboxMessage | None = None) -> bool:
+        return False
+
+    def has_delete_permission(self, request: HttpRequest, obj: OutboxMessage | None = None) -> bool:
+        # A deleted pending message would never be published: the outbox is append-only.
+        return False

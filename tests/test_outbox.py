@@ -161,3 +161,74 @@ def test_the_table_is_partitioned_by_created_at_with_first_partitions_marked_our
     ]
     assert found == expected
     assert index.endswith("(created_at) WHERE (published_at IS NULL)")
+
+
+# The admin ----------------------------------------------------------------------------
+
+OUTBOX_CHANGELIST = "/admin/django_idempotency/outboxmessage/"
+
+
+@pytest.fixture
+def superuser_client(client):
+    from django.contrib.auth.models import User
+
+    client.force_login(User.objects.create_superuser("admin", "admin@example.com", "x"))
+    return client
+
+
+def listed_ids(response) -> list[str]:
+    return [str(message.id) for message in response.context["cl"].result_list]
+
+
+@pytest.mark.django_db(transaction=True)
+def test_admin_lists_messages_newest_first_without_counting_the_table(superuser_client) -> None:
+    from django.test.utils import CaptureQueriesContext
+
+    with transaction.atomic():
+        ids = [enqueue_task("tests.noop", (n,)) for n in range(5)]
+    with CaptureQueriesContext(connection) as queries:
+        response = superuser_client.get(OUTBOX_CHANGELIST)
+    assert response.status_code == 200
+    assert listed_ids(response) == ids[::-1]
+    statements = [q["sql"] for q in queries.captured_queries if "outbox" in q["sql"]]
+    assert not [sql for sql in statements if "COUNT(*)" in sql and "LIMIT" not in sql]
+    # The list never loads arguments or payloads.
+    assert not [sql for sql in statements if '"args"' in sql and "LIMIT 50" in sql]
+
+
+@pytest.mark.django_db(transaction=True)
+def test_admin_filters_pending_failing_and_published(superuser_client) -> None:
+    with transaction.atomic():
+        published, failing, pending = (enqueue_task("tests.noop") for _ in range(3))
+    OutboxMessage.objects.filter(id=published).update(published_at=datetime.now(UTC))
+    OutboxMessage.objects.filter(id=failing).update(attempts=2, last_error="ConnectionError")
+    for state, expected in [
+        ("published", [published]),
+        ("pending", [pending, failing]),
+        ("failing", [failing]),
+    ]:
+        response = superuser_client.get(OUTBOX_CHANGELIST, {"state": state})
+        assert listed_ids(response) == expected, state
+    assert superuser_client.get(OUTBOX_CHANGELIST, {"state": "nope"}).status_code in (200, 302)
+
+
+@pytest.mark.django_db(transaction=True)
+def test_admin_search_finds_the_exact_message_id_only(superuser_client) -> None:
+    with transaction.atomic():
+        wanted, _other = enqueue_task("tests.noop"), enqueue_task("tests.noop")
+    assert listed_ids(superuser_client.get(OUTBOX_CHANGELIST, {"q": f" {wanted} "})) == [wanted]
+    assert listed_ids(superuser_client.get(OUTBOX_CHANGELIST, {"q": "tests.noop"})) == []
+
+
+@pytest.mark.django_db(transaction=True)
+def test_admin_is_read_only_and_shows_the_last_error(superuser_client) -> None:
+    with transaction.atomic():
+        message_id = enqueue_task("tests.noop", ("secret-free",))
+    OutboxMessage.objects.filter(id=message_id).update(attempts=1, last_error="Boom: broker gone")
+    detail = f"{OUTBOX_CHANGELIST}{message_id}/change/"
+    response = superuser_client.get(detail)
+    assert response.status_code == 200 and b"Boom: broker gone" in response.content
+    assert superuser_client.get(f"{OUTBOX_CHANGELIST}add/").status_code == 403
+    assert superuser_client.post(f"{OUTBOX_CHANGELIST}{message_id}/delete/").status_code == 403
+    assert superuser_client.post(detail, {"name": "changed"}).status_code == 403
+    assert OutboxMessage.objects.get(id=message_id).name == "tests.noop"
