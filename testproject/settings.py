@@ -3,6 +3,11 @@
 Environment: ``DATABASE_URL`` (else an embedded PostgreSQL, see ``testproject.database``),
 ``CELERY_BROKER_URL`` (default ``memory://``), ``DJANGO_DEBUG=1``, ``DJANGO_SECRET_KEY``,
 ``DJANGO_ALLOWED_HOSTS`` (comma-separated) and ``PAYMENTS_FAULTS_ENABLED=1``.
+
+Deployment shapes (docs/deployment-shapes.md): ``DATABASE_POOLING=transaction`` when
+``DATABASE_URL`` goes through PgBouncer in transaction pooling mode; ``REPLICA_DATABASE_URL``
+adds a read replica; ``SHARD_DATABASE_URL`` a second database for tenant ``b``, with
+``TENANT_APPS`` (comma-separated app labels, default ``payments``) naming what follows the tenant.
 """
 
 from __future__ import annotations
@@ -10,6 +15,7 @@ from __future__ import annotations
 import importlib.util
 import os
 from pathlib import Path
+from typing import Any
 
 import dj_database_url
 
@@ -75,11 +81,36 @@ TEMPLATES = [
     },
 ]
 
-DATABASES = {
+
+def _database(url: str) -> dict[str, Any]:
     # Persistent connections: a gunicorn sync worker serves one request at a time, so one
     # connection per worker, reused, with a health check after a server restart.
-    "default": dj_database_url.parse(database_url(), conn_max_age=600, conn_health_checks=True),
-}
+    config: dict[str, Any] = dj_database_url.parse(url, conn_max_age=600, conn_health_checks=True)
+    if DATABASE_POOLING == "transaction":
+        # Behind PgBouncer in transaction pooling mode, consecutive transactions of one
+        # connection may run on different server connections: nothing may outlive a
+        # transaction, neither a server-side cursor nor a prepared statement.
+        config["DISABLE_SERVER_SIDE_CURSORS"] = True
+        config["OPTIONS"] = {**config.get("OPTIONS", {}), "prepare_threshold": None}
+    return config
+
+
+# "transaction" when DATABASE_URL points at PgBouncer with pool_mode = transaction.
+DATABASE_POOLING = os.environ.get("DATABASE_POOLING", "session")
+DATABASES = {"default": _database(database_url())}
+DATABASE_ROUTERS: list[str] = []
+# A streaming replica of default: reads go there, writes to default (testproject.routers).
+if os.environ.get("REPLICA_DATABASE_URL"):
+    DATABASES["replica"] = _database(os.environ["REPLICA_DATABASE_URL"])
+    DATABASES["replica"]["TEST"] = {"MIRROR": "default"}
+    DATABASE_ROUTERS.append("testproject.routers.ReplicaRouter")
+# A second database for tenant "b" (header X-Tenant: b); tenant "a" stays in default. Only the
+# models of the apps in TENANT_APPS follow the tenant; others (users, tokens) stay in default.
+if os.environ.get("SHARD_DATABASE_URL"):
+    DATABASES["shard"] = _database(os.environ["SHARD_DATABASE_URL"])
+    DATABASE_ROUTERS.insert(0, "testproject.routers.TenantRouter")
+    MIDDLEWARE.insert(0, "testproject.routers.TenantMiddleware")
+TENANT_APPS = os.environ.get("TENANT_APPS", "payments").split(",")
 DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
 
 AUTH_PASSWORD_VALIDATORS = [

@@ -38,6 +38,9 @@ from hypothesis import settings as hypothesis_settings
 
 ROOT = Path(__file__).resolve().parent.parent
 
+# The other deployment shapes' servers (uvicorn, PgBouncer) and their fixtures.
+pytest_plugins = ["tests.servers"]
+
 # Database round trips make per-example timings meaningless; CI also prints the blob to
 # reproduce a failure.
 hypothesis_settings.register_profile("dev", deadline=None)

@@ -12,6 +12,7 @@ urlpatterns = [
     path("charges/count/", views.PaymentCountView.as_view(model=Charge), name="charge-count"),
     path("charges-plain/", views.PaymentCreateView.as_view(), name="charges-plain"),
     path("charges-django/", views.charge_without_drf, name="charges-django"),
+    path("charges/async/", views.charge_async, name="charges-async"),
     path("refunds/", views.RefundCreateView.as_view(), name="refunds"),
     path("refunds/count/", views.PaymentCountView.as_view(model=Refund), name="refund-count"),
 ]

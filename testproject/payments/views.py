@@ -5,6 +5,7 @@ from collections.abc import Callable
 from functools import wraps
 from typing import Any
 
+from asgiref.sync import iscoroutinefunction, sync_to_async
 from django.contrib.auth.base_user import AbstractBaseUser
 from django.contrib.auth.models import AnonymousUser
 from django.http import HttpRequest, HttpResponse, JsonResponse
@@ -90,23 +91,36 @@ class PaymentCountView(APIView):
         )
 
 
-def token_required(view: Callable[..., HttpResponse]) -> Callable[..., HttpResponse]:
-    """DRF's token authentication for a plain Django view: sets ``request.user`` or 401s."""
+def authenticate(request: HttpRequest) -> HttpResponse | None:
+    """DRF's token authentication: set ``request.user``, or return the 401 to send."""
+    try:
+        authenticated = TokenAuthentication().authenticate(request)  # type: ignore[arg-type]
+    except AuthenticationFailed:
+        authenticated = None
+    if authenticated is None:
+        return JsonResponse(
+            {"detail": "Send 'Authorization: Token <key>'."},
+            status=401,
+            headers={"WWW-Authenticate": "Token"},
+        )
+    request.user = authenticated[0]
+    return None
+
+
+def token_required(view: Callable[..., Any]) -> Callable[..., Any]:
+    """Token authentication for a plain Django view, sync or async."""
+    if iscoroutinefunction(view):
+
+        @wraps(view)
+        async def async_wrapper(request: HttpRequest, *args: Any, **kwargs: Any) -> HttpResponse:
+            refused = await sync_to_async(authenticate)(request)
+            return refused or await view(request, *args, **kwargs)
+
+        return async_wrapper
 
     @wraps(view)
     def wrapper(request: HttpRequest, *args: Any, **kwargs: Any) -> HttpResponse:
-        try:
-            authenticated = TokenAuthentication().authenticate(request)  # type: ignore[arg-type]
-        except AuthenticationFailed:
-            authenticated = None
-        if authenticated is None:
-            return JsonResponse(
-                {"detail": "Send 'Authorization: Token <key>'."},
-                status=401,
-                headers={"WWW-Authenticate": "Token"},
-            )
-        request.user = authenticated[0]
-        return view(request, *args, **kwargs)
+        return authenticate(request) or view(request, *args, **kwargs)
 
     return wrapper
 
@@ -125,6 +139,27 @@ def charge_without_drf(request: HttpRequest) -> HttpResponse:
         return JsonResponse({"detail": "The body must be JSON."}, status=400)
     try:
         status, body = create_payment(ChargeSerializer(data=data), request.user)
+    except ValidationError as exc:
+        return JsonResponse(exc.detail, status=400, safe=False)
+    return JsonResponse(body, status=status)
+
+
+@csrf_exempt
+@require_POST
+@token_required
+@idempotent(required=True)
+async def charge_async(request: HttpRequest) -> HttpResponse:
+    """The charge handler as an async Django view, protected by ``@idempotent``."""
+    try:
+        data = json.loads(request.body)
+    except (ValueError, RecursionError):
+        return JsonResponse({"detail": "The body must be JSON."}, status=400)
+    try:
+        # DRF's serializers are sync; thread_sensitive (the default) runs them on the
+        # request's one sync thread, so on the connection that holds the claim.
+        status, body = await sync_to_async(create_payment)(
+            ChargeSerializer(data=data), request.user
+        )
     except ValidationError as exc:
         return JsonResponse(exc.detail, status=400, safe=False)
     return JsonResponse(body, status=status)

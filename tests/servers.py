@@ -1,0 +1,422 @@
+"""Private servers for the deployment-shape tests, and the fixtures that start them.
+
+- ``live_uvicorn``: ``testproject.asgi`` under uvicorn (2 worker processes) on the test database.
+- ``pgbouncer`` / ``live_pgbouncer``: a private PgBouncer in transaction pooling mode in front
+  of the test database's server, and gunicorn whose ``DATABASE_URL`` goes through it.
+- ``PostgresCluster``: a throw-away PostgreSQL cluster (Debian's binaries) and its streaming
+  replica, for ``tests/test_replica.py``.
+
+Everything binds 127.0.0.1 on a free port and lives in a temporary directory, so nothing
+here touches the machine's own services or another session's.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import glob
+import os
+import pwd
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+from urllib.parse import quote, unquote, urlsplit, urlunsplit
+
+import psycopg
+import pytest
+import requests
+
+from tests.conftest import ROOT, GunicornServer, die_with_parent
+
+# apt-get may wait for the package lists and a mirror; a test session must not hang on it.
+APT_TIMEOUT = 180
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port: int = probe.getsockname()[1]
+        return port
+
+
+def with_database(url: str, name: str) -> str:
+    return urlunsplit(urlsplit(url)._replace(path="/" + quote(name)))
+
+
+def database_name(url: str) -> str:
+    return unquote(urlsplit(url).path.lstrip("/"))
+
+
+def wait_until_serving(server: GunicornServer, what: str, deadline: float) -> None:
+    while True:
+        if server.process.poll() is not None:
+            raise RuntimeError(
+                f"{what} exited with {server.process.returncode}:\n{server.log_text()}"
+            )
+        try:
+            # Any answer will do: it proves a worker loaded Django and took the request.
+            requests.get(f"{server.url}/admin/login/", timeout=1)
+            return
+        except requests.RequestException:
+            if time.monotonic() > deadline:
+                raise RuntimeError(
+                    f"{what} did not answer at {server.url}:\n{server.log_text()}"
+                ) from None
+            time.sleep(0.1)
+
+
+@contextlib.contextmanager
+def run_uvicorn(
+    env: Mapping[str, str], *, workers: int = 2, startup_timeout: float = 60.0
+) -> Iterator[GunicornServer]:
+    """Serve ``testproject.asgi`` with uvicorn's own process manager until the block ends."""
+    # As for gunicorn: the parent binds and hands over the descriptor, so there is no window
+    # in which another process takes the port. uvicorn restarts a worker that dies.
+    listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(128)
+    port = listener.getsockname()[1]
+    log_fd, log_name = tempfile.mkstemp(prefix="uvicorn-", suffix=".log")
+    command = [
+        sys.executable, "-m", "uvicorn", "testproject.asgi:application",
+        "--fd", str(listener.fileno()),
+        "--workers", str(workers),
+        "--no-access-log",
+        "--timeout-graceful-shutdown", "2",
+    ]  # fmt: skip
+    process = subprocess.Popen(
+        command,
+        cwd=ROOT,
+        env=dict(env),
+        stdin=subprocess.DEVNULL,
+        stdout=log_fd,
+        stderr=log_fd,
+        pass_fds=(listener.fileno(),),
+        preexec_fn=die_with_parent,
+    )
+    os.close(log_fd)
+    listener.close()
+    server = GunicornServer(f"http://127.0.0.1:{port}", process, Path(log_name))
+    try:
+        wait_until_serving(server, "uvicorn", time.monotonic() + startup_timeout)
+        yield server
+    finally:
+        stop(process)
+        server.log.unlink(missing_ok=True)
+
+
+def stop(process: subprocess.Popen[bytes], sig: int = signal.SIGINT) -> None:
+    if process.poll() is None:
+        process.send_signal(sig)
+    try:
+        process.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
+
+
+@pytest.fixture(scope="session")
+def live_uvicorn(subprocess_env: dict[str, str]) -> Iterator[str]:
+    """Base URL of ``testproject.asgi`` under uvicorn, 2 worker processes, on the test database."""
+    with run_uvicorn(subprocess_env) as server:
+        yield server.url
+
+
+# ---------------------------------------------------------------------------------------
+# PgBouncer
+
+
+def find_pgbouncer() -> str:
+    """Path of the ``pgbouncer`` binary, installing Debian's package when root can.
+
+    Raises ``LookupError`` with the reason when there is none and none can be had.
+    """
+    found = shutil.which("pgbouncer") or shutil.which("pgbouncer", path="/usr/sbin:/sbin")
+    if found:
+        return found
+    if os.geteuid() != 0 or not shutil.which("apt-get"):
+        raise LookupError("pgbouncer is not installed (Debian: apt-get install pgbouncer)")
+    apt_env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
+    install = ["apt-get", "install", "-y", "-q", "--no-install-recommends", "pgbouncer"]
+    deadline = time.monotonic() + APT_TIMEOUT
+    # The package lists may be missing (a fresh image) or stale: update once, then retry.
+    for step in (install, ["apt-get", "update", "-q"], install):
+        try:
+            done = subprocess.run(
+                step, env=apt_env, capture_output=True, text=True, check=False,
+                timeout=max(1.0, deadline - time.monotonic()),
+            )  # fmt: skip
+        except subprocess.TimeoutExpired:
+            raise LookupError(f"`{' '.join(step)}` took over {APT_TIMEOUT}s") from None
+        if step is install and done.returncode == 0:
+            break
+    found = shutil.which("pgbouncer", path="/usr/sbin:/usr/bin:/sbin:/bin")
+    if not found:
+        tail = (done.stdout + done.stderr).strip().splitlines()[-3:]
+        raise LookupError("apt-get install pgbouncer failed: " + " / ".join(tail))
+    return found
+
+
+def system_user_for(directory: Path | None) -> str | None:
+    """Who a server we start should run as: nobody special unless we are root (PostgreSQL
+    and PgBouncer refuse to run as root). Then the owner of the unix socket directory it
+    must reach, or ``postgres``."""
+    if os.geteuid() != 0:
+        return None
+    if directory is not None:
+        owner = pwd.getpwuid(directory.stat().st_uid).pw_name
+        if owner != "root":
+            return owner
+    try:
+        pwd.getpwnam("postgres")
+    except KeyError:
+        raise LookupError("running as root and there is no 'postgres' user to run as") from None
+    return "postgres"
+
+
+@dataclass(frozen=True)
+class PgBouncer:
+    """A running private PgBouncer: ``url(database)`` goes through it."""
+
+    port: int
+    process: subprocess.Popen[bytes]
+    directory: Path
+
+    def url(self, database: str) -> str:
+        return f"postgresql://postgres@127.0.0.1:{self.port}/{quote(database)}"
+
+    def log_text(self) -> str:
+        return (self.directory / "pgbouncer.log").read_text(errors="replace")
+
+    def show(self, what: str) -> list[dict[str, Any]]:
+        """``SHOW <what>`` on the admin console, as dicts."""
+        # The admin console speaks only the simple query protocol.
+        with psycopg.connect(
+            self.url("pgbouncer"), autocommit=True, prepare_threshold=None, connect_timeout=5
+        ) as conn:
+            cursor = conn.cursor()
+            cursor.execute(f"SHOW {what}".encode(), prepare=False)
+            names = [column.name for column in cursor.description or ()]
+            return [dict(zip(names, row, strict=True)) for row in cursor.fetchall()]
+
+
+@contextlib.contextmanager
+def run_pgbouncer(server_url: str, *, pool_size: int = 4) -> Iterator[PgBouncer]:
+    """PgBouncer in transaction pooling mode in front of ``server_url``'s server.
+
+    Every database name is passed through (``*``), as user ``postgres``, without a password:
+    the machine's server and the embedded one trust local connections.
+    """
+    binary = find_pgbouncer()
+    parts = urlsplit(server_url)
+    # The embedded server's URL has its percent-encoded socket directory as the host, which
+    # urlsplit's ``hostname`` would lower-case.
+    netloc_host = unquote(parts.netloc.rpartition("@")[2])
+    if netloc_host.startswith("/"):
+        host, port, socket_dir = netloc_host, 5432, Path(netloc_host)
+    else:
+        host, port, socket_dir = parts.hostname or "127.0.0.1", parts.port or 5432, None
+    user = system_user_for(socket_dir)
+    directory = Path(tempfile.mkdtemp(prefix="idem-bouncer-"))
+    listen = free_port()
+    (directory / "userlist.txt").write_text('"postgres" ""\n')
+    (directory / "pgbouncer.ini").write_text(
+        "\n".join(
+            [
+                "[databases]",
+                f"* = host={host} port={port} user=postgres",
+                "[pgbouncer]",
+                "listen_addr = 127.0.0.1",
+                f"listen_port = {listen}",
+                "unix_socket_dir =",
+                "auth_type = trust",
+                f"auth_file = {directory / 'userlist.txt'}",
+                "admin_users = postgres",
+                "pool_mode = transaction",
+                # Fewer server connections than clients: transactions from different
+                # clients really do share server connections.
+                f"default_pool_size = {pool_size}",
+                "max_client_conn = 200",
+                "ignore_startup_parameters = extra_float_digits,options",
+                f"logfile = {directory / 'pgbouncer.log'}",
+                f"pidfile = {directory / 'pgbouncer.pid'}",
+                "",
+            ]
+        )
+    )
+    if user is not None:
+        shutil.chown(directory, user)
+        for path in directory.iterdir():
+            shutil.chown(path, user)
+    process = subprocess.Popen(
+        [binary, str(directory / "pgbouncer.ini")],
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        user=user,
+        preexec_fn=die_with_parent,
+    )
+    bouncer = PgBouncer(listen, process, directory)
+    try:
+        deadline = time.monotonic() + 20
+        while True:
+            if process.poll() is not None:
+                raise RuntimeError(
+                    f"pgbouncer exited with {process.returncode}:\n{bouncer.log_text()}"
+                )
+            try:
+                bouncer.show("VERSION")
+                break
+            except psycopg.Error:
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"pgbouncer did not answer:\n{bouncer.log_text()}") from None
+                time.sleep(0.1)
+        yield bouncer
+    finally:
+        stop(process, signal.SIGTERM)
+        shutil.rmtree(directory, ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def pgbouncer(test_database_url: str) -> Iterator[PgBouncer]:
+    """A private PgBouncer (transaction pooling) in front of the test database's server."""
+    try:
+        find_pgbouncer()
+    except LookupError as exc:
+        pytest.skip(f"no PgBouncer: {exc}")
+    with run_pgbouncer(test_database_url) as bouncer:
+        yield bouncer
+
+
+@pytest.fixture(scope="session")
+def live_pgbouncer(
+    pgbouncer: PgBouncer,
+    test_database_url: str,
+    gunicorn_server: Callable[..., contextlib.AbstractContextManager[GunicornServer]],
+) -> Iterator[str]:
+    """Base URL of gunicorn (2 workers x 4 threads) whose database connections go through
+    ``pgbouncer`` in transaction pooling mode."""
+    env = {
+        "DATABASE_URL": pgbouncer.url(database_name(test_database_url)),
+        "DATABASE_POOLING": "transaction",
+    }
+    with gunicorn_server(workers=2, threads=4, env=env) as server:
+        yield server.url
+
+
+# ---------------------------------------------------------------------------------------
+# PostgreSQL clusters of our own: a primary and its streaming replica
+
+
+def postgres_bin() -> Path:
+    """Directory of Debian's PostgreSQL server binaries (the newest installed)."""
+    candidates = sorted(
+        glob.glob("/usr/lib/postgresql/*/bin/initdb"),
+        key=lambda path: int(Path(path).parent.parent.name),
+    )
+    if not candidates:
+        raise LookupError("no PostgreSQL server binaries in /usr/lib/postgresql/*/bin")
+    return Path(candidates[-1]).parent
+
+
+@dataclass
+class PostgresCluster:
+    """A private cluster: its data directory, port and unix socket directory."""
+
+    bin: Path
+    pgdata: Path
+    port: int
+    user: str | None
+
+    @property
+    def socket_dir(self) -> Path:
+        return self.pgdata.parent / f"{self.pgdata.name}-socket"
+
+    def url(self, database: str = "postgres") -> str:
+        return f"postgresql://postgres@127.0.0.1:{self.port}/{quote(database)}"
+
+    def connect(self, database: str = "postgres") -> psycopg.Connection[Any]:
+        return psycopg.connect(self.url(database), autocommit=True, connect_timeout=5)
+
+    def run(self, program: str, *args: str, timeout: float = 120) -> None:
+        """Run one of the cluster's binaries as its owner; RuntimeError carries the output."""
+        with tempfile.TemporaryFile() as output:
+            # A file, not a pipe: a server started by pg_ctl would inherit a pipe.
+            done = subprocess.run(
+                [str(self.bin / program), *args], user=self.user, stdout=output,
+                stderr=output, stdin=subprocess.DEVNULL, timeout=timeout, check=False,
+            )  # fmt: skip
+            if done.returncode:
+                output.seek(0)
+                raise RuntimeError(f"{program} {' '.join(args)} failed:\n{output.read().decode()}")
+
+    def start(self) -> None:
+        self.socket_dir.mkdir(exist_ok=True)
+        if self.user is not None:
+            shutil.chown(self.socket_dir, self.user)
+        options = f"-p {self.port} -c listen_addresses=127.0.0.1 -k {self.socket_dir}"
+        self.run("pg_ctl", "-w", "-t", "60", "-D", str(self.pgdata), "-o", options,
+                 "-l", str(self.pgdata / "server.log"), "start")  # fmt: skip
+
+    def stop(self) -> None:
+        with contextlib.suppress(RuntimeError, subprocess.SubprocessError, OSError):
+            self.run("pg_ctl", "-w", "-t", "30", "-D", str(self.pgdata), "-m", "immediate", "stop")
+
+    def log_tail(self, lines: int = 30) -> str:
+        try:
+            text = (self.pgdata / "server.log").read_text(errors="replace")
+        except OSError as exc:
+            return f"(no log: {exc})"
+        return "\n".join(text.splitlines()[-lines:])
+
+
+@contextlib.contextmanager
+def primary_and_replica() -> Iterator[tuple[PostgresCluster, PostgresCluster]]:
+    """A private primary (``wal_level = replica``) and a streaming replica made from it with
+    ``pg_basebackup -R``, each on its own free port; both removed afterwards."""
+    bin_dir = postgres_bin()
+    user = system_user_for(None)
+    # Short paths: the unix socket lives next to the data directory.
+    root = Path(tempfile.mkdtemp(prefix="idem-pg-"))
+    if user is not None:
+        shutil.chown(root, user)
+    primary = PostgresCluster(bin_dir, root / "primary", free_port(), user)
+    replica = PostgresCluster(bin_dir, root / "replica", free_port(), user)
+    try:
+        primary.run("initdb", "-D", str(primary.pgdata), "-U", "postgres", "-A", "trust",
+                    "--no-sync", "-E", "UTF8", "--locale=C")  # fmt: skip
+        with (primary.pgdata / "postgresql.conf").open("a") as conf:
+            conf.write(
+                "wal_level = replica\nmax_wal_senders = 4\nhot_standby = on\n"
+                # Throw-away clusters: durability buys nothing and costs seconds.
+                "fsync = off\nsynchronous_commit = off\nfull_page_writes = off\n"
+            )
+        primary.start()
+        replica.run("pg_basebackup", "-h", "127.0.0.1", "-p", str(primary.port), "-U",
+                    "postgres", "-D", str(replica.pgdata), "-R", "-X", "stream",
+                    "-c", "fast", "--no-sync")  # fmt: skip
+        replica.start()
+        yield primary, replica
+    finally:
+        replica.stop()
+        primary.stop()
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def migrate(env: Mapping[str, str], *args: str) -> None:
+    """``manage.py migrate`` with the test settings in a child process."""
+    done = subprocess.run(
+        [sys.executable, "manage.py", "migrate", "-v0", "--no-input", *args],
+        cwd=ROOT, env={**env, "DJANGO_SETTINGS_MODULE": "tests.settings"},
+        capture_output=True, text=True, timeout=120, check=False,
+    )  # fmt: skip
+    if done.returncode:
+        raise RuntimeError(f"migrate {' '.join(args)} failed:\n{done.stdout}{done.stderr}")
