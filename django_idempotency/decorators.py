@@ -1,80 +1,121 @@
-"""``@idempotent`` for plain Django views."""
+"""``@idempotent`` for plain Django views, sync or async, and DRF's ``@api_view``."""
 
 from __future__ import annotations
 
 import functools
-import time
-from collections.abc import Callable, Sequence
-from datetime import timedelta
-from typing import Any, TypeVar, overload
+from collections.abc import Callable
+from typing import Any, TypeVar, Unpack, overload
 
+from asgiref.sync import iscoroutinefunction, sync_to_async
 from django.core.exceptions import BadRequest, PermissionDenied, SuspiciousOperation
 from django.core.handlers.exception import response_for_exception
 from django.http import Http404, HttpRequest
 from django.http.response import HttpResponseBase
 
-from django_idempotency.conf import PrincipalFunc
-from django_idempotency.engine import unit as engine
-from django_idempotency.engine.errors import IdempotencyError
-from django_idempotency.problems import problem_response
+from django_idempotency.engine.options import ViewOptions, policy_for
+from django_idempotency.engine.unit import RequestUnit, Run
 
 # Exceptions that Django turns into a 4xx response rather than a 500.
 CLIENT_ERRORS = (Http404, PermissionDenied, BadRequest, SuspiciousOperation)
 
-View = TypeVar("View", bound=Callable[..., HttpResponseBase])
+View = TypeVar("View", bound=Callable[..., Any])
 
 
 @overload
 def idempotent(view: View) -> View: ...
 @overload
-def idempotent(
-    view: None = None,
-    *,
-    methods: Sequence[str] | None = None,
-    required: bool | None = None,
-    ttl: timedelta | None = None,
-    wait: timedelta | None = None,
-    exclude_fields: Sequence[str] | None = None,
-    fingerprint_headers: Sequence[str] | None = None,
-    principal: PrincipalFunc | None = None,
-) -> Callable[[View], View]: ...
-def idempotent(view: Any = None, **overrides: Any) -> Any:
-    """Make a plain view exactly-once per ``Idempotency-Key``.
+def idempotent(view: None = None, **options: Unpack[ViewOptions]) -> Callable[[View], View]: ...
+def idempotent(view: Any = None, **options: Unpack[ViewOptions]) -> Any:
+    """Make a view exactly-once per ``Idempotency-Key``: a plain Django view (``def`` or
+    ``async def``) or a function under DRF's ``@api_view``.
 
     Put it below authentication decorators such as ``login_required``, so that access
     control runs before a replay. Keyword arguments override the settings for this view.
     """
 
     def decorate(func: View) -> View:
-        @functools.wraps(func)
-        def wrapper(request: HttpRequest, *args: Any, **kwargs: Any) -> HttpResponseBase:
-            arrived = time.monotonic()
-            try:
-                result = engine.begin(
-                    request, engine.Options.resolve(**overrides), sender=func, arrived=arrived
-                )
-            except IdempotencyError as exc:
-                return problem_response(exc)
-            if result is None:
-                return func(request, *args, **kwargs)
-            if isinstance(result, HttpResponseBase):
-                return result
-            try:
-                response = func(request, *args, **kwargs)
-            except CLIENT_ERRORS as exc:
-                # Django would answer these with a 4xx after we returned; answer here, so
-                # the outcome is stored and replayed as the same 4xx from DRF would be.
-                response = response_for_exception(request, exc)
-            except BaseException:
-                result.abort()
-                raise
-            try:
-                return result.finish(response)
-            except IdempotencyError as exc:
-                return problem_response(exc)
+        def policy(request: Any) -> RequestUnit:
+            # Django's request, under DRF's too: the key and body are read from it.
+            return RequestUnit(
+                getattr(request, "_request", request),
+                policy_for(func, options),
+                sender=func,
+            )
+
+        if iscoroutinefunction(func):
+
+            @functools.wraps(func)
+            async def async_wrapper(request: Any, *args: Any, **kwargs: Any) -> Any:
+                unit = policy(request)
+                if not unit.covered:
+                    return await func(request, *args, **kwargs)
+                # The unit's transaction lives on the thread that opened it: every
+                # sync_to_async(thread_sensitive=True) call of this request (Django's async
+                # ORM) runs there, so the view's writes join the claim's transaction.
+                decision = await sync_to_async(unit.open)(principal_request=request)
+                if not isinstance(decision, Run):
+                    return decision.response()
+                try:
+                    response = _answer(request, await func(request, *args, **kwargs))
+                except BaseException as exc:
+                    response = _client_error(request, exc)
+                    if response is None:
+                        await sync_to_async(unit.fail)(exc)
+                        raise
+                return await sync_to_async(unit.close)(response)
+
+            wrapper: Any = async_wrapper
+        else:
+
+            @functools.wraps(func)
+            def sync_wrapper(request: Any, *args: Any, **kwargs: Any) -> Any:
+                unit = policy(request)
+                if not unit.covered:
+                    return func(request, *args, **kwargs)
+                decision = unit.open(principal_request=request)
+                if not isinstance(decision, Run):
+                    return decision.response()
+                try:
+                    response = _answer(request, func(request, *args, **kwargs))
+                except BaseException as exc:
+                    response = _client_error(request, exc)
+                    if response is None:
+                        unit.fail(exc)
+                        raise
+                return unit.close(response)
+
+            wrapper = sync_wrapper
 
         # How the admin finds idempotent plain views in the URLconf.
-        wrapper.idempotency_overrides = dict(overrides)  # type: ignore[attr-defined]
-        return wrapper  # type: ignore[return-value]
+        wrapper.idempotency_options = dict(options)
+        return wrapper  # type: ignore[no-any-return]
 
     return decorate(view) if view is not None else decorate
+
+
+def _drf_view(request: Any) -> Any:
+    """The APIView that DRF's ``@api_view`` runs this function in, if any."""
+    context = getattr(request, "parser_context", None)
+    return context.get("view") if context else None
+
+
+def _answer(request: Any, response: HttpResponseBase) -> HttpResponseBase:
+    # Under @api_view, DRF renders the response only after we return: render it now, as
+    # DRF would, so that what is stored is what the client gets.
+    view = _drf_view(request)
+    return response if view is None else view.finalize_response(request, response)  # type: ignore[no-any-return]
+
+
+def _client_error(request: Any, exc: BaseException) -> HttpResponseBase | None:
+    """The 4xx that Django (or DRF, under ``@api_view``) would answer ``exc`` with, so the
+    outcome is stored and replayed like any other; None for errors that are 5xx."""
+    view = _drf_view(request)
+    if view is not None and isinstance(exc, Exception):
+        from rest_framework.exceptions import APIException
+
+        if isinstance(exc, APIException | Http404 | PermissionDenied):
+            return _answer(request, view.handle_exception(exc))
+    if isinstance(exc, CLIENT_ERRORS):
+        django_request: HttpRequest = getattr(request, "_request", request)
+        return response_for_exception(django_request, exc)
+    return None

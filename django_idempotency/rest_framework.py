@@ -2,25 +2,23 @@
 
 from __future__ import annotations
 
-import time
-from collections.abc import Sequence
-from contextlib import nullcontext
-from datetime import timedelta
 from typing import Any
 
 from django.http.response import HttpResponseBase
-from rest_framework.exceptions import NotAcceptable
+from rest_framework.exceptions import NotAcceptable, UnsupportedMediaType
 from rest_framework.renderers import BaseRenderer
 from rest_framework.request import Request
 
-from django_idempotency.conf import PrincipalFunc
-from django_idempotency.engine import unit as engine
 from django_idempotency.engine.errors import IdempotencyError
+from django_idempotency.engine.options import OPTION_NAMES, Policy, ViewOptions, policy_for
+from django_idempotency.engine.unit import Replay, RequestUnit, Run, failing_closed
 from django_idempotency.problems import PROBLEM_CONTENT_TYPE, problem_response
 
 
-class _Replay(Exception):
-    # Carries a replay out of initial(), past the handler, to handle_exception().
+class Answered(Exception):
+    """Leaves ``initial()`` with a replay or a refusal, the way DRF's own checks leave it
+    with an exception; ``handle_exception()`` turns it back into the response."""
+
     def __init__(self, response: HttpResponseBase) -> None:
         self.response = response
 
@@ -30,33 +28,20 @@ class IdempotencyMixin:
 
     The key is claimed after authentication, permissions and throttling, in the same
     transaction as everything the handler writes; the response is stored before commit.
-    Attributes left at ``None`` take the ``IDEMPOTENCY_*`` settings at request time.
+    Set ``idempotency_<option>`` attributes (the keyword arguments of ``@idempotent``:
+    ``methods``, ``required``, ``ttl``, ``wait``, ``exclude_fields``,
+    ``fingerprint_headers``, ``principal``, ``lookup_first``); those left at ``None`` take
+    the ``IDEMPOTENCY_*`` settings. Options are resolved once per view class.
     """
 
-    idempotency_methods: Sequence[str] | None = None
-    idempotency_required: bool | None = None
-    idempotency_ttl: timedelta | None = None
-    idempotency_wait: timedelta | None = None
-    idempotency_exclude_fields: Sequence[str] | None = None
-    idempotency_fingerprint_headers: Sequence[str] | None = None
-    idempotency_principal: PrincipalFunc | None = None
+    _idempotency: RequestUnit | None = None
 
-    _idempotency: engine.Execution | None = None
-    _idempotency_arrived: float | None = None
-    _idempotency_covered = False
+    def get_idempotency_options(self) -> ViewOptions:
+        options: Any = {name: getattr(self, f"idempotency_{name}", None) for name in OPTION_NAMES}
+        return options  # type: ignore[no-any-return]
 
-    def get_idempotency_options(self) -> engine.Options:
-        principal = self.idempotency_principal
-        return engine.Options.resolve(
-            methods=self.idempotency_methods,
-            required=self.idempotency_required,
-            ttl=self.idempotency_ttl,
-            wait=self.idempotency_wait,
-            exclude_fields=self.idempotency_exclude_fields,
-            fingerprint_headers=self.idempotency_fingerprint_headers,
-            # A plain function stored on the class comes back bound to the view.
-            principal=getattr(principal, "__func__", principal),
-        )
+    def get_idempotency_policy(self) -> Policy:
+        return policy_for(type(self), self.get_idempotency_options())
 
     def perform_content_negotiation(
         self, request: Request, force: bool = False
@@ -70,40 +55,34 @@ class IdempotencyMixin:
                 raise
             return super().perform_content_negotiation(request, force=True)  # type: ignore[misc, no-any-return]
 
-    def initialize_request(self, request: Any, *args: Any, **kwargs: Any) -> Request:
-        self._idempotency_arrived = time.monotonic()
-        return super().initialize_request(request, *args, **kwargs)  # type: ignore[misc, no-any-return]
-
     def initial(self, request: Request, *args: Any, **kwargs: Any) -> None:
-        options = self.get_idempotency_options()
-        django_request = request._request
-        self._idempotency_covered = engine.covers(django_request, options)
-        # Authentication usually queries the same database: if it is gone, answer 503.
-        with engine.failing_closed() if self._idempotency_covered else nullcontext():
+        unit = RequestUnit(request._request, self.get_idempotency_policy(), sender=type(self))
+        if not unit.covered:
             super().initial(request, *args, **kwargs)  # type: ignore[misc]
-        result = engine.begin(
-            django_request,
-            options,
-            sender=type(self),
-            principal_request=request,
-            arrived=self._idempotency_arrived,
-        )
-        if isinstance(result, HttpResponseBase):
-            raise _Replay(result)
-        self._idempotency = result
+            return
+        with failing_closed():  # authentication usually queries the same database
+            super().initial(request, *args, **kwargs)  # type: ignore[misc]
+        _require_parser(request)
+        renderers = getattr(self, "renderer_classes", ())
+        media_type = request.accepted_media_type if len(renderers) > 1 else None
+        decision = unit.open(principal_request=request, media_type=media_type)
+        if isinstance(decision, Run):
+            self._idempotency = unit
+            return
+        if isinstance(decision, Replay):
+            self._check_object_permissions()
+        raise Answered(decision.response())
 
-    def perform_authentication(self, request: Request) -> None:
-        # Keep the raw body for the fingerprint before an authenticator, permission or
-        # throttle reads request.data, which consumes the stream (after content
-        # negotiation, so that a body too large is answered like any other error).
-        # Multipart is fingerprinted from the parsed fields instead.
-        django_request = request._request
-        if self._idempotency_covered and django_request.content_type != "multipart/form-data":
-            django_request.body  # noqa: B018
-        super().perform_authentication(request)  # type: ignore[misc]
+    def _check_object_permissions(self) -> None:
+        # A detail route checks permissions on its object inside the handler, which a
+        # replay skips: check them here, so a replay never outlives a revoked permission.
+        kwargs = getattr(self, "kwargs", {}) or {}
+        lookup = getattr(self, "lookup_url_kwarg", None) or getattr(self, "lookup_field", None)
+        if lookup and lookup in kwargs and hasattr(self, "get_object"):
+            self.get_object()
 
     def handle_exception(self, exc: Exception) -> HttpResponseBase:
-        if isinstance(exc, _Replay):
+        if isinstance(exc, Answered):
             return exc.response
         if isinstance(exc, IdempotencyError):
             return problem_response(exc)
@@ -113,20 +92,32 @@ class IdempotencyMixin:
         self, request: Request, response: HttpResponseBase, *args: Any, **kwargs: Any
     ) -> HttpResponseBase:
         response = super().finalize_response(request, response, *args, **kwargs)  # type: ignore[misc]
-        execution, self._idempotency = self._idempotency, None
-        if execution is None:
-            return response
-        try:
-            return execution.finish(response)
-        except IdempotencyError as exc:
-            return problem_response(exc)
+        unit, self._idempotency = self._idempotency, None
+        return response if unit is None else unit.close(response)
 
     def dispatch(self, request: Any, *args: Any, **kwargs: Any) -> HttpResponseBase:
         try:
             return super().dispatch(request, *args, **kwargs)  # type: ignore[misc, no-any-return]
-        finally:
+        except BaseException as exc:
             # An exception escaped the view (DRF re-raises what it cannot handle), so
             # finalize_response never ran: roll the claim back with everything else.
-            execution, self._idempotency = self._idempotency, None
-            if execution is not None:
-                execution.abort()
+            unit, self._idempotency = self._idempotency, None
+            if unit is not None:
+                unit.fail(exc)
+            raise
+
+
+# One attribute per option (as_view() accepts only existing attributes); None means "ask
+# the settings".
+for _name in OPTION_NAMES:
+    setattr(IdempotencyMixin, f"idempotency_{_name}", None)
+
+
+def _require_parser(request: Request) -> None:
+    """A body that none of the view's parsers accepts is answered 415 before it is read,
+    fingerprinted or stored."""
+    meta = request.META
+    if meta.get("CONTENT_LENGTH", "0") in ("", "0") and "HTTP_TRANSFER_ENCODING" not in meta:
+        return
+    if request.negotiator.select_parser(request, request.parsers) is None:
+        raise UnsupportedMediaType(request.content_type)

@@ -13,6 +13,7 @@ from typing import Any
 from django.db import DEFAULT_DB_ALIAS, connections, transaction
 from django.db.utils import load_backend
 
+from django_idempotency.engine.hashing import lock_id
 from django_idempotency.models import IdempotencyRecord
 from django_idempotency.storage import records as storage
 
@@ -23,15 +24,25 @@ def claim(
     *,
     wait: timedelta = timedelta(0),
     now: Any = None,
-    ttl: timedelta = timedelta(hours=24),
     gone: timedelta = timedelta(0),
     using: str = DEFAULT_DB_ALIAS,
-) -> storage.Claim:
+) -> storage.Claimed:
     """``storage.claim`` with the defaults the engine uses; call inside ``atomic``."""
     return storage.claim(
-        using, scope=scope, key=key, method="POST", path="/drf/", fingerprint={"body": "x"},
-        ttl=ttl, window=timedelta(hours=24) + gone, gone=gone, wait=wait, now=now,
+        using, lock=lock_id(scope, key), principal=scope, key=key,
+        window=timedelta(hours=24) + gone, gone=gone, wait=wait, now=now,
     )  # fmt: skip
+
+
+def store_first(scope: str, key: str, claimed: storage.Claimed, *, ttl: timedelta) -> None:
+    """Store a finished record for a claim that won: 201 ``first``, as text."""
+    assert claimed.created_at is not None
+    finished = storage.Finished(
+        principal=scope, key=key, method="POST", path="/drf/", fingerprint={"body": "x"},
+        created_at=claimed.created_at, expires_at=claimed.created_at + ttl, code=201,
+        headers=[["Content-Type", "text/plain"]], body=b"first", body_encoding="",
+    )  # fmt: skip
+    storage.store(DEFAULT_DB_ALIAS, finished, row_id=claimed.row_id, commit=False)
 
 
 class ClaimThread(threading.Thread):
@@ -49,7 +60,7 @@ class ClaimThread(threading.Thread):
         super().__init__(daemon=True)
         self.scope, self.key, self.complete, self.wait, self.now = scope, key, complete, wait, now
         self.claimed, self.finish = threading.Event(), threading.Event()
-        self.outcome: str | None = None
+        self.outcome: storage.Outcome | None = None
         self.error: BaseException | None = None
         self.pid: int | None = None
 
@@ -61,11 +72,8 @@ class ClaimThread(threading.Thread):
                 self.outcome = claimed.outcome
                 self.claimed.set()
                 self.finish.wait(60)
-                if self.complete and claimed.pending is not None:
-                    storage.complete(
-                        DEFAULT_DB_ALIAS, claimed.pending, code=201,
-                        headers=[["Content-Type", "text/plain"]], body=b"first",
-                    )  # fmt: skip
+                if self.complete and claimed.outcome is storage.Outcome.WON:
+                    store_first(self.scope, self.key, claimed, ttl=timedelta(hours=24))
                 else:
                     transaction.set_rollback(True)
         except BaseException as exc:
@@ -74,7 +82,7 @@ class ClaimThread(threading.Thread):
             self.claimed.set()
             connections.close_all()
 
-    def result(self, timeout: float = 60) -> str | None:
+    def result(self, timeout: float = 60) -> storage.Outcome | None:
         self.finish.set()
         self.join(timeout)
         assert not self.is_alive(), "the claiming thread is stuck"
@@ -114,7 +122,7 @@ def held_claim(scope: str, key: str) -> Iterator[ClaimThread]:
     holder = ClaimThread(scope, key)
     holder.start()
     holder.claimed.wait(30)
-    if holder.error is not None or holder.outcome != storage.WON:
+    if holder.error is not None or holder.outcome is not storage.Outcome.WON:
         holder.result()
         raise AssertionError(f"the holder did not win: {holder.outcome or holder.error}")
     try:

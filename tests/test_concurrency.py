@@ -14,12 +14,14 @@ from typing import Any
 
 import pytest
 import requests
-from django.db import DEFAULT_DB_ALIAS, connection, connections, transaction
+from django.db import connection, connections, transaction
 
-from django_idempotency import partitions
 from django_idempotency.models import IdempotencyRecord
-from django_idempotency.storage import records as storage
-from tests.claims import claim, wait_for_lock_waiters
+from django_idempotency.partitions import apply, catalog
+from django_idempotency.partitions.tables import RECORDS
+from django_idempotency.storage.records import Outcome
+from tests.claims import claim, store_first, wait_for_lock_waiters
+from tests.client import replayed
 from tests.factories import ScriptFactory, TokenFactory, new_key
 from tests.views import CALLS, GATES, business_rows
 
@@ -29,6 +31,13 @@ ENDPOINTS = pytest.mark.parametrize("path", ["/drf/", "/plain/"])
 # Longer than any wait a test allows on purpose: a request that should not wait that long
 # fails the test by timing out instead of hanging it.
 TIMEOUT = 90
+
+
+@pytest.fixture(autouse=True)
+def many_waiters(settings: Any) -> None:
+    """These tests make every duplicate of the live server's one process wait; the cap on
+    waiters has tests of its own."""
+    settings.IDEMPOTENCY_MAX_WAITERS = 100
 
 
 def post(
@@ -50,10 +59,6 @@ def post_retrying(url: str, script: dict[str, Any], key: str, **headers: str) ->
         except requests.ConnectionError:
             continue
     return post(url, script, key, **headers)
-
-
-def replayed(response: requests.Response) -> bool:
-    return response.headers.get("Idempotent-Replayed") == "true"
 
 
 def start_gated_first(
@@ -257,9 +262,10 @@ ROUNDS = 40
 
 
 def test_claims_straddling_midnight_utc_never_produce_two_winners() -> None:
-    day = partitions.utc_today() + timedelta(days=2)
+    day = catalog.utc_today() + timedelta(days=2)
     midnight = datetime(day.year, day.month, day.day, tzinfo=UTC)
-    partitions.create_partitions(connection, [day - timedelta(days=1), day])
+    for made in (day - timedelta(days=1), day):
+        apply.create_partition(connection, RECORDS, made, retry_for=timedelta(seconds=5))
     keys = [new_key() for _ in range(ROUNDS)]
     outcomes: dict[str, list[str]] = defaultdict(list)
     errors: list[BaseException] = []
@@ -273,11 +279,8 @@ def test_claims_straddling_midnight_utc_never_produce_two_winners() -> None:
                 barrier.wait(60)
                 with transaction.atomic():
                     claimed = claim("anonymous", key, now=now, wait=timedelta(seconds=30))
-                    if claimed.pending is not None:
-                        storage.complete(
-                            DEFAULT_DB_ALIAS, claimed.pending, code=201, headers=[],
-                            body=str(index).encode(),
-                        )  # fmt: skip
+                    if claimed.outcome is Outcome.WON:
+                        store_first("anonymous", key, claimed, ttl=timedelta(hours=24))
                 outcomes[key].append(claimed.outcome)
         except BaseException as exc:
             errors.append(exc)
@@ -293,7 +296,10 @@ def test_claims_straddling_midnight_utc_never_produce_two_winners() -> None:
     assert not errors, errors
 
     for key in keys:
-        assert Counter(outcomes[key]) == {storage.WON: 1, storage.FOUND: len(OFFSETS) - 1}
+        assert Counter(outcomes[key]) == {
+            Outcome.WON: 1,
+            Outcome.FOUND: len(OFFSETS) - 1,
+        }
     with connection.cursor() as cursor:
         cursor.execute(
             "SELECT tableoid::regclass::text, count(*), count(DISTINCT key) "
@@ -305,6 +311,6 @@ def test_claims_straddling_midnight_utc_never_produce_two_winners() -> None:
     assert sum(distinct for _, _, distinct in rows) == ROUNDS
     # The winners landed on both sides of midnight: the test did straddle it.
     assert {table for table, _, _ in rows} == {
-        partitions.partition_name(day - timedelta(days=1)),
-        partitions.partition_name(day),
+        RECORDS.partition_name(day - timedelta(days=1)),
+        RECORDS.partition_name(day),
     }

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 from datetime import timedelta
-from typing import Any
 
 import pytest
 import requests
@@ -15,17 +14,13 @@ from django.test import Client, RequestFactory
 from django_idempotency.engine.unit import prefer_wait
 from django_idempotency.models import IdempotencyRecord
 from tests.claims import held_claim, unreachable_store
-from tests.client import problem, send
+from tests.client import problem, replayed, send
 from tests.factories import ScriptFactory, UserFactory, new_key
 from tests.views import CALLS, Boom, business_rows
 
 pytestmark = pytest.mark.urls("tests.urls")
 
 ENDPOINTS = pytest.mark.parametrize("path", ["/drf/", "/plain/"])
-
-
-def replayed(response: Any) -> bool:
-    return response.get("Idempotent-Replayed") == "true"
 
 
 @pytest.fixture(params=[False, True], ids=["autocommit", "atomic_requests"])
@@ -663,7 +658,7 @@ def test_prefer_wait_is_parsed_and_ill_formed_preferences_are_ignored(
     header: str, expected: int | None
 ) -> None:
     request = RequestFactory().post("/", headers={"Prefer": header} if header else {})
-    assert prefer_wait(request) == expected
+    assert prefer_wait(request.META) == expected
 
 
 @pytest.mark.django_db(transaction=True)

@@ -18,13 +18,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from django.db import DEFAULT_DB_ALIAS, IntegrityError, connection, connections, transaction
+from django.db import IntegrityError, connection, connections, transaction
 from django.test import Client
 from django.utils import timezone
 
 from django_idempotency.models import IdempotencyRecord
-from django_idempotency.storage import records as storage
-from tests.claims import claim
+from django_idempotency.storage.records import Outcome
+from tests.claims import claim, store_first
 from tests.client import problem, send
 from tests.factories import IdempotencyRecordFactory, ScriptFactory, new_key
 from tests.views import CALLS, GATES, Boom, business_rows
@@ -164,18 +164,16 @@ def test_on_sqlite_an_unstored_status_frees_the_key(client) -> None:
 def test_on_sqlite_an_expired_record_is_gone_then_replaced() -> None:
     key, now = new_key(), timezone.now()
     with transaction.atomic():
-        claimed = claim("anonymous", key, now=now, ttl=timedelta(hours=1))
-        assert claimed.pending is not None
-        storage.complete(DEFAULT_DB_ALIAS, claimed.pending, code=201, headers=[], body=b"1")
+        store_first("anonymous", key, claim("anonymous", key, now=now), ttl=timedelta(hours=1))
     gone = timedelta(hours=1)
     with transaction.atomic():
-        assert claim("anonymous", key, now=now + timedelta(minutes=30)).outcome == storage.FOUND
+        assert claim("anonymous", key, now=now + timedelta(minutes=30)).outcome == Outcome.FOUND
     with transaction.atomic():
         late = claim("anonymous", key, now=now + timedelta(minutes=90), gone=gone)
-        assert late.outcome == storage.EXPIRED
+        assert late.outcome == Outcome.EXPIRED
     with transaction.atomic():
         renewed = claim("anonymous", key, now=now + timedelta(minutes=150), gone=gone)
-        assert renewed.outcome == storage.WON
+        assert renewed.outcome == Outcome.WON
     assert IdempotencyRecord.objects.filter(key=key).count() == 1
 
 

@@ -27,7 +27,8 @@ from django_idempotency.engine.errors import (
     StoreUnavailable,
 )
 from django_idempotency.engine.identity import MAX_KEY_LENGTH, PARTS
-from django_idempotency.engine.unit import REPLAYED_HEADER, RETRY_AFTER_SECONDS, Options
+from django_idempotency.engine.options import Policy
+from django_idempotency.engine.unit import REPLAYED_HEADER, RETRY_AFTER_SECONDS
 from django_idempotency.problems import PROBLEM_CONTENT_TYPE
 
 
@@ -65,7 +66,7 @@ class IdempotencyStripeErrorSerializer(serializers.Serializer[Any]):
 RETRIED_ERRORS = (InProgress, StoreUnavailable)
 
 
-def possible_errors(options: Options) -> list[type[IdempotencyError]]:
+def possible_errors(options: Policy) -> list[type[IdempotencyError]]:
     """The errors a covered request may get, given the view's options and the settings."""
     errors: list[type[IdempotencyError]] = [InvalidKey, KeyReused, InProgress, StoreUnavailable]
     if options.required:
@@ -126,8 +127,8 @@ class IdempotencySchemaMixin:
     method: str
     view: Any
 
-    def idempotency_options(self) -> Options | None:
-        options: Options = self.view.get_idempotency_options()
+    def idempotency_options(self) -> Policy | None:
+        options: Policy = self.view.get_idempotency_policy()
         return options if self.method.upper() in options.methods else None
 
     def own_responses(self) -> dict[Any, Any]:

@@ -49,3 +49,16 @@ class KeyExpired(IdempotencyError):
 class StoreUnavailable(IdempotencyError):
     status, name, title = 503, "store-unavailable", "The idempotency store is unavailable"
     stripe_status, stripe_type, stripe_code = 503, "api_error", "idempotency_store_unavailable"
+
+
+class PrincipalMissing(IdempotencyError):
+    # A misconfigured view, not a client error: the principal callable returned nothing, so
+    # running the request would put it in a scope shared with others.
+    status, name = 500, "principal-missing"
+    title = "The view's principal callable returned no principal"
+    stripe_status, stripe_type, stripe_code = 500, "api_error", "idempotency_principal_missing"
+
+
+class RolledBack(IdempotencyError):
+    status, name, title = 500, "rolled-back", "The request's work was rolled back"
+    stripe_status, stripe_type, stripe_code = 500, "api_error", "idempotency_rolled_back"

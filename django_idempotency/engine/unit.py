@@ -1,48 +1,66 @@
-"""What to do with a key: claim it and run the view in one transaction, replay the stored
-response, or refuse. Framework glue calls ``begin`` and then ``Execution.finish``."""
+"""What to do with a key: claim it and run the work in one transaction, replay the stored
+outcome, or refuse.
+
+``UnitOfWork`` owns one key's transaction from the claim to the commit, whatever runs the
+work (a view, a Celery task): ``open()`` returns a typed decision, ``close()`` takes the
+outcome in. ``RequestUnit`` is the same for an HTTP request, which is all the view glue
+(the DRF mixin and ``@idempotent``) talks to.
+"""
 
 from __future__ import annotations
 
+import hashlib
 import logging
-import sys
+import threading
 import time
-from collections.abc import Iterable, Iterator
-from contextlib import ExitStack, contextmanager, suppress
-from dataclasses import dataclass
+from collections.abc import Generator, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Any
 
 from django.core.exceptions import ImproperlyConfigured
-from django.db import (
-    DatabaseError,
-    InterfaceError,
-    OperationalError,
-    connections,
-    router,
-    transaction,
-)
+from django.db import InterfaceError, OperationalError, connections, router, transaction
 from django.http import HttpRequest, HttpResponse
 from django.http.response import HttpResponseBase
 
 from django_idempotency import signals
-from django_idempotency.conf import PrincipalFunc, conf
+from django_idempotency.conf import conf
 from django_idempotency.engine.errors import (
     IdempotencyError,
     InProgress,
     KeyExpired,
     KeyReused,
     MissingKey,
+    PrincipalMissing,
+    RolledBack,
     StoreUnavailable,
 )
+from django_idempotency.engine.hashing import lock_id
 from django_idempotency.engine.identity import differing, fingerprint, parse_key, principal_for
+from django_idempotency.engine.options import Policy
 from django_idempotency.models import IdempotencyRecord
+from django_idempotency.problems import problem_response
 from django_idempotency.storage import records as storage
 
 logger = logging.getLogger("django_idempotency")
 
 REPLAYED_HEADER = "Idempotent-Replayed"
-# Response headers worth replaying; conf.REPLAY_HEADERS adds to these.
-REPLAY_HEADERS = ("content-type", "location", "content-language", "etag", "link")
+# Response headers worth replaying; conf.REPLAY_HEADERS adds to these. The caching ones
+# matter: a replayed access token must stay "no-store".
+REPLAY_HEADERS = frozenset(
+    (
+        "content-type",
+        "location",
+        "content-language",
+        "etag",
+        "link",
+        "cache-control",
+        "expires",
+        "pragma",
+        "vary",
+    )
+)
 # Never stored, whatever the settings say.
 NEVER_STORED_HEADERS = frozenset(
     (
@@ -56,56 +74,9 @@ NEVER_STORED_HEADERS = frozenset(
 )
 # A duplicate that gave up waiting is told to come back after this many seconds.
 RETRY_AFTER_SECONDS = 1
+# "wait" preferences are capped before they become a timedelta: any number of digits.
+MAX_PREFERRED_WAIT = 86400
 _LOST_STORE = (OperationalError, InterfaceError)
-
-
-@dataclass(frozen=True)
-class Options:
-    """The per-request policy: a view's overrides over the global settings."""
-
-    methods: frozenset[str]
-    required: bool
-    ttl: timedelta
-    wait: timedelta
-    exclude_fields: tuple[str, ...]
-    fingerprint_headers: tuple[str, ...]
-    principal: PrincipalFunc | None
-
-    @classmethod
-    def resolve(
-        cls,
-        *,
-        methods: Iterable[str] | None = None,
-        required: bool | None = None,
-        ttl: timedelta | None = None,
-        wait: timedelta | None = None,
-        exclude_fields: Iterable[str] | None = None,
-        fingerprint_headers: Iterable[str] | None = None,
-        principal: PrincipalFunc | None = None,
-    ) -> Options:
-        return cls(
-            methods=conf.METHODS if methods is None else frozenset(m.upper() for m in methods),
-            required=conf.REQUIRED if required is None else required,
-            # The maximum decides when partitions are dropped, so no view may outlive it.
-            ttl=min(conf.TTL if ttl is None else ttl, conf.MAX_TTL),
-            wait=conf.WAIT if wait is None else wait,
-            exclude_fields=tuple(exclude_fields or ()),
-            fingerprint_headers=conf.FINGERPRINT_HEADERS
-            if fingerprint_headers is None
-            else tuple(fingerprint_headers),
-            principal=principal if principal is not None else conf.PRINCIPAL,
-        )
-
-
-def prefer_wait(request: HttpRequest) -> int | None:
-    """The ``wait`` preference of RFC 7240, in seconds; ill-formed preferences are ignored."""
-    for preference in request.headers.get("Prefer", "").split(","):
-        token = preference.split(";", 1)[0]
-        name, eq, value = token.partition("=")
-        value = value.strip().strip('"')
-        if name.strip().lower() == "wait" and eq and value.isascii() and value.isdigit():
-            return int(value)
-    return None
 
 
 def store_unavailable(detail: str) -> StoreUnavailable:
@@ -116,7 +87,7 @@ def store_unavailable(detail: str) -> StoreUnavailable:
 
 @contextmanager
 def failing_closed() -> Iterator[None]:
-    """Turn a lost database connection into 503 store-unavailable: the view does not run
+    """Turn a lost database connection into 503 store-unavailable: the work does not run
     unprotected, and the client is told to retry."""
     try:
         yield
@@ -127,287 +98,501 @@ def failing_closed() -> Iterator[None]:
         ) from exc
 
 
-def _short(key: str) -> str:
+def short(key: str) -> str:
     # Logs never carry a whole key: keys can be guessable and are bearer-like.
     return key[:6] + "…" if len(key) > 6 else "…"
 
 
-class Execution:
-    """A claimed key with its transaction open: the view runs, then ``finish`` stores the
-    response and commits, or ``abort`` rolls everything back."""
+class _Waiters:
+    """How many duplicates of this process wait for a holder right now, capped so that
+    waiting duplicates never take every thread of a server."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.count = 0
+
+    def enter(self) -> bool:
+        with self._lock:
+            if self.count >= conf.MAX_WAITERS:
+                return False
+            self.count += 1
+            return True
+
+    def leave(self) -> None:
+        with self._lock:
+            self.count -= 1
+
+
+waiters = _Waiters()
+
+
+# Decisions of open().
+
+
+@dataclass(frozen=True, slots=True)
+class Run:
+    """The key is claimed: run the work, then ``close()``."""
+
+
+@dataclass(frozen=True, slots=True)
+class Replay:
+    """A stored outcome for the same work: answer with it; the work does not run."""
+
+    record: storage.Record
+    headers: dict[str, str] = field(default_factory=dict)
+
+    def response(self) -> HttpResponse:
+        """The stored response, byte for byte, marked as a replay."""
+        record = self.record
+        response = HttpResponse(record.body(), status=record.response_code)
+        del response["Content-Type"]
+        for name, value in record.response_headers:
+            response[name] = value
+        response[REPLAYED_HEADER] = "true"
+        for name, value in self.headers.items():
+            response[name] = value
+        return response
+
+
+@dataclass(frozen=True, slots=True)
+class Refuse:
+    """The key cannot be used now (or ever, for this work): answer with the error."""
+
+    error: IdempotencyError
+
+    def response(self) -> HttpResponse:
+        return problem_response(self.error)
+
+
+Decision = Run | Replay | Refuse
+
+
+@dataclass(frozen=True, slots=True)
+class Work:
+    """What a unit of work claims: whose key, which key, and what was asked."""
+
+    principal: str
+    key: str
+    method: str
+    path: str
+    fingerprint: dict[str, str]
+    ttl: timedelta
+
+
+@dataclass(frozen=True, slots=True)
+class Outcome:
+    """What the work produced, to store and replay."""
+
+    status: int
+    headers: list[list[str]]
+    body: bytes
+
+
+class UnitOfWork:
+    """One key's claim, the work and its stored outcome, in one transaction.
+
+    ``open()`` claims the key (waiting up to ``wait`` for a holder) and returns ``Run``,
+    ``Replay`` or ``Refuse``. After ``Run``, the work runs inside the transaction, and
+    ``close(outcome)`` stores it and commits, or ``fail(exc)`` rolls everything back.
+    Under ``ATOMIC_REQUESTS`` the work runs in a savepoint of the request's transaction,
+    so that DRF's ``set_rollback()`` undoes its writes while the 4xx is still stored.
+    """
 
     def __init__(
         self,
+        work: Work,
         *,
-        request: HttpRequest,
-        sender: Any,
-        using: str,
-        stack: ExitStack,
-        pending: storage.Pending,
-        key: str,
-        principal: str,
-        extra_headers: dict[str, str],
+        wait: timedelta,
+        sender: Any = None,
+        context: Any = None,
+        using: str | None = None,
+        lookup_first: bool = False,
+        now: datetime | None = None,
     ) -> None:
-        self.request = request
+        self.work = work
+        self.wait = wait
         self.sender = sender
-        self.using = using
-        self.pending = pending
-        self.key = key
-        self.principal = principal
-        self._stack: ExitStack | None = stack
-        self._extra_headers = extra_headers
-        # Under ATOMIC_REQUESTS, DRF answers an exception with set_rollback(), meant to undo
-        # the view's writes. A savepoint around the view gives it just that, and the 4xx is
-        # still stored in the claim's transaction as it is without ATOMIC_REQUESTS.
-        self._view_block: transaction.Atomic | None = None
-        if connections[using].settings_dict.get("ATOMIC_REQUESTS"):
-            self._view_block = transaction.atomic(using=using)
-            self._view_block.__enter__()
+        # What signals carry as ``request``: the HTTP request, or a task's request.
+        self.context = context
+        self.using = using or router.db_for_write(IdempotencyRecord)
+        self.lookup_first = lookup_first
+        self.now = now
+        self._steps: Generator[Decision, Outcome | BaseException, HttpResponseBase | None]
+        self._thread = 0
+        self._thrown: BaseException | None = None
 
-    def finish(self, response: HttpResponseBase) -> HttpResponseBase:
-        """Store the response (when its status is one we keep) and commit with the view's
-        writes; a 5xx rolls everything back. Raises StoreUnavailable if the commit fails."""
-        stack, self._stack = self._stack, None
-        if stack is None:
-            return response
-        try:
-            try:
-                self._close_view_block((None, None, None))
-                stored = self._store(response)
-            except BaseException:
-                self._rollback(stack, sys.exc_info())
-                raise
-            stack.close()
-        except _LOST_STORE as exc:
-            error = store_unavailable(
-                "The response could not be committed; nothing was saved. Retry with the same key."
+    def open(self) -> Decision:
+        self._thread = threading.get_ident()
+        self._steps = self._transaction()
+        return next(self._steps)
+
+    def close(self, outcome: Outcome) -> bool:
+        """Store the outcome (when it is one we keep) and commit with the work's writes;
+        an outcome not kept rolls everything back. Returns whether it was stored.
+        Raises RolledBack when the work broke the transaction, StoreUnavailable when the
+        commit fails."""
+        return bool(self._finish(outcome))
+
+    def fail(self, exc: BaseException) -> None:
+        """Roll back the claim and everything the work wrote (the work raised)."""
+        self._finish(exc)
+
+    def _finish(self, result: Outcome | BaseException) -> bool | None:
+        if self._thread != threading.get_ident():
+            raise ImproperlyConfigured(
+                "An idempotent unit of work was closed on another thread than the one that "
+                "opened it, so the work did not run in the claim's transaction. Async views "
+                "must reach the database through sync_to_async(thread_sensitive=True), which "
+                "Django's async ORM does."
             )
-            error.headers.update(self._extra_headers)
-            raise error from exc
-        for name, value in self._extra_headers.items():
+        if isinstance(result, BaseException):
+            self._thrown = result
+        try:
+            self._steps.send(result)
+        except StopIteration as stop:
+            return bool(stop.value)
+        except BaseException as exc:
+            if exc is result:
+                return None
+            raise
+        raise AssertionError("the unit of work did not end")  # pragma: no cover
+
+    def _transaction(self) -> Generator[Decision, Outcome | BaseException, bool]:
+        work = self.work
+        if self.lookup_first:
+            with failing_closed():
+                found = storage.lookup(
+                    self.using,
+                    principal=work.principal,
+                    key=work.key,
+                    window=conf.MAX_TTL + conf.EXPIRED_WINDOW,
+                )
+            if found is not None:
+                yield self._found(storage.Claimed(storage.Outcome.FOUND, record=found))
+                return False
+        outermost = not connections[self.using].in_atomic_block
+        started = time.monotonic()
+        waiting = self.wait > timedelta(0) and waiters.enter()
+        claimed: storage.Claimed | None = None
+        try:
+            with transaction.atomic(using=self.using):
+                claimed = storage.claim(
+                    self.using,
+                    lock=lock_id(work.principal, work.key),
+                    principal=work.principal,
+                    key=work.key,
+                    window=conf.MAX_TTL + conf.EXPIRED_WINDOW,
+                    gone=conf.EXPIRED_WINDOW,
+                    wait=self.wait if waiting else timedelta(0),
+                    now=self.now,
+                )
+                if waiting:
+                    waiting = False
+                    waiters.leave()
+                if claimed.outcome is storage.Outcome.WON:
+                    return (yield from self._run(claimed, outermost))
+        except _LOST_STORE as exc:
+            # The work's own exception goes back to the glue as it was; a connection lost
+            # while ending the transaction means nothing was saved.
+            if exc is self._thrown:
+                raise
+            if claimed is None:
+                raise store_unavailable(
+                    "The idempotency store is unavailable, so the request was not processed. "
+                    "Retry with the same key."
+                ) from exc
+            raise store_unavailable(
+                "The response could not be committed; nothing was saved. Retry with the same key."
+            ) from exc
+        finally:
+            if waiting:
+                waiters.leave()
+        # Not ours: the transaction ended above, which freed the lock at once.
+        assert claimed is not None
+        yield self._found(claimed, waited=time.monotonic() - started)
+        return False
+
+    def _run(
+        self, claimed: storage.Claimed, outermost: bool
+    ) -> Generator[Decision, Outcome | BaseException, bool]:
+        using = self.using
+        if connections[using].settings_dict.get("ATOMIC_REQUESTS"):
+            with transaction.atomic(using=using):
+                result = yield Run()
+                if isinstance(result, BaseException):
+                    raise result
+        else:
+            result = yield Run()
+            if isinstance(result, BaseException):
+                raise result
+        if storage.transaction_broken(using):
+            transaction.set_rollback(True, using=using)
+            if 200 <= result.status < 400:
+                logger.error(
+                    "An idempotent %s answered %s, but its transaction was marked for "
+                    "rollback, so nothing it did was committed; answered 500 instead. Catch "
+                    "database errors inside transaction.atomic() (a savepoint).",
+                    _name(self.sender),
+                    result.status,
+                )
+                raise RolledBack(
+                    "The request's work was rolled back, so it did not take effect. Retry "
+                    "with the same key."
+                )
+            return False
+        if not self._keeps(result):
+            # Not stored means the retry runs the work again, so nothing it wrote may
+            # stay either.
+            transaction.set_rollback(True, using=using)
+            return False
+        work = self.work
+        assert claimed.created_at is not None
+        body, encoding = storage.encode_body(result.body, conf.COMPRESS_MIN_BYTES)
+        finished = storage.Finished(
+            principal=work.principal,
+            key=work.key,
+            method=work.method,
+            path=work.path,
+            fingerprint=work.fingerprint,
+            created_at=claimed.created_at,
+            expires_at=claimed.created_at + work.ttl,
+            code=result.status,
+            headers=result.headers,
+            body=body,
+            body_encoding=encoding,
+        )
+        try:
+            storage.store(using, finished, row_id=claimed.row_id, commit=outermost)
+        except _LOST_STORE:
+            raise
+        except Exception as exc:
+            if not storage.missing_partition(exc):
+                raise
+            logger.critical(
+                "No partition accepts today's idempotency records: partition maintenance "
+                "has not run. Run `manage.py idempotency_partitions` now."
+            )
+            raise store_unavailable("No partition accepts today's records.") from exc
+        return True
+
+    def _keeps(self, result: Outcome) -> bool:
+        code = result.status
+        if code >= 500 or code in conf.UNSTORED_STATUSES:
+            return False
+        if code >= 400 and len(result.body) > conf.MAX_STORED_ERROR_BYTES:
+            # A 4xx has no effect, so leaving its key free costs nothing; storing every
+            # echo of a huge invalid body would.
+            return False
+        if len(result.body) > conf.MAX_RESPONSE_BYTES:
+            raise ImproperlyConfigured(
+                f"An idempotent response of {len(result.body)} bytes exceeds "
+                f"IDEMPOTENCY_MAX_RESPONSE_BYTES ({conf.MAX_RESPONSE_BYTES})."
+            )
+        return True
+
+    def _found(self, claimed: storage.Claimed, waited: float = 0.0) -> Decision:
+        work, record = self.work, claimed.record
+        context = {"key": work.key, "principal": work.principal}
+        if claimed.outcome is storage.Outcome.BUSY:
+            logger.info(
+                "Idempotency key %s is in progress; gave up after %.2fs", short(work.key), waited
+            )
+            signals.request_conflicted.send_robust(
+                self.sender, request=self.context, waited=waited, **context
+            )
+            error: IdempotencyError = InProgress(
+                "A request with this Idempotency-Key is still being processed. Retry later "
+                "with the same key."
+            )
+            error.headers["Retry-After"] = str(RETRY_AFTER_SECONDS)
+            return Refuse(error)
+        if claimed.outcome is storage.Outcome.EXPIRED:
+            return Refuse(
+                KeyExpired(
+                    "This Idempotency-Key has expired; its outcome can no longer be replayed. "
+                    "Check whether the first request took effect before retrying with a new "
+                    "key."
+                )
+            )
+        assert record is not None
+        changed = differing(record.fingerprint, work.fingerprint)
+        if changed:
+            logger.info("Idempotency key %s reused with different %s", short(work.key), changed)
+            signals.key_reused.send_robust(
+                self.sender, request=self.context, differing=changed, **context
+            )
+            return Refuse(
+                KeyReused(
+                    "This Idempotency-Key was already used for a different request. Use a new "
+                    "key for a new request.",
+                    differing=changed,
+                )
+            )
+        logger.info("Replayed idempotency key %s", short(work.key))
+        signals.response_replayed.send_robust(
+            self.sender, request=self.context, status=record.response_code, **context
+        )
+        return Replay(record)
+
+
+def _name(sender: Any) -> str:
+    module = getattr(sender, "__module__", "")
+    name = getattr(sender, "__qualname__", None) or repr(sender)
+    return f"view {module}.{name}" if module else f"view {name}"
+
+
+def prefer_wait(meta: dict[str, Any]) -> int | None:
+    """The ``wait`` preference of RFC 7240, in seconds; ill-formed preferences are ignored."""
+    for preference in meta.get("HTTP_PREFER", "").split(","):
+        token = preference.split(";", 1)[0]
+        name, eq, value = token.partition("=")
+        value = value.strip().strip('"')
+        if name.strip().lower() == "wait" and eq and value.isascii() and value.isdigit():
+            return int(value)
+    return None
+
+
+class RequestUnit:
+    """The unit of work of one HTTP request: the view glue's only partner.
+
+    ``covered`` says whether the request is subject to idempotency at all (its method,
+    and a key or a view that requires one); ``open()`` decides, ``close(response)`` stores
+    the response and returns what to send, ``fail(exc)`` rolls back.
+    """
+
+    def __init__(self, request: HttpRequest, policy: Policy, *, sender: Any) -> None:
+        self.request = request
+        self.policy = policy
+        self.sender = sender
+        # A duplicate's wait counts from its arrival, not from the claim.
+        self.arrived = time.monotonic()
+        self.covered = request.method in policy.methods and (
+            policy.required or policy.header_meta in request.META
+        )
+        self._unit: UnitOfWork | None = None
+        self._headers: dict[str, str] = {}
+
+    def open(self, *, principal_request: Any = None, media_type: str | None = None) -> Decision:
+        """Claim the key, or say how to answer instead. ``principal_request`` is the
+        request that carries the authenticated user (DRF's), ``media_type`` the
+        negotiated one when the view can answer in several."""
+        try:
+            unit = self._unit = self._prepare(principal_request or self.request, media_type)
+        except IdempotencyError as error:
+            return self._refuse(error)
+        try:
+            decision = unit.open()
+        except IdempotencyError as error:
+            return self._refuse(error)
+        if isinstance(decision, Refuse):
+            return self._refuse(decision.error)
+        if isinstance(decision, Replay):
+            return Replay(decision.record, self._headers)
+        return decision
+
+    def _refuse(self, error: IdempotencyError) -> Refuse:
+        error.headers.update(self._headers)
+        return Refuse(error)
+
+    def _prepare(self, principal_request: Any, media_type: str | None) -> UnitOfWork:
+        request, policy = self.request, self.policy
+        raw = request.META.get(policy.header_meta)
+        if raw is None:
+            raise MissingKey(f"This endpoint requires an {conf.HEADER} header.")
+        key = parse_key(raw)
+        try:
+            with failing_closed():  # the user may be loaded from the database only now
+                principal = principal_for(principal_request, policy.principal)
+        except PrincipalMissing:
+            logger.error(
+                "The principal callable of %s returned no principal; the request was "
+                "refused rather than run in a scope shared with others.",
+                _name(self.sender),
+            )
+            raise
+        parts = fingerprint(request, policy.exclude_fields, policy.fingerprint_headers)
+        if media_type is not None:
+            parts["header:accept"] = hashlib.sha256(media_type.encode()).hexdigest()
+        preferred = prefer_wait(request.META)
+        asked = (
+            policy.wait
+            if preferred is None
+            else timedelta(seconds=min(preferred, MAX_PREFERRED_WAIT))
+        )
+        wait = min(asked, conf.MAX_WAIT)
+        if preferred is not None:
+            self._headers["Preference-Applied"] = f"wait={int(wait.total_seconds())}"
+        wait -= timedelta(seconds=time.monotonic() - self.arrived)
+        work = Work(
+            principal=principal,
+            key=key,
+            method=request.method or "",
+            path=request.path,
+            fingerprint=parts,
+            ttl=policy.ttl,
+        )
+        return UnitOfWork(
+            work,
+            wait=wait,
+            sender=self.sender,
+            context=request,
+            lookup_first=policy.lookup_first,
+        )
+
+    def close(self, response: HttpResponseBase) -> HttpResponseBase:
+        """Store the response and commit; the response to send (a problem when the work
+        did not commit)."""
+        unit = self._unit
+        assert unit is not None
+        try:
+            outcome = _outcome(response)
+        except BaseException as exc:
+            unit.fail(exc)
+            raise
+        try:
+            stored = unit.close(outcome)
+        except IdempotencyError as error:
+            return self._refuse(error).response()
+        for name, value in self._headers.items():
             response[name] = value
         if stored:
             signals.response_stored.send_robust(
                 self.sender,
                 request=self.request,
-                key=self.key,
-                principal=self.principal,
+                key=unit.work.key,
+                principal=unit.work.principal,
                 status=response.status_code,
             )
         return response
 
-    def abort(self) -> None:
-        """Roll back the claim and everything the view wrote (the view raised)."""
-        stack, self._stack = self._stack, None
-        if stack is not None:
-            self._rollback(stack, (None, None, None))
-
-    def _close_view_block(self, exc_info: Any) -> None:
-        block, self._view_block = self._view_block, None
-        if block is not None:
-            block.__exit__(*exc_info)
-
-    def _rollback(self, stack: ExitStack, exc_info: Any) -> None:
-        try:
-            if self._view_block is not None:
-                transaction.set_rollback(True, using=self.using)
-                self._close_view_block(exc_info)
-            transaction.set_rollback(True, using=self.using)
-            stack.__exit__(*exc_info)
-        except DatabaseError:
-            # The connection is gone, and the server rolls back on its own.
-            logger.warning("Rolling back an idempotent request failed", exc_info=True)
-
-    def _store(self, response: HttpResponseBase) -> bool:
-        # The view broke the transaction (a database error it caught, or DRF's
-        # set_rollback under ATOMIC_REQUESTS): nothing can be written, all rolls back.
-        if transaction.get_rollback(using=self.using):
-            return False
-        if response.streaming:
+    def fail(self, exc: BaseException) -> None:
+        """Roll back everything (the view raised); explain a durable block."""
+        unit = self._unit
+        if unit is None:
+            return
+        self._unit = None
+        unit.fail(exc)
+        if isinstance(exc, RuntimeError) and "durable atomic block" in str(exc):
             raise ImproperlyConfigured(
-                "An idempotent view returned a streaming response, which cannot be stored "
-                "for replay. Return a regular response from this view."
-            )
-        code = response.status_code
-        # Not stored means the retry runs the view again, so nothing the view wrote may
-        # stay either: an unstored outcome rolls back like a 5xx.
-        if code >= 500 or code in conf.UNSTORED_STATUSES:
-            transaction.set_rollback(True, using=self.using)
-            return False
-        render = getattr(response, "render", None)
-        if render is not None and not getattr(response, "is_rendered", True):
-            render()
-        body: bytes = response.content  # type: ignore[attr-defined]
-        if len(body) > conf.MAX_RESPONSE_BYTES:
-            raise ImproperlyConfigured(
-                f"An idempotent response of {len(body)} bytes exceeds "
-                f"IDEMPOTENCY_MAX_RESPONSE_BYTES ({conf.MAX_RESPONSE_BYTES})."
-            )
-        storage.complete(
-            self.using, self.pending, code=code, headers=_replay_headers(response), body=body
+                f"The idempotent {_name(self.sender)} opens transaction.atomic(durable=True), "
+                "which cannot run inside the request's transaction that holds the key. Use a "
+                "plain transaction.atomic() in this view."
+            ) from exc
+
+
+def _outcome(response: HttpResponseBase) -> Outcome:
+    if response.streaming:
+        raise ImproperlyConfigured(
+            "An idempotent view returned a streaming response, which cannot be stored for "
+            "replay. Return a regular response from this view."
         )
-        return True
-
-
-def _replay_headers(response: HttpResponseBase) -> list[list[str]]:
-    allowed = {*REPLAY_HEADERS, *(h.lower() for h in conf.REPLAY_HEADERS)}
-    allowed -= NEVER_STORED_HEADERS
-    return [[name, value] for name, value in response.items() if name.lower() in allowed]
-
-
-def replay(record: storage.Record) -> HttpResponse:
-    """The stored response, byte for byte, marked as a replay."""
-    body = storage.decode_body(record.response_body, record.body_encoding)
-    response = HttpResponse(body, status=record.response_code or 200)
-    del response["Content-Type"]
-    for name, value in record.response_headers or ():
-        response[name] = value
-    response[REPLAYED_HEADER] = "true"
-    return response
-
-
-def covers(request: HttpRequest, options: Options) -> bool:
-    """Whether this request is subject to idempotency at all: method and key present."""
-    return (request.method or "").upper() in options.methods and (
-        options.required or conf.HEADER in request.headers
-    )
-
-
-def begin(
-    request: HttpRequest,
-    options: Options,
-    *,
-    sender: Any = None,
-    principal_request: Any = None,
-    arrived: float | None = None,
-    now: datetime | None = None,
-) -> Execution | HttpResponse | None:
-    """Decide what happens to this request.
-
-    Returns None when the request is not covered (method, or no key and none required),
-    a replay response, or an ``Execution`` holding the claim. Raises IdempotencyError.
-    ``arrived`` (``time.monotonic()``) starts the duplicate's wait at its arrival.
-    """
-    if (request.method or "").upper() not in options.methods:
-        return None
-    raw = request.headers.get(conf.HEADER)
-    if raw is None:
-        if options.required:
-            raise MissingKey(f"This endpoint requires an {conf.HEADER} header.")
-        return None
-    key = parse_key(raw)
-    with failing_closed():  # the user may be loaded from the database only now
-        principal = principal_for(principal_request or request, options.principal)
-    parts = fingerprint(request, options.exclude_fields, options.fingerprint_headers)
-
-    preferred = prefer_wait(request)
-    # Capped before it becomes a timedelta: a client may send any number of digits.
-    asked = options.wait if preferred is None else timedelta(seconds=min(preferred, 86400))
-    wait = min(asked, conf.MAX_WAIT)
-    extra_headers = (
-        {"Preference-Applied": f"wait={int(wait.total_seconds())}"} if preferred is not None else {}
-    )
-    if arrived is not None:
-        wait -= timedelta(seconds=time.monotonic() - arrived)
-
-    using = router.db_for_write(IdempotencyRecord)
-    started = time.monotonic()
-    try:
-        with failing_closed():
-            stack, claimed = _claim(using, key, principal, request, parts, options, wait, now)
-    except IdempotencyError as exc:
-        exc.headers.update(extra_headers)
-        raise
-    context = {"key": key, "principal": principal}
-
-    if claimed.outcome == storage.WON:
-        assert claimed.pending is not None
-        return Execution(
-            request=request,
-            sender=sender,
-            using=using,
-            stack=stack,
-            pending=claimed.pending,
-            extra_headers=extra_headers,
-            **context,
-        )
-    with failing_closed():
-        stack.close()  # nothing was written; ends the transaction and frees the lock
-    record = claimed.record
-    error: IdempotencyError
-    if claimed.outcome == storage.BUSY or (record and record.status != 1):
-        waited = time.monotonic() - started
-        logger.info("Idempotency key %s is in progress; gave up after %.2fs", _short(key), waited)
-        signals.request_conflicted.send_robust(sender, request=request, waited=waited, **context)
-        error = InProgress(
-            "A request with this Idempotency-Key is still being processed. Retry later with "
-            "the same key."
-        )
-        error.headers["Retry-After"] = str(RETRY_AFTER_SECONDS)
-    elif claimed.outcome == storage.EXPIRED:
-        error = KeyExpired(
-            "This Idempotency-Key has expired; its outcome can no longer be replayed. Check "
-            "whether the first request took effect before retrying with a new key."
-        )
-    else:
-        assert record is not None
-        changed = differing(record.fingerprint, parts)
-        if not changed:
-            response = replay(record)
-            for name, value in extra_headers.items():
-                response[name] = value
-            logger.info("Replayed idempotency key %s", _short(key))
-            signals.response_replayed.send_robust(
-                sender, request=request, status=response.status_code, **context
-            )
-            return response
-        logger.info("Idempotency key %s reused with different %s", _short(key), changed)
-        signals.key_reused.send_robust(sender, request=request, differing=changed, **context)
-        error = KeyReused(
-            "This Idempotency-Key was already used for a different request. Use a new key "
-            "for a new request.",
-            differing=changed,
-        )
-    error.headers.update(extra_headers)
-    raise error
-
-
-def _claim(
-    using: str,
-    key: str,
-    principal: str,
-    request: HttpRequest,
-    parts: dict[str, str],
-    options: Options,
-    wait: timedelta,
-    now: datetime | None,
-    retry: bool = True,
-) -> tuple[ExitStack, storage.Claim]:
-    stack = ExitStack()
-    try:
-        stack.enter_context(transaction.atomic(using=using))
-        claimed = storage.claim(
-            using,
-            scope=principal,
-            key=key,
-            method=(request.method or "").upper(),
-            path=request.path,
-            fingerprint=parts,
-            ttl=options.ttl,
-            window=conf.MAX_TTL + conf.EXPIRED_WINDOW,
-            gone=conf.EXPIRED_WINDOW,
-            wait=max(wait, timedelta(0)),
-            now=now,
-        )
-    except BaseException as exc:
-        with suppress(DatabaseError):
-            stack.__exit__(type(exc), exc, exc.__traceback__)
-        if isinstance(exc, storage.PartitionMissing) and retry:
-            # Maintenance has not run for days; make today's partition and claim again.
-            logger.error("No partition for today's idempotency records; creating it now")
-            storage.create_current_partition(using)
-            return _claim(using, key, principal, request, parts, options, wait, now, False)
-        if isinstance(exc, storage.PartitionMissing):
-            raise store_unavailable("No partition accepts today's records.") from exc
-        raise
-    return stack, claimed
+    render = getattr(response, "render", None)
+    if render is not None and not getattr(response, "is_rendered", True):
+        render()
+    allowed = REPLAY_HEADERS.union(h.lower() for h in conf.REPLAY_HEADERS)
+    headers = [
+        [name, value]
+        for name, value in response.items()
+        if (lowered := name.lower()) in allowed and lowered not in NEVER_STORED_HEADERS
+    ]
+    return Outcome(response.status_code, headers, response.content)  # type: ignore[attr-defined]

@@ -7,13 +7,9 @@ the partition key (and the admin cannot register a model with a composite key).
 
 from __future__ import annotations
 
-from datetime import timedelta
-
 from django.apps.registry import Apps
 from django.db import migrations, models
 from django.db.backends.base.schema import BaseDatabaseSchemaEditor
-
-from django_idempotency import partitions
 
 PARTITIONED_TABLE = """
 CREATE TABLE django_idempotency_record (
@@ -41,42 +37,41 @@ KEY_SCOPE_INDEX = "CREATE INDEX idempotency_key_scope ON django_idempotency_reco
 # The claim, in one round trip. The advisory lock and the lookup must be separate
 # statements: a plpgsql statement takes its snapshot when it starts, so only a lookup
 # that starts after the lock is granted sees the row the previous holder committed.
-# The winner writes no row here: it holds the lock until its transaction ends and inserts
+# The winner writes no row here: it holds the lock until its transaction ends and stores
 # the finished record just before committing, so nobody else can claim the key meanwhile.
+# The lock is the two-integer form with a class id of the app's own (1768187245, "idem"
+# read as a big-endian int32); the caller derives p_lock from (principal, key) with a
+# keyed hash, so a client can neither forge a collision nor reach another lock space.
+# READ COMMITTED is checked once, by a system check, not here on every call.
 CLAIM_FUNCTION = """
 CREATE OR REPLACE FUNCTION django_idempotency_claim(
-    p_scope text, p_key text, p_window interval, p_gone interval, p_wait_ms integer,
-    p_now timestamptz DEFAULT NULL)
+    p_lock integer, p_scope text, p_key text, p_window interval, p_gone interval,
+    p_wait_ms integer, p_now timestamptz DEFAULT NULL)
 RETURNS TABLE (
-    outcome text, rec_id bigint, rec_created_at timestamptz, rec_expires_at timestamptz,
-    rec_method text, rec_path text, rec_fingerprint jsonb, rec_status smallint,
-    rec_code smallint, rec_headers jsonb, rec_body bytea, rec_encoding text)
+    outcome text, created_at timestamptz, expires_at timestamptz, method text,
+    path text, fingerprint jsonb, response_code smallint, response_headers jsonb,
+    response_body bytea, body_encoding text)
 LANGUAGE plpgsql VOLATILE AS $$
 DECLARE
     v_now timestamptz := coalesce(p_now, now());
-    v_lock bigint := hashtextextended(p_scope || chr(1) || p_key, 0);
     v_timeout text;
 BEGIN
-    IF current_setting('transaction_isolation') <> 'read committed' THEN
-        RAISE EXCEPTION 'django_idempotency_claim() requires READ COMMITTED, not %',
-            current_setting('transaction_isolation') USING ERRCODE = '0A000';
-    END IF;
-    IF NOT pg_try_advisory_xact_lock(v_lock) THEN
+    IF NOT pg_try_advisory_xact_lock(1768187245, p_lock) THEN
         IF p_wait_ms <= 0 THEN
-            RETURN QUERY SELECT 'busy'::text, NULL::bigint, NULL::timestamptz,
-                NULL::timestamptz, NULL::text, NULL::text, NULL::jsonb, NULL::smallint,
-                NULL::smallint, NULL::jsonb, NULL::bytea, NULL::text;
+            RETURN QUERY SELECT 'busy'::text, NULL::timestamptz, NULL::timestamptz,
+                NULL::text, NULL::text, NULL::jsonb, NULL::smallint, NULL::jsonb,
+                NULL::bytea, NULL::text;
             RETURN;
         END IF;
         v_timeout := current_setting('lock_timeout');
         PERFORM set_config('lock_timeout', p_wait_ms || 'ms', true);
         BEGIN
-            PERFORM pg_advisory_xact_lock(v_lock);
+            PERFORM pg_advisory_xact_lock(1768187245, p_lock);
         EXCEPTION WHEN lock_not_available THEN
             PERFORM set_config('lock_timeout', v_timeout, true);
-            RETURN QUERY SELECT 'busy'::text, NULL::bigint, NULL::timestamptz,
-                NULL::timestamptz, NULL::text, NULL::text, NULL::jsonb, NULL::smallint,
-                NULL::smallint, NULL::jsonb, NULL::bytea, NULL::text;
+            RETURN QUERY SELECT 'busy'::text, NULL::timestamptz, NULL::timestamptz,
+                NULL::text, NULL::text, NULL::jsonb, NULL::smallint, NULL::jsonb,
+                NULL::bytea, NULL::text;
             RETURN;
         END;
         PERFORM set_config('lock_timeout', v_timeout, true);
@@ -85,9 +80,8 @@ BEGIN
     -- started after ours has a created_at later than our now().
     RETURN QUERY
         SELECT CASE WHEN r.expires_at > v_now THEN 'found' ELSE 'expired' END,
-               r.id, r.created_at, r.expires_at, r.method::text, r.path, r.fingerprint,
-               r.status, r.response_code, r.response_headers, r.response_body,
-               r.body_encoding::text
+               r.created_at, r.expires_at, r.method::text, r.path, r.fingerprint,
+               r.response_code, r.response_headers, r.response_body, r.body_encoding::text
           FROM django_idempotency_record r
          WHERE r.scope = p_scope AND r.key = p_key
            AND r.created_at >= v_now - p_window
@@ -98,23 +92,50 @@ BEGIN
     IF FOUND THEN
         RETURN;
     END IF;
-    -- Without a partition for v_now the final insert would fail after the view ran;
-    -- say so now, while nothing has happened yet.
-    IF to_regclass(format('%I', 'django_idempotency_record_p'
-                          || to_char(v_now AT TIME ZONE 'UTC', 'YYYYMMDD'))) IS NULL THEN
-        RETURN QUERY SELECT 'nopartition'::text, NULL::bigint, v_now, NULL::timestamptz,
-            NULL::text, NULL::text, NULL::jsonb, NULL::smallint, NULL::smallint,
-            NULL::jsonb, NULL::bytea, NULL::text;
-        RETURN;
-    END IF;
-    RETURN QUERY SELECT 'won'::text, NULL::bigint, v_now, NULL::timestamptz, NULL::text,
-        NULL::text, NULL::jsonb, NULL::smallint, NULL::smallint, NULL::jsonb, NULL::bytea,
-        NULL::text;
+    RETURN QUERY SELECT 'won'::text, v_now, NULL::timestamptz, NULL::text, NULL::text,
+        NULL::jsonb, NULL::smallint, NULL::jsonb, NULL::bytea, NULL::text;
 END $$
 """
 
-# Partitions made by the migration itself, so the app works the moment migrate has run.
-INITIAL_DAYS_AHEAD = 4
+# The record's one write, as a function so that its plan is prepared once per connection
+# (plpgsql caches it) without named prepared statements, which PgBouncer's transaction
+# pooling breaks. The caller may send COMMIT in the same round trip.
+STORE_FUNCTION = """
+CREATE OR REPLACE FUNCTION django_idempotency_store(
+    p_scope text, p_key text, p_method text, p_path text, p_fingerprint jsonb,
+    p_created_at timestamptz, p_expires_at timestamptz, p_code integer,
+    p_headers jsonb, p_body bytea, p_encoding text)
+RETURNS void
+LANGUAGE plpgsql VOLATILE AS $$
+BEGIN
+    INSERT INTO django_idempotency_record (scope, key, method, path, fingerprint,
+        created_at, expires_at, status, response_code, response_headers, response_body,
+        body_encoding)
+    VALUES (p_scope, p_key, p_method, p_path, p_fingerprint, p_created_at, p_expires_at,
+        1, p_code, p_headers, p_body, p_encoding);
+END $$
+"""
+
+# Partitions made by the migration itself, so the app works the moment migrate has run:
+# yesterday (a clock a little behind) to a week ahead, by UTC day on the database's clock,
+# each with the comment that lets partition maintenance drop it later. Frozen: written
+# here, not imported from the package. PARTITION OF is fine here: nobody uses the new table.
+INITIAL_PARTITIONS = """
+DO $$
+DECLARE
+    v_day date;
+    v_name text;
+BEGIN
+    FOR v_day IN SELECT (now() AT TIME ZONE 'UTC')::date + n FROM generate_series(-1, 7) AS n
+    LOOP
+        v_name := 'django_idempotency_record_p' || to_char(v_day, 'YYYYMMDD');
+        EXECUTE format(
+            'CREATE TABLE %I PARTITION OF django_idempotency_record FOR VALUES FROM (%L) TO (%L)',
+            v_name, v_day::text || ' 00:00:00+00', (v_day + 1)::text || ' 00:00:00+00');
+        EXECUTE format('COMMENT ON TABLE %I IS %L', v_name, 'django_idempotency:auto');
+    END LOOP;
+END $$
+"""
 
 
 def create_table(apps: Apps, schema_editor: BaseDatabaseSchemaEditor) -> None:
@@ -131,10 +152,8 @@ def create_table(apps: Apps, schema_editor: BaseDatabaseSchemaEditor) -> None:
     schema_editor.execute(PARTITIONED_TABLE, params=None)
     schema_editor.execute(KEY_SCOPE_INDEX, params=None)
     schema_editor.execute(CLAIM_FUNCTION, params=None)
-    today = partitions.utc_today()
-    partitions.create_partitions(
-        connection, [today + timedelta(days=n) for n in range(-1, INITIAL_DAYS_AHEAD + 1)]
-    )
+    schema_editor.execute(STORE_FUNCTION, params=None)
+    schema_editor.execute(INITIAL_PARTITIONS, params=None)
 
 
 def drop_table(apps: Apps, schema_editor: BaseDatabaseSchemaEditor) -> None:
@@ -144,7 +163,12 @@ def drop_table(apps: Apps, schema_editor: BaseDatabaseSchemaEditor) -> None:
         return
     schema_editor.execute(
         "DROP FUNCTION IF EXISTS django_idempotency_claim("
-        "text, text, interval, interval, integer, timestamptz)",
+        "integer, text, text, interval, interval, integer, timestamptz)",
+        params=None,
+    )
+    schema_editor.execute(
+        "DROP FUNCTION IF EXISTS django_idempotency_store(text, text, text, text, jsonb, "
+        "timestamptz, timestamptz, integer, jsonb, bytea, text)",
         params=None,
     )
     # Dropping the parent drops its partitions with it.

@@ -1,87 +1,97 @@
-"""Every query the engine makes on the records table; the only writer of new records."""
+"""Every query the engine makes on the records table; the only writer of new records.
+
+On PostgreSQL the claim and the store are the functions that the migrations create
+(``django_idempotency_claim`` and ``django_idempotency_store``); elsewhere a plain table
+with a unique ``(key, scope)`` index arbitrates.
+"""
 
 from __future__ import annotations
 
+import enum
 import json
 import zlib
-from dataclasses import asdict, dataclass, replace
+from dataclasses import dataclass
 from datetime import datetime, timedelta
-from typing import Any
+from typing import Any, NamedTuple
 
-from django.db import IntegrityError, connections, transaction
+from django.db import DatabaseError, IntegrityError, connections, transaction
 from django.utils import timezone
 
-from django_idempotency.conf import conf
 from django_idempotency.models import IdempotencyRecord
 
-WON, FOUND, EXPIRED, BUSY, NO_PARTITION = "won", "found", "expired", "busy", "nopartition"
+# SQLSTATE of "no partition of relation ... found for row": maintenance has not run.
+NO_PARTITION_SQLSTATE = "23514"
+ZLIB = "zlib"
+# zlib level 1 compresses JSON about as well as level 6 at a third of the CPU.
+ZLIB_LEVEL = 1
 
 
-class PartitionMissing(Exception):
-    """No partition accepts today's records: maintenance has not run for days."""
+class Outcome(enum.Enum):
+    """What a claim found."""
+
+    WON = "won"  # the key is ours until the transaction ends
+    FOUND = "found"  # a stored response to replay
+    EXPIRED = "expired"  # a stored response past its lifetime, within the 410 window
+    BUSY = "busy"  # another transaction holds the key, and the wait ran out
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Record:
-    """A stored record, as the claim found it."""
+    """A finished record, as a claim or a lookup found it."""
 
-    id: int
     created_at: datetime
     expires_at: datetime
     method: str
     path: str
     fingerprint: dict[str, str]
-    status: int
-    response_code: int | None
-    response_headers: list[list[str]] | None
-    response_body: bytes | None
+    response_code: int
+    response_headers: list[list[str]]
+    response_body: bytes
     body_encoding: str
 
-
-@dataclass(frozen=True)
-class Pending:
-    """A key we hold: what ``complete`` will write when the response is known."""
-
-    scope: str
-    key: str
-    method: str
-    path: str
-    fingerprint: dict[str, str]
-    created_at: datetime
-    expires_at: datetime
-    # Set on the fallback path only, where the claim itself inserted the row.
-    id: int | None = None
+    def body(self) -> bytes:
+        """The response body as it was sent."""
+        return decode_body(self.response_body, self.body_encoding)
 
 
-@dataclass(frozen=True)
-class Attempt:
-    """What a request asks to claim."""
-
-    scope: str
-    key: str
-    method: str
-    path: str
-    fingerprint: dict[str, str]
-    ttl: timedelta
-
-    def pending(self, created_at: datetime, id: int | None = None) -> Pending:
-        return Pending(
-            scope=self.scope,
-            key=self.key,
-            method=self.method,
-            path=self.path,
-            fingerprint=self.fingerprint,
-            created_at=created_at,
-            expires_at=created_at + self.ttl,
-            id=id,
-        )
-
-
-@dataclass(frozen=True)
-class Claim:
-    outcome: str  # WON, FOUND, EXPIRED or BUSY
+@dataclass(frozen=True, slots=True)
+class Claimed:
+    outcome: Outcome
+    # When the claim was made (WON): the record's created_at, so it lands in the
+    # partition that was checked for at claim time.
+    created_at: datetime | None = None
     record: Record | None = None
-    pending: Pending | None = None
+    # Other databases only: the in-progress row that the claim inserted.
+    row_id: int | None = None
+
+
+class ClaimRow(NamedTuple):
+    """A row of ``django_idempotency_claim()``, in the order of its OUT columns."""
+
+    outcome: str
+    created_at: datetime | None
+    expires_at: datetime | None
+    method: str | None
+    path: str | None
+    fingerprint: Any
+    response_code: int | None
+    response_headers: Any
+    response_body: bytes | memoryview | None
+    body_encoding: str | None
+
+    def record(self) -> Record:
+        assert self.expires_at is not None and self.created_at is not None
+        return Record(
+            created_at=self.created_at,
+            expires_at=self.expires_at,
+            method=self.method or "",
+            path=self.path or "",
+            fingerprint=_jsonb(self.fingerprint),
+            response_code=self.response_code or 200,
+            response_headers=_jsonb(self.response_headers) or [],
+            response_body=bytes(self.response_body or b""),
+            body_encoding=self.body_encoding or "",
+        )
 
 
 def _jsonb(value: Any) -> Any:
@@ -89,109 +99,107 @@ def _jsonb(value: Any) -> Any:
     return json.loads(value) if isinstance(value, str) else value
 
 
+_CLAIM = "SELECT * FROM django_idempotency_claim(%s, %s, %s, %s, %s, %s, %s)"
+
+
 def claim(
     using: str,
     *,
-    scope: str,
+    lock: int,
+    principal: str,
     key: str,
-    method: str,
-    path: str,
-    fingerprint: dict[str, str],
-    ttl: timedelta,
     window: timedelta,
     gone: timedelta,
     wait: timedelta,
     now: datetime | None = None,
-) -> Claim:
-    """Claim (scope, key) inside the caller's transaction, or find the record that holds it.
-
-    Waits up to ``wait`` for an in-flight holder to finish. Must run inside ``atomic``;
-    the claim lasts until that transaction ends.
-    """
-    attempt = Attempt(scope, key, method, path, fingerprint, ttl)
+) -> Claimed:
+    """Claim (principal, key) inside the caller's transaction, or find the record that
+    holds it, waiting up to ``wait`` for an in-flight holder. The claim lasts until that
+    transaction ends."""
     connection = connections[using]
     if connection.vendor != "postgresql":
-        return _claim_plain(using, attempt, gone, now)
+        return _claim_plain(using, principal, key, gone, now)
     wait_ms = max(0, int(wait.total_seconds() * 1000))
     # psycopg adapts timedelta to interval; django-stubs' parameter types leave it out.
-    params: list[Any] = [scope, key, window, gone, wait_ms, now]
+    params: list[Any] = [lock, principal, key, window, gone, wait_ms, now]
     with connection.cursor() as cursor:
-        cursor.execute("SELECT * FROM django_idempotency_claim(%s, %s, %s, %s, %s, %s)", params)
+        cursor.execute(_CLAIM, params)
+        row = ClaimRow._make(cursor.fetchone())  # type: ignore[arg-type]
+    outcome = Outcome(row.outcome)
+    if outcome is Outcome.WON:
+        return Claimed(outcome, created_at=row.created_at)
+    if outcome is Outcome.BUSY:
+        return Claimed(outcome)
+    return Claimed(outcome, record=row.record())
+
+
+_LOOKUP = (
+    "SELECT 'found', created_at, expires_at, method, path, fingerprint, response_code, "
+    "response_headers, response_body, body_encoding FROM django_idempotency_record "
+    "WHERE scope = %s AND key = %s AND created_at >= %s AND expires_at > %s "
+    "ORDER BY created_at DESC LIMIT 1"
+)
+
+
+def lookup(using: str, *, principal: str, key: str, window: timedelta) -> Record | None:
+    """A replayable record, read without a lock or a transaction of our own: one round
+    trip for a duplicate, at the price of one more for a fresh key."""
+    now = timezone.now()
+    with connections[using].cursor() as cursor:
+        cursor.execute(_LOOKUP, [principal, key, now - window, now])
         row = cursor.fetchone()
-    assert row is not None
-    outcome, *fields = row
-    if outcome == NO_PARTITION:
-        raise PartitionMissing(f"No partition for records created at {fields[1]}")
-    if outcome == BUSY:
-        return Claim(BUSY)
-    if outcome == WON:
-        return Claim(WON, pending=attempt.pending(fields[1]))
-    fields[5] = _jsonb(fields[5])
-    fields[8] = _jsonb(fields[8])
-    if fields[9] is not None:
-        fields[9] = bytes(fields[9])
-    return Claim(outcome, record=Record(*fields))
+    return None if row is None else ClaimRow._make(row).record()
 
 
-def _claim_plain(using: str, attempt: Attempt, gone: timedelta, now: datetime | None) -> Claim:
-    """Other databases: a plain table with a unique (scope, key) index. The claim inserts
-    an in-progress row; a concurrent claimer loses on the index; an expired row is
-    replaced."""
+def _claim_plain(
+    using: str, principal: str, key: str, gone: timedelta, now: datetime | None
+) -> Claimed:
+    """Other databases: the claim inserts an in-progress row; a concurrent claimer loses
+    on the unique index; an expired row is replaced."""
     now = now or timezone.now()
     records = IdempotencyRecord.objects.using(using)
-    existing = records.filter(scope=attempt.scope, key=attempt.key).first()
+    existing = records.filter(scope=principal, key=key).first()
     if existing is not None:
+        if existing.status != IdempotencyRecord.Status.COMPLETED:
+            return Claimed(Outcome.BUSY)
         if existing.expires_at + gone > now:
-            outcome = FOUND if existing.expires_at > now else EXPIRED
-            return Claim(outcome, record=_record(existing))
+            outcome = Outcome.FOUND if existing.expires_at > now else Outcome.EXPIRED
+            return Claimed(outcome, record=_record(existing))
         existing.delete()
-    pending = attempt.pending(now)
     try:
         with transaction.atomic(using=using):
-            created = records.create(**_identity(pending))
+            created = records.create(
+                scope=principal,
+                key=key,
+                method="",
+                path="",
+                fingerprint={},
+                created_at=now,
+                expires_at=now,
+            )
     except IntegrityError:
-        return Claim(BUSY)
-    return Claim(WON, pending=replace(pending, id=created.pk))
-
-
-def _identity(pending: Pending) -> dict[str, Any]:
-    """The record's columns that the claim decides (all but the id and the response)."""
-    return {name: value for name, value in asdict(pending).items() if name != "id"}
+        return Claimed(Outcome.BUSY)
+    return Claimed(Outcome.WON, created_at=now, row_id=created.pk)
 
 
 def _record(obj: IdempotencyRecord) -> Record:
-    body = obj.response_body
     return Record(
-        id=obj.pk,
         created_at=obj.created_at,
         expires_at=obj.expires_at,
         method=obj.method,
         path=obj.path,
         fingerprint=obj.fingerprint,
-        status=obj.status,
-        response_code=obj.response_code,
-        response_headers=obj.response_headers,
-        response_body=bytes(body) if body is not None else None,
+        response_code=obj.response_code or 200,
+        response_headers=obj.response_headers or [],
+        response_body=bytes(obj.response_body or b""),
         body_encoding=obj.body_encoding,
     )
 
 
-# The one write on the hot path, in plain SQL: the ORM's create() costs several times
-# more Python per request and asks for the id back, which nobody needs.
-_INSERT_COMPLETED = (
-    "INSERT INTO django_idempotency_record (scope, key, method, path, fingerprint, "
-    "created_at, expires_at, status, response_code, response_headers, response_body, "
-    "body_encoding) VALUES (%s, %s, %s, %s, %s, %s, %s, 1, %s, %s, %s, %s)"
-)
-
-
-ZLIB = "zlib"
-
-
-def encode_body(body: bytes) -> tuple[bytes, str]:
+def encode_body(body: bytes, min_bytes: int) -> tuple[bytes, str]:
     """The body as stored, and how: compressed when it is large and that pays."""
-    if len(body) >= conf.COMPRESS_MIN_BYTES:
-        compressed = zlib.compress(body, 6)
+    if len(body) >= min_bytes:
+        compressed = zlib.compress(body, ZLIB_LEVEL)
         if len(compressed) < len(body):
             return compressed, ZLIB
     return body, ""
@@ -202,46 +210,77 @@ def decode_body(stored: bytes | memoryview | None, encoding: str) -> bytes:
     return zlib.decompress(body) if encoding == ZLIB else body
 
 
-def complete(
-    using: str,
-    pending: Pending,
-    *,
-    code: int,
-    headers: list[list[str]],
-    body: bytes,
-) -> None:
-    """Write the finished record, in the claim's transaction."""
-    body, encoding = encode_body(body)
-    if pending.id is not None:
-        IdempotencyRecord.objects.using(using).filter(pk=pending.id).update(
+_STORE = "SELECT django_idempotency_store(%s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s)"
+# psycopg's commit() sends nothing when the server is already idle, so a COMMIT sent
+# with the store saves the transaction's last round trip.
+_STORE_AND_COMMIT = _STORE + "; COMMIT"
+
+
+@dataclass(frozen=True, slots=True)
+class Finished:
+    """A record to write: the claim's identity and the response."""
+
+    principal: str
+    key: str
+    method: str
+    path: str
+    fingerprint: dict[str, str]
+    created_at: datetime
+    expires_at: datetime
+    code: int
+    headers: list[list[str]]
+    body: bytes
+    body_encoding: str
+
+
+def store(using: str, record: Finished, *, row_id: int | None, commit: bool) -> None:
+    """Write the finished record in the claim's transaction; with ``commit``, commit that
+    transaction in the same round trip."""
+    connection = connections[using]
+    if row_id is not None:
+        IdempotencyRecord.objects.using(using).filter(pk=row_id).update(
+            method=record.method,
+            path=record.path,
+            fingerprint=record.fingerprint,
+            expires_at=record.expires_at,
             status=IdempotencyRecord.Status.COMPLETED,
-            response_code=code,
-            response_headers=headers,
-            response_body=body,
-            body_encoding=encoding,
+            response_code=record.code,
+            response_headers=record.headers,
+            response_body=record.body,
+            body_encoding=record.body_encoding,
         )
         return
-    with connections[using].cursor() as cursor:
-        cursor.execute(
-            _INSERT_COMPLETED,
-            [
-                pending.scope,
-                pending.key,
-                pending.method,
-                pending.path,
-                json.dumps(pending.fingerprint),
-                pending.created_at,
-                pending.expires_at,
-                code,
-                json.dumps(headers),
-                body,
-                encoding,
-            ],
-        )
+    params: list[Any] = [
+        record.principal,
+        record.key,
+        record.method,
+        record.path,
+        json.dumps(record.fingerprint),
+        record.created_at,
+        record.expires_at,
+        record.code,
+        json.dumps(record.headers),
+        record.body,
+        record.body_encoding,
+    ]
+    with connection.cursor() as cursor:
+        cursor.execute(_STORE_AND_COMMIT if commit else _STORE, params)
 
 
-def create_current_partition(using: str) -> None:
-    """Create today's partition from the request path (maintenance has not run)."""
-    from django_idempotency import partitions
+def missing_partition(exc: BaseException) -> bool:
+    """Whether a failed store found no partition for its row."""
+    cause = exc.__cause__ if isinstance(exc, DatabaseError) else None
+    return getattr(cause, "sqlstate", None) == NO_PARTITION_SQLSTATE and "partition" in str(exc)
 
-    partitions.ensure_current_partition(connections[using])
+
+def transaction_broken(using: str) -> bool:
+    """Whether the current transaction can no longer commit: marked for rollback, or a
+    database error that the view caught without a savepoint."""
+    if transaction.get_rollback(using=using):
+        return True
+    connection = connections[using]
+    if connection.vendor != "postgresql" or connection.connection is None:
+        return False
+    from psycopg.pq import TransactionStatus
+
+    return bool(connection.connection.info.transaction_status == TransactionStatus.INERROR)

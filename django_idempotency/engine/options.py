@@ -1,0 +1,98 @@
+"""A view's options, declared once: the decorator's keyword arguments, the mixin's
+``idempotency_<name>`` attributes and the admin's endpoint listing all come from
+``ViewOptions``; ``Policy`` is what they resolve to over the settings."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any, TypedDict
+
+from django.core.signals import setting_changed
+
+from django_idempotency.conf import PrincipalFunc, conf
+
+
+class ViewOptions(TypedDict, total=False):
+    """Per-view overrides; an option left out (or ``None``) takes its setting."""
+
+    methods: Sequence[str] | None
+    required: bool | None
+    ttl: timedelta | None
+    wait: timedelta | None
+    exclude_fields: Sequence[str] | None
+    fingerprint_headers: Sequence[str] | None
+    principal: PrincipalFunc | None
+    lookup_first: bool | None
+
+
+OPTION_NAMES: tuple[str, ...] = tuple(ViewOptions.__annotations__)
+
+
+@dataclass(frozen=True, slots=True)
+class Policy:
+    """A view's options resolved over the settings: what the engine reads per request."""
+
+    methods: frozenset[str]
+    required: bool
+    ttl: timedelta
+    wait: timedelta
+    exclude_fields: tuple[str, ...]
+    fingerprint_headers: tuple[str, ...]
+    principal: PrincipalFunc | None
+    lookup_first: bool
+    # The key's header as it appears in request.META.
+    header_meta: str
+
+
+def resolve(options: ViewOptions) -> Policy:
+    methods = options.get("methods")
+    ttl = options.get("ttl")
+    wait = options.get("wait")
+    exclude = options.get("exclude_fields")
+    headers = options.get("fingerprint_headers")
+    required = options.get("required")
+    lookup_first = options.get("lookup_first")
+    principal = options.get("principal")
+    return Policy(
+        methods=conf.METHODS if methods is None else frozenset(m.upper() for m in methods),
+        required=conf.REQUIRED if required is None else required,
+        # The maximum decides when partitions are dropped, so no view may outlive it.
+        ttl=min(conf.TTL if ttl is None else ttl, conf.MAX_TTL),
+        wait=conf.WAIT if wait is None else wait,
+        exclude_fields=tuple(exclude or ()),
+        fingerprint_headers=conf.FINGERPRINT_HEADERS if headers is None else tuple(headers),
+        # A plain function stored on a view class comes back bound to the view.
+        principal=getattr(principal, "__func__", principal) or conf.PRINCIPAL,
+        lookup_first=conf.LOOKUP_FIRST if lookup_first is None else lookup_first,
+        header_meta="HTTP_" + conf.HEADER.upper().replace("-", "_"),
+    )
+
+
+# Resolved once per view and set of option values (one class serves several URLs with
+# other as_view() arguments), dropped whenever a setting changes.
+_policies: dict[tuple[Any, ...], tuple[tuple[Any, ...], Policy]] = {}
+
+
+def policy_for(owner: Any, options: ViewOptions) -> Policy:
+    """The policy of ``owner`` (a view class or function) with these options, cached."""
+    values = tuple(options.values())
+    key = (owner, *map(id, values))
+    cached = _policies.get(key)
+    # Identity, not equality: cheap, and an id reused by a new object is never mistaken.
+    if cached is not None and all(a is b for a, b in zip(cached[0], values, strict=True)):
+        return cached[1]
+    policy = resolve(options)
+    _policies[key] = (values, policy)
+    return policy
+
+
+def _forget(*, setting: str, **kwargs: Any) -> None:
+    if setting.startswith("IDEMPOTENCY_") or setting == "SECRET_KEY":
+        _policies.clear()
+
+
+def connect_signals() -> None:
+    """Called from ``AppConfig.ready()``: ``override_settings`` refreshes the policies."""
+    setting_changed.connect(_forget, dispatch_uid="django_idempotency.options")
