@@ -2,10 +2,31 @@
 
 from __future__ import annotations
 
+import os
+import sys
 import tomllib
 from pathlib import Path
 
+import django
+from django.conf import settings
+
 ROOT = Path(__file__).resolve().parent.parent
+
+# The API reference imports the package: Django must be set up, with settings of our own
+# (a project's settings could start a database).
+sys.path.insert(0, str(ROOT))
+os.environ.pop("DJANGO_SETTINGS_MODULE", None)
+settings.configure(
+    INSTALLED_APPS=[
+        "django.contrib.contenttypes",
+        "django.contrib.auth",
+        "rest_framework",
+        "django_idempotency",
+    ],
+    DATABASES={"default": {"ENGINE": "django.db.backends.sqlite3", "NAME": ":memory:"}},
+    USE_TZ=True,
+)
+django.setup()
 
 project = "django-idempotency"
 author = "django-idempotency developers"
@@ -13,7 +34,10 @@ copyright = "django-idempotency developers"
 release = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["version"]
 version = release
 
-extensions = ["myst_parser"]
+extensions = ["myst_parser", "sphinx.ext.autodoc"]
+autodoc_member_order = "bysource"
+# Signatures stay readable; the types are listed under each description.
+autodoc_typehints = "description"
 source_suffix = {".md": "markdown"}
 myst_enable_extensions = ["colon_fence", "deflist"]
 # Stable anchors for "settings.md#idempotency-ttl-timedelta"-style links.
