@@ -17,6 +17,7 @@ BENCHMARKS = {
     "request": "bench.request_bench",
     "claim": "bench.claim_bench",
     "partitions": "bench.partitions_bench",
+    "relay": "bench.relay_bench",
 }
 
 

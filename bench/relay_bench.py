@@ -1,0 +1,314 @@
+"""The outbox relay: throughput against a plain publish loop, commit-to-publish latency, and
+what an ``enqueue_task()`` adds to a transaction.
+
+The broker is a private ``redis-server`` on a free port (never the machine's), emptied between
+cells, so that nothing consumes the messages and the queue's length is the count published.
+
+1. Throughput: the same N task messages published (a) straight from a loop,
+   ``app.send_task(..., task_id=...)`` on one producer, and (b) by ``Relay.drain()`` from N
+   committed outbox rows (claim, publish, mark, in batches). Interleaved repeats; the ratio is
+   the median of the repeats' ratios.
+2. Latency: ``manage.py idempotency_relay`` as a process with a 60 s poll; one message per
+   transaction, from the commit returning to the message being in the queue (``BRPOP``), so
+   the relay is woken by ``NOTIFY`` or not at all in time.
+3. Enqueue cost: a transaction with one business ``INSERT``, with and without an
+   ``enqueue_task()`` in it, interleaved; the difference of the medians.
+
+``python -m bench relay``.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from bench.report import Check, Section, median, percentile
+from bench.server import ROOT, django_env, free_port
+
+if TYPE_CHECKING:
+    from bench.run import Options
+
+TASK = "bench.relay.noop"
+QUEUE = "celery"
+
+
+class PrivateRedis:
+    def __init__(self) -> None:
+        self.port = free_port()
+        self.directory = tempfile.mkdtemp(prefix="relay_bench_redis_")
+        self.process: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def __enter__(self) -> PrivateRedis:
+        import redis
+
+        self.process = subprocess.Popen(
+            ["redis-server", "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
+             "--appendonly", "no", "--dir", self.directory],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        )  # fmt: skip
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                redis.Redis(port=self.port).ping()
+                return self
+            except redis.ConnectionError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.02)
+
+    def __exit__(self, *exc: object) -> None:
+        if self.process is not None:
+            self.process.kill()
+            self.process.wait()
+        shutil.rmtree(self.directory, ignore_errors=True)
+
+    def client(self) -> Any:
+        import redis
+
+        return redis.Redis(port=self.port)
+
+
+def setup_django(url: str, broker: str) -> None:
+    os.environ.update(django_env(url))
+    os.environ["CELERY_BROKER_URL"] = broker
+    sys.path.insert(0, str(ROOT))
+    import django
+
+    django.setup()
+
+
+def make_app(broker: str) -> Any:
+    from celery import Celery
+
+    app = Celery("relay-bench", set_as_current=False)
+    app.conf.update(broker_url=broker, task_ignore_result=True)
+    return app
+
+
+def clear_outbox() -> None:
+    from django.db import connection
+
+    with connection.cursor() as cursor:
+        cursor.execute("TRUNCATE django_idempotency_outbox")
+
+
+def fill_outbox(count: int) -> None:
+    from django.db import transaction
+
+    from django_idempotency.messaging.outbox import enqueue_task
+
+    done = 0
+    while done < count:
+        with transaction.atomic():
+            for n in range(done, min(count, done + 500)):
+                enqueue_task(TASK, (n, "inr"), {"amount": 2499})
+        done = min(count, done + 500)
+
+
+def direct_loop(app: Any, count: int) -> float:
+    """Seconds to publish ``count`` messages from a loop on one producer."""
+    with app.connection_for_write() as conn:
+        producer = app.amqp.Producer(conn, auto_declare=False)
+        started = time.perf_counter()
+        for n in range(count):
+            app.send_task(
+                TASK,
+                args=(n, "inr"),
+                kwargs={"amount": 2499},
+                task_id=str(uuid.uuid4()),
+                producer=producer,
+                retry=False,
+                add_to_parent=False,
+            )
+        return time.perf_counter() - started
+
+
+def relay_drain(app: Any, count: int) -> float:
+    from django_idempotency.messaging.relay import Relay
+
+    clear_outbox()
+    fill_outbox(count)
+    relay = Relay(app=app)
+    relay.producer()  # connect outside the timing, as the loop does
+    started = time.perf_counter()
+    published = relay.drain()
+    elapsed = time.perf_counter() - started
+    relay.close_producer()
+    if published != count:
+        raise RuntimeError(f"the relay published {published} of {count}")
+    return elapsed
+
+
+def latency(redis_server: PrivateRedis, url: str, samples: int) -> list[float]:
+    from django.db import transaction
+
+    from django_idempotency.messaging.outbox import enqueue_task
+
+    client = redis_server.client()
+    client.flushall()
+    clear_outbox()
+    with tempfile.TemporaryDirectory() as tmp:
+        (Path(tmp) / "relay_bench_settings.py").write_text(
+            "from datetime import timedelta\nfrom testproject.settings import *  # noqa\n"
+            "IDEMPOTENCY_OUTBOX_POLL_INTERVAL = timedelta(seconds=60)\n"
+        )
+        env = {
+            **django_env(url),
+            "CELERY_BROKER_URL": redis_server.url,
+            "DJANGO_SETTINGS_MODULE": "relay_bench_settings",
+            "PYTHONPATH": os.pathsep.join([tmp, str(ROOT)]),
+            # Its start is read from its INFO line.
+            "IDEMPOTENCY_LOG_LEVEL": "INFO",
+        }
+        log = Path(tmp) / "relay.log"
+        with log.open("wb") as out:
+            relay = subprocess.Popen(
+                [sys.executable, "manage.py", "idempotency_relay"],
+                cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT,
+            )  # fmt: skip
+        try:
+            deadline = time.monotonic() + 30
+            while b"started on database" not in log.read_bytes():
+                if relay.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError(f"the relay did not start:\n{log.read_text()}")
+                time.sleep(0.05)
+            time.sleep(0.5)
+            delays = []
+            for n in range(samples):
+                with transaction.atomic():
+                    enqueue_task(TASK, (n,))
+                committed = time.perf_counter()
+                if client.brpop([QUEUE], timeout=10) is None:
+                    raise RuntimeError("a committed message was not published within 10 s")
+                delays.append(time.perf_counter() - committed)
+                time.sleep(0.01)
+        finally:
+            relay.terminate()
+            relay.wait(timeout=20)
+    return delays
+
+
+def enqueue_cost(samples: int) -> tuple[list[float], list[float], list[float]]:
+    """(plain transaction, transaction with an enqueue, the enqueue call alone), seconds."""
+    from django.db import connection, transaction
+
+    from django_idempotency.messaging.outbox import enqueue_task
+
+    with connection.cursor() as cursor:
+        cursor.execute(
+            "CREATE TABLE IF NOT EXISTS relay_bench_business (id bigserial PRIMARY KEY, "
+            "amount integer NOT NULL, currency text NOT NULL)"
+        )
+    insert = "INSERT INTO relay_bench_business (amount, currency) VALUES (%s, %s)"
+    plain: list[float] = []
+    with_enqueue: list[float] = []
+    call: list[float] = []
+    for n in range(samples):
+        for enqueue in (n % 2 == 0, n % 2 == 1):
+            started = time.perf_counter()
+            with transaction.atomic(), connection.cursor() as cursor:
+                cursor.execute(insert, [2499, "inr"])
+                if enqueue:
+                    before = time.perf_counter()
+                    enqueue_task(TASK, (n, "inr"), {"amount": 2499})
+                    call.append(time.perf_counter() - before)
+            (with_enqueue if enqueue else plain).append(time.perf_counter() - started)
+    with connection.cursor() as cursor:
+        cursor.execute("DROP TABLE relay_bench_business")
+    return plain, with_enqueue, call
+
+
+def run(options: Options) -> Section:
+    quick = options.requests <= 100
+    count = 5_000 if quick else 20_000
+    samples = 100 if quick else 400
+    errors: list[str] = []
+    with PrivateRedis() as redis_server:
+        setup_django(options.database_url, redis_server.url)
+        app = make_app(redis_server.url)
+        client = redis_server.client()
+        ratios, loop_rates, relay_rates = [], [], []
+        for repeat in range(options.repeats):
+            cells = ["loop", "relay"] if repeat % 2 == 0 else ["relay", "loop"]
+            rates = {}
+            for cell in cells:
+                client.flushall()
+                seconds = direct_loop(app, count) if cell == "loop" else relay_drain(app, count)
+                if client.llen(QUEUE) != count:
+                    errors.append(f"{cell}: {client.llen(QUEUE)} messages queued, not {count}")
+                rates[cell] = count / seconds
+            loop_rates.append(rates["loop"])
+            relay_rates.append(rates["relay"])
+            ratios.append(rates["relay"] / rates["loop"])
+        delays = latency(redis_server, options.database_url, samples)
+        plain, with_enqueue, call = enqueue_cost(samples * 5)
+        clear_outbox()
+    ms = 1000.0
+    p50, p99 = median(delays) * ms, percentile(delays, 99) * ms
+    added = (median(with_enqueue) - median(plain)) * ms
+    header = ["measure", "value"]
+    rows = [
+        ["messages per throughput cell", f"{count:,}"],
+        ["publish loop, messages/s (median)", f"{median(loop_rates):,.0f}"],
+        ["relay, rows/s (median)", f"{median(relay_rates):,.0f}"],
+        ["relay / loop, per repeat", ", ".join(f"{r:.2f}" for r in ratios)],
+        ["commit to publish, p50 ms", f"{p50:.1f}"],
+        ["commit to publish, p99 ms", f"{p99:.1f}"],
+        ["commit to publish, max ms", f"{max(delays) * ms:.1f}"],
+        ["transaction without enqueue, median ms", f"{median(plain) * ms:.3f}"],
+        ["transaction with enqueue, median ms", f"{median(with_enqueue) * ms:.3f}"],
+        ["added by the enqueue, median ms", f"{added:.3f}"],
+        ["enqueue_task() call alone, median ms", f"{median(call) * ms:.3f}"],
+    ]
+    checks = [
+        Check("relay throughput / publish loop", statistics.median(ratios), 0.8, at_most=False),
+        Check(
+            "relay rows/s / 5,000",
+            median(relay_rates) / 5000,
+            1.0,
+            at_most=False,
+            note=f"{median(relay_rates):,.0f} rows/s",
+        ),
+        Check("commit-to-publish p50 / 20 ms", p50 / 20, 1.0, at_most=True, note=f"{p50:.1f} ms"),
+        Check("commit-to-publish p99 / 100 ms", p99 / 100, 1.0, at_most=True, note=f"{p99:.1f} ms"),
+        Check(
+            "enqueue cost in a transaction / 0.3 ms",
+            added / 0.3,
+            1.0,
+            at_most=True,
+            note=f"{added:.3f} ms",
+        ),
+    ]
+    notes = [
+        "Broker: a private redis-server, nothing consuming. The relay publishes in batches of "
+        "IDEMPOTENCY_OUTBOX_BATCH_SIZE; the loop publishes the same messages on one producer.",
+    ]
+    data = {
+        "count": count,
+        "ratios": ratios,
+        "loop_rates": loop_rates,
+        "relay_rates": relay_rates,
+        "latency_seconds": delays,
+        "plain_transaction_seconds": plain,
+        "enqueue_transaction_seconds": with_enqueue,
+        "enqueue_call_seconds": call,
+    }
+    return Section("Outbox relay", header, rows, checks, notes, data, errors)
+
+
+if __name__ == "__main__":
+    from bench.run import main
+
+    sys.exit(main(["relay", *sys.argv[1:]]))
