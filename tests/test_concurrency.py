@@ -5,7 +5,9 @@ here depends on how fast the machine is."""
 from __future__ import annotations
 
 import json
+import random
 import threading
+import time
 from collections import Counter, defaultdict
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -20,9 +22,10 @@ from django_idempotency.models import IdempotencyRecord
 from django_idempotency.partitions import apply, catalog
 from django_idempotency.partitions.tables import RECORDS
 from django_idempotency.storage.records import Outcome
-from tests.claims import claim, store_first, wait_for_lock_waiters
+from tests.claims import claim, held_claim, store_first, wait_for_lock_waiters
 from tests.client import replayed
 from tests.factories import ScriptFactory, TokenFactory, new_key
+from tests.reliability.forgery import forge_colliding_key
 from tests.views import CALLS, GATES, business_rows
 
 pytestmark = [pytest.mark.urls("tests.urls"), pytest.mark.django_db(transaction=True)]
@@ -314,3 +317,61 @@ def test_claims_straddling_midnight_utc_never_produce_two_winners() -> None:
         RECORDS.partition_name(day - timedelta(days=1)),
         RECORDS.partition_name(day),
     }
+
+
+# Holes found under attack (issue 9).
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_key_forged_to_collide_under_the_old_unkeyed_lock_no_longer_blocks_its_victim() -> None:
+    victim_key = new_key()
+    forged = forge_colliding_key("user:1", victim_key, "user:2", random.Random(7))
+    with connection.cursor() as cursor:
+        cursor.execute(
+            "SELECT hashtextextended(%s, 0) = hashtextextended(%s, 0)",
+            ["user:1\x01" + victim_key, "user:2\x01" + forged],
+        )
+        assert cursor.fetchone() == (True,)  # a true collision for the old scheme
+    with held_claim("user:1", victim_key), transaction.atomic():
+        started = time.monotonic()
+        claimed = claim("user:2", forged, wait=timedelta(seconds=2))
+        assert claimed.outcome is Outcome.WON
+        assert time.monotonic() - started < 1
+        with connection.cursor() as cursor:
+            # Our locks live in a lock space of the app's own: the two-integer form
+            # (objsubid 2) under our class id, never the bigint space others use.
+            cursor.execute(
+                "SELECT classid, objsubid FROM pg_locks WHERE locktype = 'advisory' "
+                "AND pid = pg_backend_pid()"
+            )
+            assert cursor.fetchall() == [(1768187245, 2)]
+
+
+@pytest.mark.django_db(transaction=True)
+def test_waiting_duplicates_are_capped_per_process_and_others_are_still_served(
+    gunicorn_server: Any, make_token_user: Any
+) -> None:
+    alice = make_token_user("waiter-alice")
+    key, body = new_key(), {"amount": 100, "currency": "inr", "delay_ms": 3000}
+    headers = {**alice.headers, "Idempotency-Key": key, "Prefer": "wait=10"}
+    with gunicorn_server(workers=1, threads=12) as server, ThreadPoolExecutor(16) as pool:
+        url = server.url + "/api/charges/"
+        holder = {**alice.headers, "Idempotency-Key": key}
+        first = pool.submit(requests.post, url, json=body, headers=holder, timeout=30)
+        time.sleep(0.5)
+        duplicates = [
+            pool.submit(requests.post, url, json=body, headers=headers, timeout=30)
+            for _ in range(10)
+        ]
+        time.sleep(0.5)
+        started = time.monotonic()
+        other = requests.get(server.url + "/api/charges/count/", timeout=30)
+        served_in = time.monotonic() - started
+        answers = [d.result() for d in duplicates]
+        assert first.result().status_code == 201
+    assert other.status_code == 200
+    assert served_in < 1.0
+    statuses = Counter(a.status_code for a in answers)
+    # The default cap: 4 wait for the first and get its replay, the rest are told at once.
+    assert statuses == {201: 4, 409: 6}, statuses
+    assert all(a.headers["Preference-Applied"] == "wait=10" for a in answers)

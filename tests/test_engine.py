@@ -696,3 +696,67 @@ def test_outlandish_prefer_wait_is_never_a_500(client, path: str, wait: str) -> 
         "Prefer": f"wait={wait}"
     })  # fmt: skip
     assert response.status_code == 201
+
+
+# Holes found under attack (issue 9): each test failed on the code before its fix.
+
+
+@pytest.mark.django_db(transaction=True)
+@ENDPOINTS
+@pytest.mark.parametrize("breaks", ["rollback_only", "swallow_db_error"])
+def test_a_2xx_whose_transaction_was_marked_for_rollback_is_a_500_and_the_key_stays_free(
+    client, atomic_requests: bool, path: str, breaks: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    key, script = new_key(), ScriptFactory(**{breaks: True})
+    first = send(client, "POST", path, script, key=key)
+    assert first.status_code == 500
+    assert problem(first)["type"].endswith("rolled-back")
+    assert business_rows(script["tag"]) == 0
+    assert not IdempotencyRecord.objects.filter(key=key).exists()
+    assert any(
+        r.levelname == "ERROR" and "marked for rollback" in r.getMessage() for r in caplog.records
+    )
+    fixed = {**script, breaks: False}
+    retry = send(client, "POST", path, fixed, key=key)
+    assert retry.status_code == 201
+    assert not replayed(retry)
+    assert business_rows(script["tag"]) == 1
+
+
+@pytest.mark.django_db
+@ENDPOINTS
+def test_caching_headers_are_replayed(client, path: str) -> None:
+    key = new_key()
+    script = ScriptFactory(
+        headers={"Cache-Control": "no-store", "Pragma": "no-cache", "Expires": "0", "Vary": "X-A"}
+    )
+    send(client, "POST", path, script, key=key)
+    retry = send(client, "POST", path, script, key=key)
+    assert replayed(retry)
+    assert retry["Cache-Control"] == "no-store"
+    assert (retry["Pragma"], retry["Expires"]) == ("no-cache", "0")
+    assert "X-A" in retry["Vary"]
+
+
+@pytest.mark.django_db
+def test_a_4xx_larger_than_the_limit_is_answered_but_not_stored(client, settings) -> None:
+    settings.IDEMPOTENCY_MAX_STORED_ERROR_BYTES = 10_000
+    key, small_key = new_key(), new_key()
+    big = ScriptFactory(reject="invalid", pad=20_000)
+    first = send(client, "POST", "/drf/", big, key=key)
+    assert first.status_code == 400
+    assert len(first.content) > 10_000
+    assert not IdempotencyRecord.objects.filter(key=key).exists()
+    assert not replayed(send(client, "POST", "/drf/", big, key=key))
+    small = ScriptFactory(reject="invalid", pad=100)
+    send(client, "POST", "/drf/", small, key=small_key)
+    assert replayed(send(client, "POST", "/drf/", small, key=small_key))
+
+
+@pytest.mark.django_db
+@ENDPOINTS
+def test_a_durable_block_in_an_idempotent_view_is_a_clear_error_naming_it(client, path) -> None:
+    client.raise_request_exception = True
+    with pytest.raises(ImproperlyConfigured, match=r"durable=True"):
+        send(client, "POST", path, ScriptFactory(durable=True), key=new_key())
+    assert not IdempotencyRecord.objects.exists()

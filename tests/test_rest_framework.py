@@ -6,6 +6,8 @@ import json
 from typing import Any
 
 import pytest
+from django.contrib.auth.models import Group
+from django.core.files.uploadedfile import SimpleUploadedFile
 from rest_framework.authentication import BaseAuthentication
 from rest_framework.parsers import JSONParser, MultiPartParser
 from rest_framework.permissions import AllowAny
@@ -15,7 +17,7 @@ from rest_framework.views import APIView
 
 from django_idempotency.models import IdempotencyRecord
 from django_idempotency.rest_framework import IdempotencyMixin
-from tests.client import problem, send
+from tests.client import problem, replayed, send
 from tests.factories import ScriptFactory, TokenFactory, new_key
 from tests.views import CALLS, TRACE, tenant_principal
 
@@ -26,10 +28,6 @@ def token_client(token: Any) -> APIClient:
     client = APIClient()
     client.credentials(HTTP_AUTHORIZATION=f"Token {token.key}")
     return client
-
-
-def replayed(response: Any) -> bool:
-    return response.get("Idempotent-Replayed") == "true"
 
 
 def test_authentication_permissions_and_throttles_run_before_a_replay() -> None:
@@ -257,3 +255,79 @@ def test_success_for_a_client_accepting_only_problem_json_is_labelled_as_what_it
     )  # fmt: skip
     assert response.status_code == 201
     assert response["Content-Type"] == "application/json"
+
+
+# Holes found under attack (issue 9).
+
+
+def test_a_body_no_parser_accepts_is_415_unread_unstored_and_the_key_stays_free() -> None:
+    key, client = new_key(), APIClient()
+    # 3 MB is over DATA_UPLOAD_MAX_MEMORY_SIZE: reading it would answer 400, not 415.
+    upload = b"x" * (3 * 1024 * 1024)
+    response = client.post(
+        "/drf/json-only/",
+        {"file": SimpleUploadedFile("big.bin", upload)},
+        format="multipart",
+        HTTP_IDEMPOTENCY_KEY=key,
+    )
+    assert response.status_code == 415
+    assert not IdempotencyRecord.objects.filter(key=key).exists()
+    ok = send(client, "POST", "/drf/json-only/", ScriptFactory(), key=key)
+    assert ok.status_code == 201
+
+
+def test_authentication_comes_before_the_body_is_read() -> None:
+    body = json.dumps({"pad": "x" * (3 * 1024 * 1024)})
+    response = send(
+        APIClient(), "POST", "/drf/guarded/", body, key=new_key(),
+        headers={"Authorization": "Token wrong"},
+    )  # fmt: skip
+    assert response.status_code == 401
+
+
+def test_the_negotiated_media_type_is_part_of_the_fingerprint() -> None:
+    key, script, client = new_key(), ScriptFactory(), APIClient()
+    text = send(
+        client, "POST", "/drf/negotiated/", script, key=key, headers={"Accept": "text/plain"}
+    )
+    assert text["Content-Type"].startswith("text/plain")
+    as_json = send(
+        client, "POST", "/drf/negotiated/", script, key=key, headers={"Accept": "application/json"}
+    )
+    assert as_json.status_code == 422
+    assert problem(as_json)["differing"] == ["header:accept"]
+    again = send(
+        client, "POST", "/drf/negotiated/", script, key=key, headers={"Accept": "text/plain"}
+    )
+    assert replayed(again)
+    assert again.content == text.content
+
+
+def test_a_replay_on_a_detail_route_checks_object_permissions_first() -> None:
+    group = Group.objects.create(name="owned")
+    key, client = new_key(), APIClient()
+    path = f"/drf/groups/{group.pk}/"
+    first = send(client, "PATCH", path, {"name": "renamed"}, key=key)
+    assert first.status_code == 200
+    assert replayed(send(client, "PATCH", path, {"name": "renamed"}, key=key))
+    revoked = send(
+        client, "PATCH", path, {"name": "renamed"}, key=key, headers={"X-Deny-Object": "yes"}
+    )
+    assert revoked.status_code in (401, 403)  # anonymous here: DRF says 401
+    assert not replayed(revoked)
+
+
+def test_idempotent_under_api_view_has_the_mixins_guarantees() -> None:
+    key, script, client = new_key(), ScriptFactory(), APIClient()
+    first = send(client, "POST", "/drf/api-view/", script, key=key)
+    assert first.status_code == 201
+    assert first["Content-Type"] == "application/json"
+    retry = send(client, "POST", "/drf/api-view/", script, key=key)
+    assert replayed(retry)
+    assert retry.content == first.content
+    assert CALLS[script["tag"]] == 1
+    invalid_key, invalid = new_key(), ScriptFactory(reject="invalid")
+    assert send(client, "POST", "/drf/api-view/", invalid, key=invalid_key).status_code == 400
+    assert replayed(send(client, "POST", "/drf/api-view/", invalid, key=invalid_key))
+    reused = send(client, "POST", "/drf/api-view/", ScriptFactory(), key=key)
+    assert reused.status_code == 422

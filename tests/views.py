@@ -13,6 +13,7 @@ in ``CALLS``, in memory, so a count survives the rollback of the row.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -26,16 +27,17 @@ from typing import Any
 from django.contrib.auth.decorators import login_required
 from django.contrib.auth.models import Group
 from django.core.exceptions import PermissionDenied
-from django.db import connection
+from django.db import IntegrityError, connection, transaction
 from django.http import Http404, HttpRequest, HttpResponse, JsonResponse, StreamingHttpResponse
 from django.http.response import HttpResponseBase
 from django.views.decorators.csrf import csrf_exempt
 from rest_framework import serializers, viewsets
 from rest_framework.authentication import SessionAuthentication, TokenAuthentication
-from rest_framework.decorators import action
+from rest_framework.decorators import action, api_view, permission_classes
 from rest_framework.exceptions import NotFound, ValidationError
 from rest_framework.parsers import FormParser, JSONParser, MultiPartParser
 from rest_framework.permissions import AllowAny, BasePermission, IsAuthenticated
+from rest_framework.renderers import BaseRenderer, JSONRenderer
 from rest_framework.request import Request
 from rest_framework.response import Response
 from rest_framework.throttling import BaseThrottle
@@ -136,10 +138,23 @@ def perform(script: Mapping[str, Any]) -> tuple[int, dict[str, Any]]:
         time.sleep(float(script["sleep"]))
     reject = script.get("reject")
     if reject == "invalid":
-        raise ValidationError({"amount": ["Ensure this value is greater than 0."]})
+        # ``pad`` makes the error echo a large invalid value, as DRF does.
+        detail = "x" * int(script.get("pad", 0)) or "Ensure this value is greater than 0."
+        raise ValidationError({"amount": [detail]})
     if reject == "notfound":
         raise NotFound("No such thing.")
-    group = Group.objects.create(name=f"{tag}:{n}")
+    if script.get("durable"):
+        with transaction.atomic(durable=True):
+            group = Group.objects.create(name=f"{tag}:{n}")
+    else:
+        group = Group.objects.create(name=f"{tag}:{n}")
+    if script.get("rollback_only"):
+        # Writes, then gives up on the transaction without raising: nothing commits.
+        transaction.set_rollback(True)
+    if script.get("swallow_db_error"):
+        # The "ignore the duplicate" pattern without a savepoint: the transaction is broken.
+        with contextlib.suppress(IntegrityError):
+            Group.objects.create(name=group.name)
     if script.get("lose_connection") and n == 1:
         lose_connection()
     failing = bool(script.get("fail")) and (n == 1 or not script.get("once"))
@@ -192,6 +207,41 @@ class ScriptedView(IdempotencyMixin, APIView):
 class DenyOnHeader(BasePermission):
     def has_permission(self, request: Request, view: Any) -> bool:
         return request.headers.get("X-Deny") != "yes"
+
+
+class DenyObjectOnHeader(BasePermission):
+    """Object-level: refused when the request says its object is no longer the user's."""
+
+    def has_object_permission(self, request: Request, view: Any, obj: Any) -> bool:
+        return request.headers.get("X-Deny-Object") != "yes"
+
+
+class PlainTextRenderer(BaseRenderer):
+    media_type = "text/plain"
+    format = "txt"
+
+    def render(self, data: Any, accepted_media_type: Any = None, context: Any = None) -> bytes:
+        return repr(data).encode()
+
+
+class NegotiatedView(ScriptedView):
+    """Answers in JSON or plain text, as the client asks."""
+
+    renderer_classes = [JSONRenderer, PlainTextRenderer]
+
+
+class JSONOnlyView(ScriptedView):
+    parser_classes = [JSONParser]
+
+
+@api_view(["POST"])
+@permission_classes([AllowAny])
+@idempotent
+def api_view_charge(request: Request) -> Response:
+    """DRF's function-based views with @idempotent under @api_view."""
+    script = dict(request.data) if isinstance(request.data, Mapping) else {}
+    status, payload = perform(script)
+    return Response(payload, status=status)
 
 
 class ThrottleOnHeader(BaseThrottle):
@@ -274,7 +324,7 @@ class GroupSerializer(serializers.ModelSerializer[Group]):
 
 
 class GroupViewSet(IdempotencyMixin, viewsets.ModelViewSet[Group]):
-    permission_classes = [AllowAny]
+    permission_classes = [AllowAny, DenyObjectOnHeader]
     serializer_class = GroupSerializer
     queryset = Group.objects.all()
 

@@ -15,6 +15,7 @@ import threading
 import time
 from collections.abc import Generator, Iterator
 from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Any
@@ -179,6 +180,11 @@ class Work:
     ttl: timedelta
 
 
+# The work running right now in this context (between Run and close/fail), for what
+# derives from its identity: messaging.downstream.derive_key().
+current_work: ContextVar[Work | None] = ContextVar("django_idempotency_work", default=None)
+
+
 @dataclass(frozen=True, slots=True)
 class Outcome:
     """What the work produced, to store and replay."""
@@ -281,7 +287,8 @@ class UnitOfWork:
                     lock=lock_id(work.principal, work.key),
                     principal=work.principal,
                     key=work.key,
-                    window=conf.MAX_TTL + conf.EXPIRED_WINDOW,
+                    # A consumer's records outlive MAX_TTL (IDEMPOTENCY_CONSUMER_TTL).
+                    window=max(conf.MAX_TTL, work.ttl) + conf.EXPIRED_WINDOW,
                     gone=conf.EXPIRED_WINDOW,
                     wait=self.wait if waiting else timedelta(0),
                     now=self.now,
@@ -290,7 +297,14 @@ class UnitOfWork:
                     waiting = False
                     waiters.leave()
                 if claimed.outcome is storage.Outcome.WON:
-                    return (yield from self._run(claimed, outermost))
+                    # set(), not a token's reset(): an async view closes the unit in
+                    # another context than the one that opened it.
+                    outer = current_work.get()
+                    current_work.set(work)
+                    try:
+                        return (yield from self._run(claimed, outermost))
+                    finally:
+                        current_work.set(outer)
         except _LOST_STORE as exc:
             # The work's own exception goes back to the glue as it was; a connection lost
             # while ending the transaction means nothing was saved.
@@ -321,24 +335,32 @@ class UnitOfWork:
                 result = yield Run()
                 if isinstance(result, BaseException):
                     raise result
+                broken = storage.transaction_broken(using)
+                if broken:
+                    # Leave the savepoint by rolling back to it: the view's writes go, and
+                    # the request's transaction can still store a 4xx.
+                    transaction.set_rollback(True, using=using)
         else:
             result = yield Run()
             if isinstance(result, BaseException):
                 raise result
-        if storage.transaction_broken(using):
+            broken = storage.transaction_broken(using)
+        if broken and 200 <= result.status < 400:
             transaction.set_rollback(True, using=using)
-            if 200 <= result.status < 400:
-                logger.error(
-                    "An idempotent %s answered %s, but its transaction was marked for "
-                    "rollback, so nothing it did was committed; answered 500 instead. Catch "
-                    "database errors inside transaction.atomic() (a savepoint).",
-                    _name(self.sender),
-                    result.status,
-                )
-                raise RolledBack(
-                    "The request's work was rolled back, so it did not take effect. Retry "
-                    "with the same key."
-                )
+            logger.error(
+                "An idempotent %s answered %s, but its transaction was marked for rollback, "
+                "so nothing it did was committed; answered 500 instead. Catch database "
+                "errors inside transaction.atomic() (a savepoint).",
+                _name(self.sender),
+                result.status,
+            )
+            raise RolledBack(
+                "The request's work was rolled back, so it did not take effect. Retry with "
+                "the same key."
+            )
+        if broken and storage.transaction_broken(using):
+            # A 4xx from a transaction that cannot commit: answered, not stored.
+            transaction.set_rollback(True, using=using)
             return False
         if not self._keeps(result):
             # Not stored means the retry runs the work again, so nothing it wrote may
