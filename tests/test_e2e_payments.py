@@ -19,6 +19,7 @@ import requests
 
 from django_idempotency.models import IdempotencyRecord
 from testproject.payments.models import Charge, Payment, Refund
+from tests.client import replayed
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -62,10 +63,6 @@ def post(
     )
 
 
-def is_replay(response: requests.Response) -> bool:
-    return response.headers.get("Idempotent-Replayed") == "true"
-
-
 def records(key: str) -> int:
     return IdempotencyRecord.objects.filter(key=key).count()
 
@@ -92,9 +89,9 @@ def test_hundred_sequential_retries_execute_once_and_replay_identical_bytes(
     retries = [post(live_gunicorn, alice, key, CHARGE, path) for _ in range(99)]
 
     assert first.status_code == 201, first.text
-    assert not is_replay(first)
+    assert not replayed(first)
     assert first.json()["amount"] == CHARGE["amount"]
-    assert [(r.status_code, is_replay(r)) for r in retries] == [(201, True)] * 99
+    assert [(r.status_code, replayed(r)) for r in retries] == [(201, True)] * 99
     assert {r.content for r in retries} == {first.content}
     assert {r.headers["Content-Type"] for r in retries} == {first.headers["Content-Type"]}
     assert counts(live_gunicorn, count_path) - before == (1, 1)
@@ -108,7 +105,7 @@ def test_plain_baseline_executes_every_request(live_gunicorn: str, alice: Any) -
 
     answers = [post(live_gunicorn, alice, key, CHARGE, "/api/charges-plain/") for _ in range(3)]
 
-    assert [(a.status_code, is_replay(a)) for a in answers] == [(201, False)] * 3
+    assert [(a.status_code, replayed(a)) for a in answers] == [(201, False)] * 3
     assert len({a.json()["id"] for a in answers}) == 3
     assert counts(live_gunicorn) - before == (3, 3)
     assert records(key) == 0
@@ -140,7 +137,7 @@ def test_parallel_identical_requests_execute_once(
 
     answers = send_at_once([partial(post, base_url, alice, key, body)] * clients)
 
-    statuses = Counter((a.status_code, is_replay(a)) for a in answers)
+    statuses = Counter((a.status_code, replayed(a)) for a in answers)
     assert set(statuses) <= {(201, False), (201, True), (409, False)}, statuses
     assert statuses[(201, False)] == 1, statuses
     created = [a for a in answers if a.status_code == 201]
@@ -153,7 +150,7 @@ def test_parallel_identical_requests_execute_once(
     assert Charge.objects.filter(user=alice.user).count() == 1
     assert records(key) == 1
     retry = post(base_url, alice, key, body)
-    assert (retry.status_code, is_replay(retry), retry.content) == (201, True, created[0].content)
+    assert (retry.status_code, replayed(retry), retry.content) == (201, True, created[0].content)
 
 
 def test_same_key_from_two_principals_executes_once_each_and_never_crosses(
@@ -166,12 +163,12 @@ def test_same_key_from_two_principals_executes_once_each_and_never_crosses(
     users = [alice, bob] * 10
     parallel = send_at_once([partial(post, live_gunicorn, user, key, CHARGE) for user in users])
 
-    assert [(a.status_code, is_replay(a)) for a in first.values()] == [(201, False)] * 2
+    assert [(a.status_code, replayed(a)) for a in first.values()] == [(201, False)] * 2
     assert first["alice"].json()["user"] == "alice"
     assert first["bob"].json()["user"] == "bob"
     assert first["alice"].json()["id"] != first["bob"].json()["id"]
     for user, answer in zip(users, parallel, strict=True):
-        assert (answer.status_code, is_replay(answer)) == (201, True)
+        assert (answer.status_code, replayed(answer)) == (201, True)
         assert answer.content == first[user.user.username].content
     assert counts(live_gunicorn) - before == (2, 2)
     assert Charge.objects.filter(user=alice.user).count() == 1
@@ -192,7 +189,7 @@ def test_two_principals_racing_on_one_key_each_execute_once(
 
     for racer in (alice, bob):
         own = [a for user, a in zip(users, answers, strict=True) if user is racer]
-        statuses = Counter((a.status_code, is_replay(a)) for a in own)
+        statuses = Counter((a.status_code, replayed(a)) for a in own)
         assert set(statuses) <= {(201, False), (201, True), (409, False)}, statuses
         assert statuses[(201, False)] == 1, statuses
         created = [a for a in own if a.status_code == 201]
@@ -220,7 +217,7 @@ def test_key_reused_for_a_different_request_is_422_and_runs_nothing(
         assert problem["type"].endswith("key-reused")
         assert problem["differing"] == differing
         assert "999" not in answer.text
-    assert (retry.status_code, is_replay(retry), retry.content) == (201, True, first.content)
+    assert (retry.status_code, replayed(retry), retry.content) == (201, True, first.content)
     assert counts(live_gunicorn) - before == (0, 0)
     assert Refund.objects.count() == 0
     assert records(key) == 1
@@ -231,7 +228,7 @@ def test_key_order_in_the_body_does_not_matter(live_gunicorn: str, alice: Any) -
     first = post(live_gunicorn, alice, key, {"amount": 2499, "currency": "inr"})
     reordered = post(live_gunicorn, alice, key, {"currency": "inr", "amount": 2499})
 
-    assert (reordered.status_code, is_replay(reordered)) == (201, True)
+    assert (reordered.status_code, replayed(reordered)) == (201, True)
     assert reordered.content == first.content
 
 
@@ -252,11 +249,11 @@ def test_failed_first_attempt_commits_nothing_and_frees_the_key(
     replay = post(live_gunicorn, alice, key, CHARGE, path)
 
     # A 5xx is never stored: the same failing request runs (and fails) again.
-    assert [(a.status_code, is_replay(a)) for a in failed] == [(500, False)] * 2
+    assert [(a.status_code, replayed(a)) for a in failed] == [(500, False)] * 2
     assert after_failures - before == (2, 0)
     assert records_after_failures == 0
-    assert (retry.status_code, is_replay(retry)) == (201, False)
-    assert (replay.status_code, is_replay(replay), replay.content) == (201, True, retry.content)
+    assert (retry.status_code, replayed(retry)) == (201, False)
+    assert (replay.status_code, replayed(replay), replay.content) == (201, True, retry.content)
     assert counts(live_gunicorn, count_path) - before == (3, 1)
     assert model._default_manager.filter(user=alice.user).count() == 1
     assert records(key) == 1
@@ -278,8 +275,8 @@ def test_transient_failure_then_identical_retry_executes_once(
 
     assert failed.status_code == 500
     assert rows_after_failure == 0
-    assert (retry.status_code, is_replay(retry)) == (201, False)
-    assert (replay.status_code, is_replay(replay), replay.content) == (201, True, retry.content)
+    assert (retry.status_code, replayed(retry)) == (201, False)
+    assert (replay.status_code, replayed(replay), replay.content) == (201, True, retry.content)
     assert counts(live_gunicorn, count_path) - before == (2, 1)
     assert records(key) == 1
 
@@ -302,8 +299,8 @@ def test_worker_killed_after_its_write_leaves_nothing_and_the_retry_executes_onc
 
     assert after_crash - before == (1, 0)
     assert records_after_crash == 0
-    assert (retry.status_code, is_replay(retry)) == (201, False), retry.text
-    assert (replay.status_code, is_replay(replay), replay.content) == (201, True, retry.content)
+    assert (retry.status_code, replayed(retry)) == (201, False), retry.text
+    assert (replay.status_code, replayed(replay), replay.content) == (201, True, retry.content)
     assert counts(live_gunicorn, count_path) - before == (2, 1)
     assert model._default_manager.filter(user=alice.user).count() == 1
     assert records(key) == 1
@@ -333,7 +330,7 @@ def test_plain_django_view_requires_a_key_and_replays(live_gunicorn: str, alice:
     again = post(
         live_gunicorn, alice, key, {"amount": 0, "currency": "inr"}, "/api/charges-django/"
     )
-    assert (again.status_code, is_replay(again), again.content) == (400, True, invalid.content)
+    assert (again.status_code, replayed(again), again.content) == (400, True, invalid.content)
     assert counts(live_gunicorn) - before == (1, 0)
 
 
@@ -352,7 +349,7 @@ def test_duplicate_waiting_on_a_first_attempt_that_rolls_back_executes_itself(
         failed = first.result()
 
     assert failed.status_code == 500
-    assert (duplicate.status_code, is_replay(duplicate)) == (201, False), duplicate.text
+    assert (duplicate.status_code, replayed(duplicate)) == (201, False), duplicate.text
     assert counts(live_gunicorn) - before == (2, 1)
     assert records(key) == 1
 
@@ -374,7 +371,66 @@ def test_duplicate_that_will_not_wait_gets_409_at_once(live_gunicorn: str, alice
     assert impatient.json()["type"].endswith("in-progress")
     assert int(impatient.headers["Retry-After"]) >= 1
     assert waited < 1.0
-    assert (created.status_code, is_replay(created)) == (201, False)
-    assert (patient.status_code, is_replay(patient)) == (201, True)
+    assert (created.status_code, replayed(created)) == (201, False)
+    assert (patient.status_code, replayed(patient)) == (201, True)
     assert patient.content == created.content
     assert patient.headers["Preference-Applied"] == "wait=5"
+
+
+@pytest.mark.parametrize("path", ["/api/charges/", "/api/charges-django/"])
+def test_rollback_only_first_attempt_is_500_commits_nothing_and_frees_the_key(
+    live_gunicorn: str, alice: Any, path: str
+) -> None:
+    model, count_path = ENDPOINTS[path]
+    key = str(uuid.uuid4())
+    before = counts(live_gunicorn, count_path)
+
+    rolled_back = post(live_gunicorn, alice, key, {**CHARGE, "fail": "rollback_only"}, path)
+    records_after = records(key)
+    retry = post(live_gunicorn, alice, key, CHARGE, path)
+
+    assert rolled_back.status_code == 500, rolled_back.text
+    assert rolled_back.headers["Content-Type"] == "application/problem+json"
+    assert records_after == 0
+    assert (retry.status_code, replayed(retry)) == (201, False)
+    assert counts(live_gunicorn, count_path) - before == (2, 1)
+    assert model._default_manager.filter(user=alice.user).count() == 1
+
+
+@pytest.mark.parametrize("path", ENDPOINTS)
+def test_a_replay_never_carries_the_first_answers_cookie(
+    live_gunicorn: str, alice: Any, path: str
+) -> None:
+    key = str(uuid.uuid4())
+    body = {**CHARGE, "set_cookie": "first-answer-only"}
+
+    first = post(live_gunicorn, alice, key, body, path)
+    replay = post(live_gunicorn, alice, key, body, path)
+
+    assert (first.status_code, replayed(first)) == (201, False)
+    assert first.cookies.get("payments_fault") == "first-answer-only"
+    assert (replay.status_code, replayed(replay)) == (201, True)
+    assert "Set-Cookie" not in replay.headers
+    assert replay.content == first.content
+
+
+def test_a_patch_replay_checks_ownership_again_over_http(
+    live_gunicorn: str, alice: Any, bob: Any
+) -> None:
+    created = post(live_gunicorn, alice, uuid.uuid4().hex, CHARGE)
+    assert created.status_code == 201
+    url = f"{live_gunicorn}/api/charges/{created.json()['id']}/"
+    key, change = uuid.uuid4().hex, {"description": "team lunch"}
+    headers = {**alice.headers, "Idempotency-Key": key}
+    first = requests.patch(url, json=change, headers=headers, timeout=10)
+    assert first.status_code == 200
+    assert first.json()["description"] == "team lunch"
+    assert replayed(requests.patch(url, json=change, headers=headers, timeout=10))
+    Charge.objects.filter(pk=created.json()["id"]).update(user=bob.user)
+    fresh = requests.patch(
+        url, json=change, headers={**headers, "Idempotency-Key": uuid.uuid4().hex}, timeout=10
+    )
+    assert fresh.status_code == 403
+    old_key = requests.patch(url, json=change, headers=headers, timeout=10)
+    assert old_key.status_code == 403
+    assert not replayed(old_key)

@@ -20,7 +20,7 @@ class Payment(models.Model):
 
 
 class Charge(Payment):
-    pass
+    description = models.CharField(max_length=255, blank=True, default="")
 
 
 class Refund(Payment):

@@ -25,6 +25,18 @@ class PaymentSerializer(serializers.ModelSerializer[Payment]):
 class ChargeSerializer(PaymentSerializer):
     class Meta(PaymentSerializer.Meta):
         model = Charge
+        fields = [*PaymentSerializer.Meta.fields, "description"]
+
+
+class ChargeDescriptionSerializer(serializers.ModelSerializer[Charge]):
+    """What a charge's owner may change after the fact: its description."""
+
+    user = serializers.ReadOnlyField(source="user.username")
+
+    class Meta:
+        model = Charge
+        fields = ["id", "amount", "currency", "user", "created", "description"]
+        read_only_fields = ["id", "amount", "currency", "created"]
 
 
 class RefundSerializer(PaymentSerializer):

@@ -9,6 +9,7 @@ app_name = "payments"
 
 urlpatterns = [
     path("charges/", views.ChargeCreateView.as_view(), name="charges"),
+    path("charges/<int:pk>/", views.ChargeDetailView.as_view(), name="charge-detail"),
     path("charges/count/", views.PaymentCountView.as_view(model=Charge), name="charge-count"),
     path("charges-plain/", views.PaymentCreateView.as_view(), name="charges-plain"),
     path("charges-django/", views.charge_without_drf, name="charges-django"),

@@ -13,8 +13,8 @@ from django.views.decorators.csrf import csrf_exempt
 from django.views.decorators.http import require_POST
 from rest_framework.authentication import TokenAuthentication
 from rest_framework.exceptions import AuthenticationFailed, ValidationError
-from rest_framework.generics import GenericAPIView
-from rest_framework.permissions import AllowAny, IsAuthenticated
+from rest_framework.generics import GenericAPIView, RetrieveUpdateAPIView
+from rest_framework.permissions import AllowAny, BasePermission, IsAuthenticated
 from rest_framework.request import Request
 from rest_framework.response import Response
 from rest_framework.views import APIView
@@ -22,10 +22,11 @@ from rest_framework.views import APIView
 from django_idempotency.decorators import idempotent
 from django_idempotency.rest_framework import IdempotencyMixin
 from testproject.payments import executions
-from testproject.payments.faults import Faults
+from testproject.payments.faults import Faults, with_cookie
 from testproject.payments.models import Charge, Payment
 from testproject.payments.parsers import JSONParser
 from testproject.payments.serializers import (
+    ChargeDescriptionSerializer,
     ChargeSerializer,
     PaymentCountSerializer,
     PaymentSerializer,
@@ -60,11 +61,30 @@ class PaymentCreateView(GenericAPIView[Payment]):
         serializer = self.get_serializer(data=request.data)
         assert isinstance(serializer, PaymentSerializer)
         status, body = create_payment(serializer, request.user)
-        return Response(body, status=status)
+        return with_cookie(Response(body, status=status), request.data)
 
 
 class ChargeCreateView(IdempotencyMixin, PaymentCreateView):
     """Create a charge; a retry with the same ``Idempotency-Key`` gets the first answer."""
+
+
+class IsOwner(BasePermission):
+    """Only the charge's owner may change it."""
+
+    def has_object_permission(self, request: Request, view: Any, obj: Any) -> bool:
+        return bool(obj.user_id == request.user.pk)
+
+
+class ChargeDetailView(IdempotencyMixin, RetrieveUpdateAPIView[Charge]):
+    """Read a charge, or change its description (``PATCH``, idempotent); owner only. A
+    replay checks ownership again first."""
+
+    authentication_classes = [TokenAuthentication]
+    permission_classes = [IsAuthenticated, IsOwner]
+    parser_classes = [JSONParser]
+    serializer_class = ChargeDescriptionSerializer
+    queryset = Charge.objects.all()
+    http_method_names = ["get", "patch", "head", "options"]
 
 
 class RefundCreateView(IdempotencyMixin, PaymentCreateView):
@@ -141,7 +161,7 @@ def charge_without_drf(request: HttpRequest) -> HttpResponse:
         status, body = create_payment(ChargeSerializer(data=data), request.user)
     except ValidationError as exc:
         return JsonResponse(exc.detail, status=400, safe=False)
-    return JsonResponse(body, status=status)
+    return with_cookie(JsonResponse(body, status=status), data)
 
 
 @csrf_exempt
