@@ -232,3 +232,20 @@ def test_admin_is_read_only_and_shows_the_last_error(superuser_client) -> None:
     assert superuser_client.post(f"{OUTBOX_CHANGELIST}{message_id}/delete/").status_code == 403
     assert superuser_client.post(detail, {"name": "changed"}).status_code == 403
     assert OutboxMessage.objects.get(id=message_id).name == "tests.noop"
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_partition_holding_an_unpublished_message_is_never_dropped_however_old() -> None:
+    old_day = datetime.now(UTC).date() - timedelta(days=1)
+    partition = f"{outbox.TABLE}_p{old_day:%Y%m%d}"
+    assert outbox.keep_partition(connection, partition) is None  # empty: may go
+    with transaction.atomic():
+        ids = [enqueue_task("tests.noop") for _ in range(3)]
+    with connection.cursor() as cursor:
+        # Yesterday's rows, as if written then.
+        cursor.execute(f"UPDATE {outbox.TABLE} SET created_at = created_at - interval '1 day'")
+    assert outbox.keep_partition(connection, partition) == "holds 3 unpublished messages"
+    OutboxMessage.objects.filter(id__in=ids[:2]).update(published_at=datetime.now(UTC))
+    assert outbox.keep_partition(connection, partition) == "holds 1 unpublished message"
+    OutboxMessage.objects.filter(id=ids[2]).update(published_at=datetime.now(UTC))
+    assert outbox.keep_partition(connection, partition) is None  # all published: may go

@@ -12,6 +12,7 @@ from datetime import UTC, datetime
 from typing import Any, Protocol
 
 from django.db import connections, router
+from django.db.backends.base.base import BaseDatabaseWrapper
 
 from django_idempotency.models import OutboxMessage
 
@@ -28,6 +29,10 @@ WITH message AS (
 )
 SELECT pg_notify('{CHANNEL}', '') FROM message
 """
+
+
+# keep_partition() counts this many unpublished rows at most.
+UNPUBLISHED_COUNT_LIMIT = 1000
 
 
 class OutboxError(Exception):
@@ -119,6 +124,25 @@ def _insert(
     with connection.cursor() as cursor:
         cursor.execute(INSERT, row)
     return str(message_id)
+
+
+def keep_partition(connection: BaseDatabaseWrapper, partition: str) -> str | None:
+    """Why partition maintenance must not drop an outbox partition, or None if it may.
+
+    Retention applies to published messages only: a partition that still holds an
+    unpublished message is never dropped, however old. Checking before the detach is enough,
+    since a published row never becomes unpublished and new rows land in today's partition.
+    """
+    with connection.cursor() as cursor:
+        cursor.execute(
+            f'SELECT count(*) FROM (SELECT 1 FROM "{partition}" '
+            f"WHERE published_at IS NULL LIMIT {UNPUBLISHED_COUNT_LIMIT}) AS pending"
+        )
+        (count,) = cursor.fetchone()
+    if not count:
+        return None
+    more = "+" if count >= UNPUBLISHED_COUNT_LIMIT else ""
+    return f"holds {count}{more} unpublished message{'' if count == 1 else 's'}"
 
 
 def enqueue_task(
