@@ -86,14 +86,21 @@ class EstimatedCountPaginator(RecordPaginator):
         return max(estimate, self.exact_below)
 
 
+def _user_kinds() -> frozenset[str]:
+    # The default principal of an authenticated user, and what a principal callable that
+    # returns the user instance stores (the model's label, such as auth.user).
+    return frozenset({"user", get_user_model()._meta.label_lower})
+
+
 def usernames(principals: list[str]) -> dict[str, str]:
-    """The default ``IDEMPOTENCY_PRINCIPAL_DISPLAY``: ``user:<pk>`` to the user's username,
-    in one query."""
+    """The default ``IDEMPOTENCY_PRINCIPAL_DISPLAY``: a user's principal (``user:<pk>``, or
+    ``auth.user:<pk>`` from a principal callable) to their username, in one query."""
     User = get_user_model()
+    kinds = _user_kinds()
     pks: dict[str, Any] = {}
     for principal in principals:
         kind, _, raw_pk = principal.partition(":")
-        if kind == "user":
+        if kind in kinds:
             with contextlib.suppress(ValidationError):  # not a pk of this user model
                 pks[principal] = User._meta.pk.to_python(raw_pk)
     if not pks:
@@ -103,13 +110,14 @@ def usernames(principals: list[str]) -> dict[str, str]:
     return {principal: names[pk] for principal, pk in pks.items() if pk in names}
 
 
-def principal_of_username(username: str) -> str | None:
-    """``user:<pk>`` for the user with this username, as the default principal names them."""
+def principals_of_username(username: str) -> list[str]:
+    """The principals a user's records can have (see ``usernames``); none if no user has
+    this username."""
     User = get_user_model()
     pk = User._default_manager.filter(**{User.USERNAME_FIELD: username}).values_list(
         "pk", flat=True
     )[:1]
-    return f"user:{pk[0]}" if pk else None
+    return [f"{kind}:{pk[0]}" for kind in sorted(_user_kinds())] if pk else []
 
 
 def _principal_label(principal: str, labels: Mapping[str, str]) -> str:
@@ -363,9 +371,9 @@ class IdempotencyRecordAdmin(RecordModelAdmin):
             term = parse_key(term)
         found = Q(key=term)
         # A support person knows the customer's username, the records the principal.
-        principal = principal_of_username(term)
-        if principal is not None:
-            found |= Q(scope=principal)
+        principals = principals_of_username(term)
+        if principals:
+            found |= Q(scope__in=principals)
         return queryset.filter(found), False
 
     def has_add_permission(self, request: HttpRequest) -> bool:

@@ -434,3 +434,19 @@ def test_search_by_username_finds_that_users_records(superuser_client):
     # The key "alice" still matches as a key; the username adds alice's own records.
     assert sorted(found) == sorted([keyed_alice.pk, *(r.pk for r in alices)])
     assert nobody == []
+
+
+def test_a_principal_callable_returning_the_user_is_shown_and_searched_by_username(
+    superuser_client,
+):
+    # A principal callable that returns request.user stores the model's label and pk.
+    alice = User.objects.create_user("alice")
+    from_callable = IdempotencyRecordFactory(scope=f"auth.user:{alice.pk}")
+    by_default = IdempotencyRecordFactory(scope=f"user:{alice.pk}")
+
+    listing = superuser_client.get(CHANGELIST)
+    found = listed(superuser_client.get(CHANGELIST, {"q": "alice"}))
+
+    assert f"alice (auth.user:{alice.pk})" in listing.text
+    assert f"alice (user:{alice.pk})" in listing.text
+    assert sorted(found) == sorted([from_callable.pk, by_default.pk])
