@@ -516,3 +516,66 @@ def test_the_command_drains_once_and_says_how_many(
 
 
 COMMAND_APP = make_app("memory://")
+
+
+SQLITE_SETTINGS = """
+SECRET_KEY = "relay-sqlite-tests-only"
+INSTALLED_APPS = ["django.contrib.auth", "django.contrib.contenttypes", "django_idempotency"]
+DATABASES = {{"default": {{"ENGINE": "django.db.backends.sqlite3", "NAME": {name!r}}}}}
+USE_TZ = True
+"""
+
+SQLITE_SCRIPT = """
+import json, sys, django
+django.setup()
+from celery import Celery
+from django.core.management import call_command
+from django.db import connection, transaction
+from django_idempotency.messaging.outbox import NotInTransaction, enqueue_task
+from django_idempotency.messaging.relay import Relay
+from django_idempotency.models import OutboxMessage
+
+call_command("migrate", verbosity=0)
+app = Celery("sqlite-relay", set_as_current=False)
+app.conf.update(broker_url=sys.argv[1], task_ignore_result=True)
+try:
+    enqueue_task("tests.relay.record")
+    refused = False
+except NotInTransaction:
+    refused = True
+with transaction.atomic():
+    ids = [enqueue_task("tests.relay.record", (n,)) for n in range(5)]
+stale, fresh = Relay(app=app, owner="stale"), Relay(app=app, owner="fresh")
+held = stale.claim(limit=2)
+OutboxMessage.objects.update(lease_until=None)  # as if the lease ran out
+published = fresh.drain()
+print(json.dumps({
+    "vendor": connection.vendor, "refused": refused, "ids": ids, "published": published,
+    "stale_marked": stale.mark(held, held.messages),
+    "pending": OutboxMessage.objects.filter(published_at__isnull=True).count(),
+}))
+"""
+
+
+def test_on_sqlite_the_outbox_is_a_plain_table_and_the_relay_publishes_it(
+    tmp_path: Path, private_redis: RedisServer
+) -> None:
+    (tmp_path / "relay_sqlite_settings.py").write_text(
+        SQLITE_SETTINGS.format(name=str(tmp_path / "relay.sqlite3"))
+    )
+    env = {
+        **os.environ,
+        "DJANGO_SETTINGS_MODULE": "relay_sqlite_settings",
+        "PYTHONPATH": os.pathsep.join([str(tmp_path), str(ROOT)]),
+    }
+    env.pop("DATABASE_URL", None)
+    done = subprocess.run(
+        [sys.executable, "-c", SQLITE_SCRIPT, private_redis.url], cwd=ROOT, env=env,
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert result["vendor"] == "sqlite" and result["refused"] is True
+    assert result["published"] == 5 and result["pending"] == 0
+    assert result["stale_marked"] == 0  # its fence moved on when the other relay took over
+    assert [h["id"] for h in private_redis.queued()] == result["ids"]
