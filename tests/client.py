@@ -1,4 +1,5 @@
-"""Sending scripted JSON requests with an Idempotency-Key, through Django's test client."""
+"""Sending scripted JSON requests with an Idempotency-Key through Django's test client, and
+reading what came back (any client's response)."""
 
 from __future__ import annotations
 
@@ -26,6 +27,11 @@ def send(
         body = json.dumps(body)
     extra.setdefault("content_type", "application/json")
     return client.generic(method, path, body or b"", headers=all_headers, **extra)
+
+
+def replayed(response: Any) -> bool:
+    """Whether a response (Django's, DRF's or ``requests``') is a replay of a stored one."""
+    return response.headers.get("Idempotent-Replayed") == "true"
 
 
 def problem(response: Any) -> dict[str, Any]:

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import itertools
 import os
 import signal
 import socket
@@ -269,18 +268,17 @@ class TokenUser:
         return client
 
 
-_usernames = itertools.count(1)
-
-
 @pytest.fixture
 def make_token_user(db: None) -> Callable[..., TokenUser]:
-    """``make_token_user(username=None, **fields)``: a new user and their DRF token."""
-    from django.contrib.auth.models import User
-    from rest_framework.authtoken.models import Token
+    """``make_token_user(username=None, **fields)``: a new user and their DRF token, made
+    by ``tests.factories.TokenFactory``."""
+    from tests.factories import TokenFactory
 
     def make(username: str | None = None, **fields: Any) -> TokenUser:
-        user = User.objects.create_user(username=username or f"user{next(_usernames)}", **fields)
-        return TokenUser(user, Token.objects.create(user=user).key)
+        if username is not None:
+            fields["username"] = username
+        token = TokenFactory(**{f"user__{name}": value for name, value in fields.items()})
+        return TokenUser(token.user, token.key)
 
     return make
 

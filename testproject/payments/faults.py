@@ -10,10 +10,11 @@ import os
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from django.conf import settings
-from django.db import DEFAULT_DB_ALIAS, connections
+from django.db import DEFAULT_DB_ALIAS, connections, transaction
+from django.http.response import HttpResponseBase
 from django.utils import timezone
 from rest_framework import serializers
 
@@ -22,6 +23,12 @@ from testproject.payments.models import FaultTag
 FAIL_RAISE = "500"
 FAIL_RESPOND = "500r"
 FAIL_AFTER_WRITE = "after_write"
+# Writes, then marks the transaction for rollback without raising, and answers 201: the
+# "catch the IntegrityError and carry on" pattern. Nothing commits; the 201 must not stand.
+FAIL_ROLLBACK_ONLY = "rollback_only"
+COOKIE_NAME = "payments_fault"
+
+R = TypeVar("R", bound=HttpResponseBase)
 
 
 class InjectedFault(Exception):
@@ -34,11 +41,12 @@ class FaultsSerializer(serializers.Serializer[Any]):
     def get_fields(self) -> dict[str, serializers.Field[Any, Any, Any, Any]]:
         return {
             "fail": serializers.ChoiceField(
-                [FAIL_RAISE, FAIL_RESPOND, FAIL_AFTER_WRITE], default=""
+                [FAIL_RAISE, FAIL_RESPOND, FAIL_AFTER_WRITE, FAIL_ROLLBACK_ONLY], default=""
             ),
             "fail_once": serializers.CharField(max_length=255, default=""),
             "crash_once": serializers.CharField(max_length=255, default=""),
             "delay_ms": serializers.IntegerField(min_value=0, max_value=60_000, default=0),
+            "set_cookie": serializers.CharField(max_length=255, default=""),
         }
 
 
@@ -50,6 +58,7 @@ class Faults:
     fail_once: str = ""
     crash_once: str = ""
     delay_ms: int = 0
+    set_cookie: str = ""
 
     @classmethod
     def from_data(cls, data: Mapping[str, Any]) -> Faults:
@@ -70,6 +79,9 @@ class Faults:
         return self.fail == FAIL_RESPOND
 
     def after_write(self) -> None:
+        if self.fail == FAIL_ROLLBACK_ONLY:
+            # Outside an atomic block (the unprotected baseline) Django raises here.
+            transaction.set_rollback(True)
         if self.fail == FAIL_AFTER_WRITE:
             raise InjectedFault("fail=after_write: raised after writing")
         if self.fail_once and first_sighting(f"fail_once:{self.fail_once}"):
@@ -77,6 +89,15 @@ class Faults:
         if self.crash_once and first_sighting(f"crash_once:{self.crash_once}"):
             # Like a power cut or the OOM killer: no exception handler, no rollback, no reply.
             os._exit(1)
+
+
+def with_cookie(response: R, data: Mapping[str, Any]) -> R:
+    """The view's response, with the ``set_cookie`` switch's cookie if the body asks for one
+    (a replay must never carry it)."""
+    value = Faults.from_data(data).set_cookie
+    if value:
+        response.set_cookie(COOKIE_NAME, value, httponly=True, samesite="Lax")
+    return response
 
 
 def first_sighting(tag: str) -> bool:
