@@ -3,13 +3,11 @@ view's writes, and the 4xx is still stored and replayed, as it is without ATOMIC
 
 from __future__ import annotations
 
-from typing import Any
-
 import pytest
 from django.db import connection
 
 from django_idempotency.models import IdempotencyRecord
-from tests.client import send
+from tests.client import replayed, send
 from tests.factories import ScriptFactory, new_key
 from tests.views import CALLS, business_rows
 
@@ -19,10 +17,6 @@ pytestmark = [pytest.mark.urls("tests.urls"), pytest.mark.django_db(transaction=
 @pytest.fixture(autouse=True)
 def atomic_requests(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setitem(connection.settings_dict, "ATOMIC_REQUESTS", True)
-
-
-def replayed(response: Any) -> bool:
-    return response.get("Idempotent-Replayed") == "true"
 
 
 def test_drf_validation_error_is_stored_and_replayed(client) -> None:
