@@ -19,6 +19,7 @@ import requests
 
 from testproject.payments.models import Charge
 from tests import test_e2e_payments as e2e
+from tests.client import replayed
 from tests.test_e2e_payments import CHARGE, counts, post, records, send_at_once
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -30,10 +31,6 @@ ASYNC_PENDING = pytest.mark.xfail(
     strict=True, reason="@idempotent on async def views is not supported by the engine yet"
 )
 SERVERS = pytest.mark.parametrize("server", ["live_uvicorn", "live_gunicorn"])
-
-
-def replayed(response: requests.Response) -> bool:
-    return response.headers.get("Idempotent-Replayed") == "true"
 
 
 @pytest.fixture

@@ -24,15 +24,12 @@ from typing import Any
 import pytest
 import requests
 
+from tests.client import replayed
 from tests.conftest import GunicornServer
 from tests.servers import PostgresCluster, migrate, postgres_bin, primary_and_replica
 from tests.test_e2e_payments import CHARGE, send_at_once
 
 DATABASE = "payments"
-
-
-def replayed(response: requests.Response) -> bool:
-    return response.headers.get("Idempotent-Replayed") == "true"
 
 
 @dataclass(frozen=True)
