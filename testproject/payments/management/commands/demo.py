@@ -231,6 +231,8 @@ class Command(BaseCommand):
             try:
                 with urllib.request.urlopen(base_url + "/api/charges/count/", timeout=2):
                     return
+            except urllib.error.HTTPError:
+                return  # an answer, if not a good one: the calls below will show it
             except OSError:
                 time.sleep(0.1)
         raise CommandError(f"gunicorn did not answer on {base_url} within {STARTUP_TIMEOUT:.0f} s")
