@@ -34,6 +34,7 @@ from celery.contrib.testing.worker import start_worker
 from django.core.management import call_command
 from django.db import connection, transaction
 from django.test import override_settings
+from django.utils import timezone
 
 from django_idempotency import signals
 from django_idempotency.messaging.outbox import enqueue_event, enqueue_task
@@ -259,7 +260,7 @@ def test_a_relay_whose_lease_expired_cannot_mark_rows(
     assert pending() == 0
 
 
-def test_a_publish_error_records_the_attempt_and_holds_the_row_back(
+def test_a_broker_that_is_down_records_the_attempt_and_the_relay_retries_at_once(
     private_redis: RedisServer, caplog: pytest.LogCaptureFixture
 ) -> None:
     ids = enqueue_many(3)
@@ -268,15 +269,42 @@ def test_a_publish_error_records_the_attempt_and_holds_the_row_back(
         Relay(app=down).drain()
     first, *rest = OutboxMessage.objects.order_by("created_at")
     assert str(first.id) == ids[0] and first.attempts == 1 and first.published_at is None
-    assert "Error" in first.last_error and first.lease_until is not None
+    assert "Error" in first.last_error
+    # Not the message's fault: nothing is held back, so all go out once the broker is back.
+    assert first.lease_until is None and first.lease_owner == ""
     assert all(r.attempts == 0 and r.lease_until is None for r in rest)  # untried, given back
     assert "Publishing outbox message" in caplog.text
-    # The next pass of a working relay publishes the others now, the failed one after its backoff.
-    working = make_app(private_redis.url)
-    assert Relay(app=working).drain() == 2
-    OutboxMessage.objects.filter(pk=first.pk).update(lease_until=None)
-    assert Relay(app=working).drain() == 1
-    assert sorted(h["id"] for h in private_redis.queued()) == sorted(ids)
+    assert Relay(app=make_app(private_redis.url)).drain() == 3
+    assert [h["id"] for h in private_redis.queued()] == ids
+
+
+def refuse_one_task(name: str, args: Any, kwargs: Any, options: Any, **extra: Any) -> None:
+    if name == "tests.relay.unroutable":
+        raise ValueError("no route for this one")
+
+
+def test_a_message_that_fails_to_publish_is_held_back_with_backoff_and_others_go_on(
+    private_redis: RedisServer,
+) -> None:
+    app = make_app(private_redis.url)
+    app.conf.task_routes = (refuse_one_task,)
+    with transaction.atomic():
+        bad = enqueue_task("tests.relay.unroutable")
+        good = enqueue_task("tests.relay.record")
+    with pytest.raises(PublishFailed, match="no route"):
+        Relay(app=app).drain()
+    row = OutboxMessage.objects.get(id=bad)
+    assert row.attempts == 1 and row.last_error == "ValueError: no route for this one"
+    assert row.lease_until is not None  # held back about a second
+    assert Relay(app=app).drain() == 1  # the next pass goes past it
+    assert [h["id"] for h in private_redis.queued()] == [good]
+    time.sleep(1.2)
+    with pytest.raises(PublishFailed):
+        Relay(app=app).drain()
+    row.refresh_from_db()
+    held_for = (row.lease_until - timezone.now()).total_seconds()
+    assert row.attempts == 2 and 1 < held_for <= 2  # twice as long
+    assert pending() == 1
 
 
 def test_rabbitmq_publishes_in_confirm_mode(django_db_blocker: Any) -> None:

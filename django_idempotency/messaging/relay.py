@@ -70,7 +70,8 @@ UPDATE {TABLE} SET published_at = now(), lease_until = NULL
 FAIL = f"""
 UPDATE {TABLE}
    SET attempts = attempts + 1, last_error = %s, lease_owner = '',
-       lease_until = now() + interval '1 second' * least(power(2, least(attempts, 20)), %s)
+       lease_until = CASE WHEN %s
+           THEN now() + interval '1 second' * least(power(2, least(attempts, 20)), %s) END
  WHERE id = %s AND created_at = %s AND lease_owner = %s AND fence = %s
 """
 
@@ -244,8 +245,8 @@ class Relay:
                 .update(published_at=now, lease_until=None)
             )
 
-    def fail(self, batch: Batch, message: Message, error: str) -> None:
-        """Count a failed publish and hold the row back for a while."""
+    def fail(self, batch: Batch, message: Message, error: str, *, hold: bool = True) -> None:
+        """Count a failed publish and, with ``hold``, hold the row back for a while."""
         with transaction.atomic(using=self.using):
             if self._postgresql:
                 with connections[self.using].cursor() as cursor:
@@ -253,6 +254,7 @@ class Relay:
                         FAIL,
                         [
                             error[:2000],
+                            hold,
                             MAX_BACKOFF.total_seconds(),
                             uuid.UUID(message.id),
                             message.created_at,
@@ -270,7 +272,7 @@ class Relay:
                     attempts=found.attempts + 1,
                     last_error=error[:2000],
                     lease_owner="",
-                    lease_until=timezone.now() + delay,
+                    lease_until=timezone.now() + delay if hold else None,
                 )
 
     def release(self, batch: Batch, messages: tuple[Message, ...]) -> None:
@@ -310,6 +312,14 @@ class Relay:
                 self._connection.close()
         self._connection = self._producer = None
 
+    def _is_connection_error(self, exc: Exception) -> bool:
+        from kombu.exceptions import OperationalError
+
+        errors: tuple[type[BaseException], ...] = (OperationalError, OSError)
+        if self._connection is not None:
+            errors += tuple(self._connection.connection_errors)
+        return isinstance(exc, errors)
+
     def publish(self, message: Message) -> None:
         options = message.options
         if message.kind == OutboxMessage.Kind.EVENT:
@@ -342,6 +352,7 @@ class Relay:
             return result
         published: list[Message] = []
         failed: Message | None = None
+        broker_down = False
         try:
             for message in batch.messages:
                 if self.stopping.is_set():
@@ -351,6 +362,7 @@ class Relay:
                 except Exception as exc:
                     failed = message
                     result.error = f"{type(exc).__name__}: {exc}"
+                    broker_down = self._is_connection_error(exc)
                     break
                 published.append(message)
         finally:
@@ -371,7 +383,9 @@ class Relay:
             result.failed = 1
             self.close_producer()
             logger.warning("Publishing outbox message %s failed: %s", failed.id, result.error)
-            self.fail(batch, failed, result.error)
+            # A broker that is down is no fault of the message: the relay pauses instead,
+            # so that every message goes out as soon as the broker is back.
+            self.fail(batch, failed, result.error, hold=not broker_down)
             untried = batch.messages[len(published) + 1 :]
             self.release(batch, untried)
         elif len(published) < len(batch.messages):
