@@ -40,6 +40,10 @@ DURATIONS = (
     ("PARTITION_GRACE", timedelta(0)),
     # 0 would disable PostgreSQL's lock_timeout: DDL could then queue requests behind it.
     ("DDL_LOCK_TIMEOUT", timedelta.resolution),
+    ("OUTBOX_RETENTION", timedelta.resolution),
+    ("OUTBOX_POLL_INTERVAL", timedelta.resolution),
+    ("OUTBOX_LEASE", timedelta.resolution),
+    ("OUTBOX_MAX_AGE", timedelta.resolution),
 )
 INTEGERS = (
     ("COMPRESS_MIN_BYTES", 0),
@@ -47,6 +51,7 @@ INTEGERS = (
     # Fewer would raise django_idempotency.W101 all the time.
     ("PARTITIONS_AHEAD", 2),
     ("DELETE_BATCH_SIZE", 1),
+    ("OUTBOX_BATCH_SIZE", 1),
 )
 
 

@@ -249,3 +249,25 @@ def test_a_partition_holding_an_unpublished_message_is_never_dropped_however_old
     assert outbox.keep_partition(connection, partition) == "holds 1 unpublished message"
     OutboxMessage.objects.filter(id=ids[2]).update(published_at=datetime.now(UTC))
     assert outbox.keep_partition(connection, partition) is None  # all published: may go
+
+
+@pytest.mark.parametrize(
+    ("setting", "value", "check_id"),
+    [
+        ("IDEMPOTENCY_OUTBOX_LEASE", 60, "django_idempotency.E003"),
+        ("IDEMPOTENCY_OUTBOX_POLL_INTERVAL", timedelta(0), "django_idempotency.E003"),
+        ("IDEMPOTENCY_OUTBOX_RETENTION", timedelta(-1), "django_idempotency.E003"),
+        ("IDEMPOTENCY_OUTBOX_MAX_AGE", "5m", "django_idempotency.E003"),
+        ("IDEMPOTENCY_OUTBOX_BATCH_SIZE", 0, "django_idempotency.E008"),
+    ],
+)
+def test_outbox_settings_out_of_range_are_refused_by_the_settings_check(
+    setting: str, value: object, check_id: str
+) -> None:
+    from django.test import override_settings
+
+    from django_idempotency.checks import check_settings
+
+    with override_settings(**{setting: value}):
+        found = [m for m in check_settings(None) if setting in m.msg]
+    assert [m.id for m in found] == [check_id]
