@@ -5,19 +5,24 @@ from __future__ import annotations
 
 import hashlib
 import http.client
+import io
 import json
 import re
+import time
+from decimal import Decimal
 from typing import Any
 from urllib.parse import urlsplit
+from uuid import UUID
 
 import pytest
-from django.contrib.auth.models import AnonymousUser
+from django.contrib.auth.models import AnonymousUser, Group
 from django.core.files.uploadedfile import SimpleUploadedFile
 from django.test import RequestFactory
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
+from rest_framework.parsers import JSONParser
 
-from django_idempotency.engine.errors import InvalidKey
+from django_idempotency.engine.errors import InvalidKey, PrincipalMissing
 from django_idempotency.engine.identity import (
     ANONYMOUS,
     canonical_body,
@@ -38,11 +43,24 @@ KEY_ALPHABET = "".join(chr(c) for c in range(0x21, 0x7F) if chr(c) not in '",;\\
 valid_keys = st.text(alphabet=KEY_ALPHABET, min_size=1, max_size=255)
 
 
+# RFC 8941's parameters (section 3.1.2), written out from the RFC's ABNF: a key, then
+# optionally "=" and a bare item (integer, decimal, string, token, byte sequence, boolean).
+SF_BARE_ITEM = (
+    r"-?[0-9]{1,12}\.[0-9]{1,3}|-?[0-9]{1,15}"  # decimal | integer
+    r'|"(?:[\x20\x21\x23-\x5b\x5d-\x7e]|\\["\\])*"'  # string
+    r"|[A-Za-z*][-!#$%&'*+.^_`|~0-9A-Za-z:/]*"  # token
+    r"|:[A-Za-z0-9+/=]*:"  # byte sequence
+    r"|\?[01]"  # boolean
+)
+SF_PARAMETERS = rf"(?:[ \t]*;[ ]*[a-z*][a-z0-9_.*-]*(?:=(?:{SF_BARE_ITEM}))?)*"
+
+
 def contract_key(raw: str) -> str | None:
     """What section 2 says the key of a header value is; None when it is invalid."""
     value = raw.strip(" \t")
     if value.startswith('"'):
-        match = re.fullmatch(r'"([^"]*)"[ \t]*(?:;[^,]*)?', value, flags=re.DOTALL)
+        # Whitespace before a ";" is tolerated, as it always was; nothing else outside RFC 8941.
+        match = re.fullmatch(rf'"([^"]*)"{SF_PARAMETERS}', value, flags=re.DOTALL)
         if match is None:
             return None
         value = match.group(1)
@@ -76,7 +94,38 @@ MALFORMED = {
     "garbage after string": '"abcdef" junk',
     "parameters on a bare value": "abcdef;param=1",
     "quote inside a bare value": 'ab"cd',
+    # RFC 8941 parameters that do not parse.
+    "empty parameter": '"abc";;',
+    "semicolon alone": '"abc";',
+    "parameter without a key": '"abc";=1',
+    "upper-case parameter key": '"abc";Foo=1',
+    "parameter key starting with a digit": '"abc";1a=1',
+    "parameter without a value after =": '"abc";a=',
+    "comma after a parameter": '"abc";a=1, "def"',
+    "comma in a token value": '"abc";a=x,y',
+    "unterminated string value": '"abc";a="x',
+    "integer of 16 digits": '"abc";a=1234567890123456',
+    "decimal with 4 fraction digits": '"abc";a=1.2345',
+    "decimal ending in a dot": '"abc";a=1.',
+    "bad boolean": '"abc";a=?2',
+    "non-ASCII value": '"abc";a="é"',
+    "bad byte sequence": '"abc";a=:ab!:',
+    "tab after the semicolon": '"abc";\ta=1',
 }
+
+VALID_WITH_PARAMETERS = [
+    '"k";a="x,y"',
+    '"k";a="x;y=\\"z\\""',
+    '"k";a=?1;b=?0;c=:AQID:;d=tok/en:x;e=-1.5;f=123456789012345;g;*h=*',
+    '"k";  spaced=1',
+    '"k" ;a=1 ;b=2',
+]
+
+
+@pytest.mark.parametrize("raw", VALID_WITH_PARAMETERS)
+def test_quoted_key_with_rfc8941_parameters_is_accepted(raw: str) -> None:
+    assert parse_key(raw) == "k"
+    assert contract_key(raw) == "k"
 
 
 @pytest.mark.parametrize("raw", MALFORMED.values(), ids=MALFORMED.keys())
@@ -121,6 +170,12 @@ header_values = st.one_of(
     valid_keys.map(lambda key: f'"{key}"'),
     st.lists(valid_keys, min_size=2, max_size=4).map(", ".join),
     st.text(alphabet=KEY_ALPHABET, min_size=256, max_size=400),
+    st.tuples(valid_keys, st.from_regex(SF_PARAMETERS, fullmatch=True)).map(
+        '"{0[0]}"{0[1]}'.format
+    ),
+    st.tuples(valid_keys, st.text(alphabet=';=,"?:*aZ1.-\\ \t', max_size=12)).map(
+        '"{0[0]}";{0[1]}'.format
+    ),
 )
 
 
@@ -177,9 +232,10 @@ def test_quoted_and_bare_forms_are_the_same_key_through_a_view(client, path: str
     first = send(client, "POST", path, script, key=key)
     quoted = send(client, "POST", path, script, key=f'"{key}"')
     with_parameters = send(client, "POST", path, script, key=f'"{key}";client=sdk-1')
+    with_a_comma = send(client, "POST", path, script, key=f'"{key}";a="x,y"')
     assert first.status_code == 201
     assert "Idempotent-Replayed" not in first
-    for retry in (quoted, with_parameters):
+    for retry in (quoted, with_parameters, with_a_comma):
         assert retry.status_code == 201
         assert retry["Idempotent-Replayed"] == "true"
         assert retry.content == first.content
@@ -305,7 +361,8 @@ def test_excluded_fields_top_level_and_dotted_are_left_out() -> None:
 
 def test_excluding_a_field_that_is_missing_or_not_an_object_is_harmless() -> None:
     request = json_request('[1, {"meta": 3}]')
-    assert canonical_body(request, ["meta.sent_at", "absent"]) == b'json:[1,{"meta":3}]'
+    canonical = canonical_body(request, ["meta.sent_at", "absent"])
+    assert canonical == b'json:16:application/json;utf-8;[1,{"meta":3}]'
 
 
 FALLBACK_BODIES = {
@@ -319,7 +376,9 @@ FALLBACK_BODIES = {
 
 @pytest.mark.parametrize("raw", FALLBACK_BODIES.values(), ids=FALLBACK_BODIES.keys())
 def test_unparseable_json_falls_back_to_the_raw_bytes(raw: bytes) -> None:
-    assert canonical_body(json_request(raw)) == b"raw:" + raw
+    # RequestFactory sends no Content-Type with an empty body.
+    head = b"16:application/json;utf-8;" if raw else b"0:;utf-8;"
+    assert canonical_body(json_request(raw)) == b"raw:" + head + raw
 
 
 def test_form_body_fingerprint_ignores_pair_order_but_not_values() -> None:
@@ -580,3 +639,291 @@ def test_large_json_body_is_fingerprinted_and_replayed(client) -> None:
     assert first.status_code == 201
     assert retry["Idempotent-Replayed"] == "true"
     assert CALLS[script["tag"]] == 1
+
+
+# Principals (contract 3): never None, never shared by accident
+
+
+def principal_of(value: Any) -> str:
+    request = RequestFactory().post("/")
+    request.user = AnonymousUser()
+    return principal_for(request, lambda r: value)
+
+
+@pytest.mark.parametrize("value", [None, "", [], (), set(), frozenset(), {}], ids=repr)
+def test_principal_callable_returning_nothing_is_refused(value: Any) -> None:
+    with pytest.raises(PrincipalMissing):
+        principal_of(value)
+
+
+@pytest.mark.parametrize("value", [True, False, 1.5, b"tenant", object()], ids=repr)
+def test_principal_callable_returning_a_value_that_cannot_name_a_principal_is_refused(
+    value: Any,
+) -> None:
+    # A bool merges everybody into two scopes; an object's str() may change between requests.
+    with pytest.raises(PrincipalMissing):
+        principal_of(value)
+
+
+def test_principal_callable_returning_an_unsaved_instance_is_refused() -> None:
+    with pytest.raises(PrincipalMissing):
+        principal_of(Group(name="acme"))
+
+
+@pytest.mark.django_db
+def test_model_instances_are_identified_by_model_and_primary_key_not_str() -> None:
+    user, group = UserFactory(username="acme"), Group.objects.create(name="acme")
+    # Equal str(), different models: two principals.
+    assert str(user) == str(group)
+    assert principal_of(user) == f"auth.user:{user.pk}"
+    assert principal_of(group) == f"auth.group:{group.pk}"
+    # The same row fetched twice is one principal.
+    assert principal_of(Group.objects.get(pk=group.pk)) == principal_of(group)
+
+
+def test_values_of_different_types_never_share_a_principal() -> None:
+    uuid = UUID("4f1c7a9e-0b7d-4c1e-9d0a-6a2f3e8b1c55")
+    values = [1, "1", "int:1", "str:1", "str:int:1", uuid, str(uuid), f"uuid:{uuid}", "user:7",
+              "anonymous", "auth.user:7", "sha256:" + "0" * 64]  # fmt: skip
+    principals = [principal_of(value) for value in values]
+    assert len(set(principals)) == len(values), principals
+    # Neither a string nor an int can pass for the default principals.
+    assert ANONYMOUS not in principals
+    assert "user:7" not in principals
+
+
+def test_plain_strings_keep_their_readable_form() -> None:
+    assert principal_of("tenant:acme") == "tenant:acme"
+    assert principal_of(42) == "int:42"
+
+
+principal_values = st.one_of(
+    st.integers(), st.text(min_size=1, max_size=300), st.uuids(), st.tuples(st.integers())
+)
+
+
+@given(principal_values, principal_values)
+@example("t" * 299 + "u", "t" * 300)
+@example(1, "1")
+def test_distinct_principal_values_never_share_a_scope(first: Any, second: Any) -> None:
+    if isinstance(first, tuple) or isinstance(second, tuple):
+        # A collection is not a principal; it is refused, whatever it holds.
+        with pytest.raises(PrincipalMissing):
+            principal_of(first if isinstance(first, tuple) else second)
+        return
+    same = type(first) is type(second) and first == second
+    assert (principal_of(first) == principal_of(second)) is same
+    assert len(principal_of(first)) <= 255
+
+
+@pytest.mark.django_db
+@pytest.mark.parametrize("path", ["/drf/", "/plain/"])
+def test_principal_callable_returning_none_is_a_500_and_never_a_shared_scope(
+    client, settings, path: str
+) -> None:
+    # The issue's reproduction: users without a tenant all got the scope "None".
+    settings.IDEMPOTENCY_PRINCIPAL = lambda request: getattr(request.user, "tenant_id", None)
+    key, script = new_key(), ScriptFactory()
+    alice = send(client, "POST", path, script, key=key)
+    bob = send(client, "POST", path, script, key=key)
+    for response in (alice, bob):
+        assert response.status_code == 500, response.content
+        body = problem(response)
+        assert body["type"].endswith("principal-missing")
+        assert body["title"] == "The view's principal callable returned no principal"
+    assert CALLS[script["tag"]] == 0
+    assert not IdempotencyRecord.objects.exists()
+
+
+# Exact fingerprints (contract 4)
+
+
+def body_digest(raw: str | bytes, content_type: str = "application/json") -> str:
+    # generic() sends the bytes as they are; post() would re-encode them to the charset.
+    return fingerprint(factory.generic("POST", "/x/", raw, content_type=content_type))["body"]
+
+
+@pytest.mark.parametrize(
+    "first, second",
+    [
+        ("12345678901234567.01", "12345678901234567.99"),
+        ("1e400", "9e999"),
+        ("-1e400", "1e400"),
+        ("1e-400", "0"),
+        ("0.1", "0.10000000000000001"),
+        ("1e999999999", "1e999999998"),
+        ("123456789012345678901234567890", "123456789012345678901234567891"),
+    ],
+)
+def test_json_numbers_that_differ_in_value_never_share_a_fingerprint(
+    first: str, second: str
+) -> None:
+    assert body_digest(f'{{"note": {first}}}') != body_digest(f'{{"note": {second}}}')
+
+
+@pytest.mark.parametrize(
+    "spellings",
+    [
+        ["1", "1.0", "1.00", "10e-1", "0.1e1", "100E-2", "1e0"],
+        ["0", "-0", "0.0", "-0.0", "0e5", "0E-9"],
+        ["2500", "2.5e3", "25E+2", "2500.000"],
+        ["-0.5", "-5e-1", "-0.50"],
+        ["1e400", "10e399", "1.0E+400"],
+        ["1000000000000000000000", "1e21", "1.000e21"],
+    ],
+)
+def test_json_numbers_of_equal_value_share_a_fingerprint(spellings: list[str]) -> None:
+    digests = {body_digest(f'{{"note": {number}}}') for number in spellings}
+    assert len(digests) == 1
+
+
+finite_decimals = st.decimals(allow_nan=False, allow_infinity=False)
+
+
+def padded(value: Decimal) -> str:
+    """The same number spelled with one more trailing zero."""
+    mantissa, e, exponent = str(value).partition("E")
+    return mantissa + ("0" if "." in mantissa else ".0") + e + exponent
+
+
+@given(finite_decimals, finite_decimals)
+@example(Decimal("1"), Decimal("1.0"))
+@example(Decimal("12345678901234567.01"), Decimal("12345678901234567.99"))
+@example(Decimal("-0"), Decimal("0E-30"))
+def test_json_numbers_share_a_fingerprint_exactly_when_their_values_are_equal(
+    first: Decimal, second: Decimal
+) -> None:
+    assert (body_digest(f"[{first}]") == body_digest(f"[{second}]")) is (first == second)
+    assert body_digest(f"[{first}]") == body_digest(f"[{padded(first)}]")
+
+
+@pytest.mark.parametrize("number", ["1e999999999", "-1e-999999999", "9" * 4000 + "e999999999"])
+def test_a_huge_exponent_is_fingerprinted_in_constant_time(number: str) -> None:
+    started = time.perf_counter()
+    body_digest(f'{{"note": {number}}}')
+    assert time.perf_counter() - started < 0.05
+
+
+@pytest.mark.parametrize(
+    "first, second",
+    [
+        ('{"a": 1}', '{"a": "1"}'),
+        ('{"a": 0.5}', '{"a": {"\\u0000": "5E-1"}}'),
+        ('{"a": 100000000000000000000}', '{"a": {"\\u0000": "1E20"}}'),
+        ('{"\\u0000": 1}', '{"\\u0000\\u0000": 1}'),
+        ('{"\\u0000": "5E-1"}', "0.5"),
+        ("[true]", "[1]"),
+        ("[null]", "[0]"),
+        ("[NaN]", '["NaN"]'),
+    ],
+)
+def test_json_values_of_different_kinds_never_share_a_fingerprint(first: str, second: str) -> None:
+    assert body_digest(first) != body_digest(second)
+
+
+def test_duplicated_json_keys_mean_the_last_one_as_drf_parses_them() -> None:
+    raw = b'{"amount": 1, "amount": 2}'
+    assert JSONParser().parse(io.BytesIO(raw)) == {"amount": 2}
+    assert body_digest(raw) == body_digest(b'{"amount": 2}')
+    assert body_digest(raw) != body_digest(b'{"amount": 1}')
+
+
+def test_the_charset_is_part_of_the_body() -> None:
+    raw = '{"note": "\u00e9"}'.encode()
+    as_utf8 = body_digest(raw, "application/json; charset=utf-8")
+    # The same bytes that DRF decodes as "Ã©".
+    assert as_utf8 != body_digest(raw, "application/json; charset=latin-1")
+    # JSON without a charset is UTF-8, for DRF as for json.loads.
+    assert as_utf8 == body_digest(raw, "application/json")
+    assert as_utf8 == body_digest(raw, "application/json; charset=UTF8")
+    text = "caf\u00e9".encode()
+    assert body_digest(text, "text/plain; charset=utf-8") != body_digest(
+        text, "text/plain; charset=latin-1"
+    )
+
+
+def test_json_in_another_charset_is_compared_byte_for_byte() -> None:
+    # Under latin-1 an escaped "\u00c3\u00a9" and the raw bytes C3 A9 are the same string to
+    # DRF, but not to a view that reads the bytes: they never share a fingerprint.
+    latin = "application/json; charset=latin-1"
+    assert body_digest(b'"\\u00c3\\u00a9"', latin) != body_digest(b'"\xc3\xa9"', latin)
+    assert body_digest(b'{"a": 1}', latin) == body_digest(b'{"a": 1}', latin)
+
+
+def test_the_media_type_is_part_of_the_body() -> None:
+    assert body_digest(b"<a/>", "text/plain") != body_digest(b"<a/>", "application/xml")
+    assert body_digest(b"{}", "application/json") != body_digest(b"{}", "application/vnd.api+json")
+
+
+def test_a_file_part_never_collides_with_a_text_field() -> None:
+    content = b"receipt"
+    digest = hashlib.sha256(content).hexdigest()
+    as_file = factory.post("/x/", {"receipt": SimpleUploadedFile("x.txt", content, "text/plain")})
+    as_field = factory.post("/x/", {"receipt": f"file:x.txt:{digest}"})
+    assert canonical_body(as_file) != canonical_body(as_field)
+
+
+def test_a_file_part_counts_its_name_and_content_type() -> None:
+    def upload(name: str, content_type: str) -> bytes:
+        return canonical_body(
+            factory.post("/x/", {"receipt": SimpleUploadedFile(name, b"same", content_type)})
+        )
+
+    assert upload("a.txt", "text/plain") != upload("b.txt", "text/plain")
+    assert upload("a.txt", "text/plain") != upload("a.txt", "text/csv")
+
+
+def test_the_order_of_repeated_form_fields_and_query_parameters_counts() -> None:
+    def form(body: str, query: str = "") -> Any:
+        return factory.post(f"/x/?{query}", body, content_type="application/x-www-form-urlencoded")
+
+    # request.POST.getlist("b") is [2, 3] for one and [3, 2] for the other.
+    assert canonical_body(form("b=2&b=3")) != canonical_body(form("b=3&b=2"))
+    assert fingerprint(form("", "b=2&b=3"))["query"] != fingerprint(form("", "b=3&b=2"))["query"]
+    assert fingerprint(form("", "a=1&b=2"))["query"] == fingerprint(form("", "b=2&a=1"))["query"]
+
+
+def test_an_empty_query_and_a_missing_query_are_one_value() -> None:
+    assert fingerprint(factory.post("/x/?"))["query"] == fingerprint(factory.post("/x/"))["query"]
+
+
+@pytest.mark.django_db
+@pytest.mark.parametrize("path", ["/drf/", "/plain/"])
+def test_a_retry_with_a_number_that_differs_after_the_16th_digit_is_422(client, path: str) -> None:
+    key, tag = new_key(), new_key()
+    first = send(client, "POST", path, f'{{"tag": "{tag}", "note": 12345678901234567.01}}', key=key)
+    other = send(client, "POST", path, f'{{"tag": "{tag}", "note": 12345678901234567.99}}', key=key)
+    same = send(
+        client, "POST", path, f'{{"note": 1234567890123456701e-2, "tag": "{tag}"}}', key=key
+    )
+    assert first.status_code == 201
+    assert_key_reused(other, ["body"])
+    assert same["Idempotent-Replayed"] == "true"
+    assert CALLS[tag] == 1
+
+
+@pytest.mark.django_db
+def test_a_retry_with_the_same_bytes_in_another_charset_is_422(client) -> None:
+    key, tag = new_key(), new_key()
+    raw = f'{{"tag": "{tag}", "note": "\u00e9"}}'.encode()
+    first = send(
+        client, "POST", "/drf/", raw, key=key, content_type="application/json; charset=utf-8"
+    )
+    other = send(
+        client, "POST", "/drf/", raw, key=key, content_type="application/json; charset=latin-1"
+    )
+    assert first.status_code == 201
+    assert_key_reused(other, ["body"])
+
+
+# The negotiated media type (contract 4, for views with several renderers)
+
+
+def test_the_negotiated_media_type_is_a_part_named_header_accept() -> None:
+    request = json_request("{}")
+    html = fingerprint(request, media_type="text/html")
+    as_json = fingerprint(request, media_type="application/json")
+    assert "header:accept" not in fingerprint(request)
+    assert html["header:accept"] != as_json["header:accept"]
+    assert differing(html, as_json) == ["header:accept"]
+    assert differing(html, fingerprint(request, media_type="text/html")) == []

@@ -3,22 +3,46 @@ its fingerprint (method, path, query, canonical body, chosen headers)."""
 
 from __future__ import annotations
 
+import codecs
 import hashlib
 import json
-from collections.abc import Iterable
+import re
+from collections.abc import Iterable, Sized
+from functools import lru_cache
+from operator import itemgetter
 from typing import Any
+from uuid import UUID
 
-from django.http import HttpRequest, QueryDict
+from django.conf import settings
+from django.db.models import Model
+from django.http import HttpRequest
 
 from django_idempotency.conf import PrincipalFunc
-from django_idempotency.engine.errors import InvalidKey
+from django_idempotency.engine.errors import InvalidKey, PrincipalMissing
 
 MAX_KEY_LENGTH = 255
+MAX_PRINCIPAL_LENGTH = 255
 # Printable ASCII without the characters that delimit structured-field lists and
 # parameters, so a comma list (or two header lines joined by the server) is never a key.
 _KEY_CHARS = frozenset(chr(c) for c in range(0x21, 0x7F)) - set('",;\\')
 _OWS = " \t"
+# RFC 8941 parameters after the quoted key: ";" *SP key ["=" bare-item]. Whitespace before a
+# ";" is tolerated, as it always was. A comma outside a string value can only mean a list,
+# and this grammar never matches one.
+_BARE_ITEM = (
+    r"-?[0-9]{1,12}\.[0-9]{1,3}|-?[0-9]{1,15}"  # decimal, integer
+    r'|"(?:[ !#-\[\]-~]|\\["\\])*"'  # string
+    r"|[A-Za-z*][-!#$%&'*+.^_`|~0-9A-Za-z:/]*"  # token
+    r"|:[A-Za-z0-9+/=]*:"  # byte sequence
+    r"|\?[01]"  # boolean
+)
+_PARAMETERS = re.compile(rf"(?:[ \t]*;[ ]*[a-z*][a-z0-9_.*-]*(?:=(?:{_BARE_ITEM}))?)*")
+
 ANONYMOUS = "anonymous"
+# What a principal's name says before its first ":". A string that could be read as one of
+# these, or as a model label (which has a dot), is written "str:<string>" so that no two
+# principals share a name; other strings are kept as they are, readable in the admin.
+_PRINCIPAL_KINDS = frozenset({ANONYMOUS, "user", "str", "int", "uuid", "sha256"})
 
 
 def parse_key(raw: str) -> str:
@@ -28,10 +52,13 @@ def parse_key(raw: str) -> str:
         end = value.find('"', 1)
         if end == -1:
             raise InvalidKey("The quoted Idempotency-Key has no closing quote.")
-        key, rest = value[1:end], value[end + 1 :].lstrip(_OWS)
-        # Parameters are allowed (and ignored); anything else means a list or garbage.
-        if rest and (not rest.startswith(";") or "," in rest):
-            raise InvalidKey("The Idempotency-Key must be a single value.")
+        key = value[1:end]
+        if key.endswith("\\"):
+            raise InvalidKey("The quoted Idempotency-Key may not contain escapes.")
+        if end + 1 < len(value) and _PARAMETERS.fullmatch(value, end + 1) is None:
+            if "," in value:
+                raise InvalidKey("The Idempotency-Key must be a single value.")
+            raise InvalidKey("The parameters after the quoted Idempotency-Key are malformed.")
     else:
         key = value
     if not key:
@@ -47,23 +74,116 @@ def parse_key(raw: str) -> str:
 
 
 def principal_for(request: Any, func: PrincipalFunc | None) -> str:
-    """Whose keys these are: the callable's answer, else the authenticated user."""
+    """Whose keys these are: the callable's answer, else the authenticated user.
+
+    Raises PrincipalMissing when the callable returns nothing usable (None, an empty value,
+    an unsaved instance, a type that cannot name a principal).
+    """
     if func is not None:
-        value = str(func(request))
+        value = _principal_name(func(request))
     else:
         user = getattr(request, "user", None)
         value = f"user:{user.pk}" if user is not None and user.is_authenticated else ANONYMOUS
-    if len(value) > 255:
-        value = "sha256:" + hashlib.sha256(value.encode()).hexdigest()
+    if len(value) > MAX_PRINCIPAL_LENGTH:
+        value = "sha256:" + _digest(value.encode("utf-8", "surrogatepass"))
     return value
+
+
+def _principal_name(value: Any) -> str:
+    if isinstance(value, Model):
+        if value.pk is None:
+            raise _no_principal(f"an unsaved {type(value).__name__}")
+        return f"{value._meta.label_lower}:{value.pk}"
+    if isinstance(value, str):
+        if not value:
+            raise _no_principal("an empty string")
+        text = str(value)
+        kind = text.partition(":")[0]
+        return f"str:{text}" if kind in _PRINCIPAL_KINDS or "." in kind else text
+    # bool is an int, but True/False would put all requests into two scopes.
+    if isinstance(value, int) and not isinstance(value, bool):
+        return f"int:{int(value)}"
+    if isinstance(value, UUID):
+        return f"uuid:{value}"
+    if value is None:
+        raise _no_principal("None")
+    empty = isinstance(value, Sized) and not len(value)
+    raise _no_principal(f"an empty {type(value).__name__}" if empty else type(value).__name__)
+
+
+def _no_principal(what: str) -> PrincipalMissing:
+    return PrincipalMissing(
+        f"The view's principal callable returned {what}; it must return a non-empty string, "
+        "an int, a UUID or a saved model instance, so the request was not processed."
+    )
 
 
 # The order in which differing parts of a fingerprint are reported.
 PARTS = ("method", "path", "query", "body")
+_FORM_TYPES = frozenset({"multipart/form-data", "application/x-www-form-urlencoded"})
+_COMPACT = json.JSONEncoder(separators=(",", ":"), check_circular=False)
+_first = itemgetter(0)
 
 
 def _digest(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
+
+
+def _canonical_query(query: str) -> bytes:
+    # Parameters sorted by name; a name's values keep their order (a view's getlist() sees it),
+    # and each stays as it was sent, so two queries a view could tell apart never merge.
+    pairs = sorted((part.partition("=")[::2] for part in query.split("&") if part), key=_first)
+    return _COMPACT.encode(pairs).encode()
+
+
+_EMPTY_QUERY = _digest(_canonical_query(""))
+# A header that is absent, told apart from one sent empty: no UTF-8 encoding is this byte.
+_ABSENT = _digest(b"\xff")
+
+
+# JSON numbers compare by exact decimal value. Integers stay ints (json.loads parses them
+# exactly, and json.dumps writes them exactly), and so does any other number with an integral
+# value of at most 4,300 digits (the int() limit, sys.get_int_max_str_digits(), that makes
+# json.loads and so DRF refuse a longer integer). Any other number becomes
+# {"\x00": "<digits>E<exponent>"}, normalised from its text, so a huge exponent costs
+# nothing. An object with a "\x00" key of its own becomes {"\x00": [[key, value], ...]}, so it
+# never passes for a number.
+_NUMBER = "\x00"
+_MAX_INT_DIGITS = 4300
+
+
+def _json_float(text: str) -> Any:
+    mantissa, _, exponent = text.lower().partition("e")
+    negative = mantissa[0] == "-"
+    whole, _, fraction = mantissa.lstrip("-").partition(".")
+    significant = (whole + fraction).lstrip("0")
+    if not significant:
+        return 0  # 0.0, -0.0, 0e5: one value, the int 0
+    stripped = significant.rstrip("0")
+    # int() of an exponent longer than the int() limit raises ValueError: the raw bytes count.
+    power = (int(exponent) if exponent else 0) - len(fraction) + len(significant) - len(stripped)
+    if power >= 0 and len(stripped) + power <= _MAX_INT_DIGITS:
+        value = int(stripped) * 10**power
+        return -value if negative else value
+    return {_NUMBER: f"{'-' if negative else ''}{stripped}E{power}"}
+
+
+def _json_constant(text: str) -> Any:
+    return {_NUMBER: text}  # NaN, Infinity, -Infinity: never a digit string
+
+
+def _json_object(obj: dict[str, Any]) -> dict[str, Any]:
+    if _NUMBER in obj:
+        return {_NUMBER: sorted(obj.items(), key=_first)}
+    return obj
+
+
+# Built once: json.loads and json.dumps with options build a new decoder or encoder per call.
+# A duplicated key means its last value, as for json.loads and so for DRF.
+_DECODER = json.JSONDecoder(
+    object_hook=_json_object, parse_float=_json_float, parse_constant=_json_constant
+)
+_ENCODER = json.JSONEncoder(sort_keys=True, separators=(",", ":"), check_circular=False)
 
 
 def _drop(data: Any, path: list[str]) -> None:
@@ -78,65 +198,112 @@ def _drop(data: Any, path: list[str]) -> None:
 
 def _canonical_json(raw: bytes, exclude: Iterable[str]) -> bytes | None:
     try:
-        data = json.loads(raw)
+        # Decoded as DRF decodes it: UTF-8, and a BOM is refused there too.
+        data = _DECODER.decode(raw.decode())
     except (ValueError, RecursionError):
         return None
     for field in exclude:
         _drop(data, field.split("."))
     try:
-        return json.dumps(data, sort_keys=True, separators=(",", ":")).encode()
-    except RecursionError:
+        return _ENCODER.encode(data).encode()
+    except (ValueError, RecursionError):
         return None
 
 
-def _pairs(data: QueryDict) -> list[tuple[str, str]]:
-    return [(name, value) for name, values in data.lists() for value in values]
+@lru_cache(maxsize=32)
+def _codec_name(charset: str) -> str:
+    # Names Django accepted (it sets request.encoding only for a charset codecs knows) or
+    # DEFAULT_CHARSET: a few per project, so the cache stays small.
+    return codecs.lookup(charset).name
 
 
-def _canonical_pairs(pairs: Iterable[tuple[str, str]], exclude: Iterable[str]) -> bytes:
-    excluded = set(exclude)
-    kept = sorted((k, v) for k, v in pairs if k not in excluded)
-    return json.dumps(kept, separators=(",", ":")).encode()
+def _charset(request: HttpRequest) -> str:
+    # Forms and DRF decode with request.encoding, else DEFAULT_CHARSET. Normalised, so "UTF8"
+    # and "utf-8" are one charset.
+    return _codec_name(request.encoding or settings.DEFAULT_CHARSET)
+
+
+def _canonical_form(request: HttpRequest, exclude: tuple[str, ...]) -> bytes:
+    # Fields and files are tagged apart ("f", "u"); sorted by name, a name's values keep
+    # their order. Parsed by Django, which caps the number of fields
+    # (DATA_UPLOAD_MAX_NUMBER_FIELDS); the raw stream of a multipart body may be consumed.
+    entries: list[tuple[Any, ...]] = [
+        ("f", name, value) for name, values in request.POST.lists() for value in values
+    ]
+    for name, uploads in request.FILES.lists():
+        for upload in uploads:
+            digest = hashlib.sha256()
+            for chunk in upload.chunks():
+                digest.update(chunk)
+            upload.seek(0)
+            entries.append(
+                ("u", name, upload.name, upload.content_type, upload.charset, digest.hexdigest())
+            )
+    if exclude:
+        entries = [entry for entry in entries if entry[1] not in exclude]
+    entries.sort(key=_name_then_kind)
+    return _COMPACT.encode(entries).encode()
+
+
+def _name_then_kind(entry: tuple[Any, ...]) -> tuple[str, str]:
+    return entry[1], entry[0]
 
 
 def canonical_body(request: HttpRequest, exclude: Iterable[str] = ()) -> bytes:
-    """JSON re-serialised with sorted keys, form fields sorted, multipart fields plus file
-    digests; anything else as raw bytes. Each form is tagged so they never collide."""
+    """The body in a canonical form, headed by its kind, media type and charset: JSON
+    re-serialised with sorted keys and exact numbers, form fields sorted by name, multipart
+    fields and file digests; anything else (JSON in another charset too) as raw bytes."""
     exclude = tuple(exclude)
     content_type = request.content_type or ""
-    if content_type in ("multipart/form-data", "application/x-www-form-urlencoded"):
-        # Parsed by Django, which caps the number of fields (DATA_UPLOAD_MAX_NUMBER_FIELDS),
-        # and the raw stream of a multipart body may already have been consumed.
-        pairs = _pairs(request.POST)
-        for name in request.FILES:
-            for upload in request.FILES.getlist(name):
-                digest = hashlib.sha256()
-                for chunk in upload.chunks():
-                    digest.update(chunk)
-                upload.seek(0)
-                pairs.append((name, f"file:{upload.name}:{digest.hexdigest()}"))
-        return b"form:" + _canonical_pairs(pairs, exclude)
+    charset = _charset(request)
+    # Length-prefixed, so the head never runs into the body.
+    head = f"{len(content_type)}:{content_type};{charset};".encode("utf-8", "surrogatepass")
+    if content_type in _FORM_TYPES:
+        return b"form:" + head + _canonical_form(request, exclude)
     raw = request.body
-    if content_type == "application/json" or content_type.endswith("+json"):
+    if (content_type == "application/json" or content_type.endswith("+json")) and (
+        charset == "utf-8"
+    ):
         canonical = _canonical_json(raw, exclude)
         if canonical is not None:
-            return b"json:" + canonical
-    return b"raw:" + raw
+            return b"json:" + head + canonical
+    return b"raw:" + head + raw
+
+
+@lru_cache(maxsize=64)
+def _meta_name(header: str) -> str:
+    # Names come from the view's configuration, not from clients: the cache stays small.
+    name = header.upper().replace("-", "_")
+    return name if name in ("CONTENT_TYPE", "CONTENT_LENGTH") else f"HTTP_{name}"
 
 
 def fingerprint(
-    request: HttpRequest, exclude: Iterable[str] = (), headers: Iterable[str] = ()
+    request: HttpRequest,
+    exclude: Iterable[str] = (),
+    headers: Iterable[str] = (),
+    *,
+    media_type: str | None = None,
 ) -> dict[str, str]:
-    """Digest of each part of the request, so a mismatch can name the parts that differ."""
+    """Digest of each part of the request, so a mismatch can name the parts that differ.
+
+    ``media_type``, the negotiated one of a view with several renderers, is the part
+    ``header:accept``.
+    """
+    meta = request.META
+    query = meta.get("QUERY_STRING", "")
     parts = {
         "method": _digest((request.method or "").encode()),
-        "path": _digest(request.path.encode()),
-        "query": _digest(_canonical_pairs(_pairs(request.GET), ())),
+        "path": _digest(request.path.encode("utf-8", "surrogatepass")),
+        "query": _digest(_canonical_query(query)) if query else _EMPTY_QUERY,
         "body": _digest(canonical_body(request, exclude)),
     }
     for name in headers:
-        value = request.headers.get(name, "")
-        parts[f"header:{name.lower()}"] = _digest(value.encode("latin-1", "replace"))
+        value = meta.get(_meta_name(name))
+        parts[f"header:{name.lower()}"] = (
+            _ABSENT if value is None else _digest(value.encode("utf-8", "surrogatepass"))
+        )
+    if media_type is not None:
+        parts["header:accept"] = _digest(media_type.encode("utf-8", "surrogatepass"))
     return parts
 
 
