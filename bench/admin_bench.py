@@ -66,7 +66,8 @@ def load(rows: int, days: int, reload: bool) -> None:
     from django.db import connection
     from django.utils import timezone
 
-    from django_idempotency import partitions
+    from django_idempotency.partitions.apply import create_partition
+    from django_idempotency.partitions.tables import RECORDS
 
     now = timezone.now()
     with connection.cursor() as cursor:
@@ -81,9 +82,9 @@ def load(rows: int, days: int, reload: bool) -> None:
         print(f"reusing {rows:,} records (--reload to load them again)", flush=True)
         return
     first = now - timedelta(days=days) + timedelta(seconds=1)
-    partitions.create_partitions(
-        connection, [(first + timedelta(days=n)).date() for n in range(days + 1)]
-    )
+    for n in range(days + 1):
+        day = (first + timedelta(days=n)).date()
+        create_partition(connection, RECORDS, day, retry_for=timedelta(seconds=30))
     step = timedelta(days=days) / rows
     chunk = max(1, rows // (days * 4))
     started = time.monotonic()
@@ -102,13 +103,13 @@ def pages(days: int) -> list[tuple[str, str, dict[str, str]]]:
     """(what, URL, query) for every page measured."""
     from django.urls import reverse
 
-    from django_idempotency import partitions
     from django_idempotency.admin import idempotent_endpoints
     from django_idempotency.models import IdempotencyRecord
+    from django_idempotency.partitions.catalog import utc_today
 
     changelist = reverse("admin:django_idempotency_idempotencyrecord_changelist")
     middle = IdempotencyRecord.objects.order_by("-id")[10_000:10_001].get()
-    day = (partitions.utc_today() - timedelta(days=days // 2)).isoformat()
+    day = (utc_today() - timedelta(days=days // 2)).isoformat()
     listed = [
         ("changelist", {}),
         ("changelist, page 200", {"p": "200"}),

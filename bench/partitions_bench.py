@@ -134,9 +134,11 @@ def load(days: list[date], rows_per_day: int) -> None:
     """Completed records spread evenly over each day, then the same rows in the copy."""
     from django.db import connection
 
-    from django_idempotency import partitions
+    from django_idempotency.partitions.apply import create_partition
+    from django_idempotency.partitions.tables import RECORDS
 
-    partitions.create_partitions(connection, days)
+    for day in days:
+        create_partition(connection, RECORDS, day, retry_for=timedelta(seconds=30))
     for day in days:
         start = datetime(day.year, day.month, day.day).isoformat() + "+00:00"
         execute(
@@ -190,17 +192,21 @@ def keep_for() -> timedelta:
 
 def maintain_dropping(day: date) -> None:
     """Run maintenance at the moment ``day``'s partition first qualifies, so it alone goes."""
-    from django_idempotency import maintenance, partitions
+    from django_idempotency.partitions.catalog import day_bounds
+    from django_idempotency.partitions.maintain import maintain
+    from django_idempotency.partitions.tables import RECORDS
 
-    now = partitions.day_bounds(day)[1] + keep_for()
-    report = maintenance.maintain(now=now)
-    assert report.dropped == [partitions.partition_name(day)], report.lines()
+    now = day_bounds(day)[1] + keep_for()
+    report = maintain(now=now)
+    assert report.dropped == [RECORDS.partition_name(day)], report.lines()
     assert not report.created, report.lines()
 
 
 def remove_one_day(day: date) -> dict[str, Removal]:
-    from django_idempotency.partitions import day_bounds, partition_name
+    from django_idempotency.partitions.catalog import day_bounds
+    from django_idempotency.partitions.tables import RECORDS
 
+    partition_name = RECORDS.partition_name
     end = day_bounds(day)[1] + timedelta(hours=24)  # the day's records expire before this
     results = {
         "delete": measure(lambda: execute(f"DELETE FROM {COPY} WHERE expires_at < %s", [end])),
@@ -240,7 +246,7 @@ def client(url: str, interval: float, stop: EventType, results: Any) -> None:
 
 def hold_transaction(url: str, day: date, ready: threading.Event, seconds: float) -> None:
     """A slow request: it has read the day's partition and keeps its transaction open."""
-    from django_idempotency.partitions import day_bounds
+    from django_idempotency.partitions.catalog import day_bounds
 
     start, end = day_bounds(day)
     with psycopg.connect(url) as conn:
@@ -269,10 +275,10 @@ def behind_a_long_transaction(url: str, day: date, hold: float, action: Any) -> 
 
 
 def plain_drop(url: str, day: date) -> None:
-    from django_idempotency.partitions import partition_name
+    from django_idempotency.partitions.tables import RECORDS
 
     with psycopg.connect(url, autocommit=True) as conn:
-        conn.execute(f'DROP TABLE "{partition_name(day)}"')
+        conn.execute(f'DROP TABLE "{RECORDS.partition_name(day)}"')
 
 
 WITHOUT = "long transaction open"
@@ -336,18 +342,19 @@ def measure_all(settings: Settings) -> dict[str, Any]:
         setup_django(url)
         from django.db import connection
 
-        from django_idempotency import partitions
+        from django_idempotency.partitions.catalog import database_now
+        from django_idempotency.partitions.tables import RECORDS
 
-        today = partitions.database_now(connection).date()
+        today = database_now(connection).date()
         days = [today - timedelta(days=n) for n in range(settings.days, 0, -1)]
         started = time.perf_counter()
         load(days, settings.rows_per_day)
         loaded = time.perf_counter() - started
         sizes = {
             "partition_bytes": int(
-                execute("SELECT pg_total_relation_size(%s)", [partitions.partition_name(days[0])])[
+                execute("SELECT pg_total_relation_size(%s)", [RECORDS.partition_name(days[0])])[0][
                     0
-                ][0]
+                ]
             ),
             "copy_bytes_before": int(execute("SELECT pg_total_relation_size(%s)", [COPY])[0][0]),
         }

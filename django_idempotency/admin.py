@@ -36,12 +36,13 @@ from django.utils.safestring import SafeString
 from django.utils.translation import gettext
 from django.utils.translation import gettext_lazy as _
 
-from django_idempotency import partitions
 from django_idempotency.conf import conf
 from django_idempotency.engine import unit as engine
 from django_idempotency.engine.errors import InvalidKey
 from django_idempotency.engine.identity import PARTS, parse_key
 from django_idempotency.models import IdempotencyRecord, OutboxMessage
+from django_idempotency.partitions import catalog
+from django_idempotency.partitions.tables import RECORDS
 from django_idempotency.storage import records as storage
 
 # Columns the list never shows; a stored body alone may be megabytes.
@@ -250,10 +251,11 @@ class ResponseStatusFilter(admin.SimpleListFilter):
 def _record_days(using: str) -> list[date]:
     """Days that can hold records, newest first: the attached partitions on PostgreSQL,
     else the retention period."""
-    today = partitions.utc_today()
+    today = catalog.utc_today()
     connection = connections[using]
     if connection.vendor == "postgresql":
-        named = (partitions.partition_day(n) for n in partitions.attached_partitions(connection))
+        found = catalog.list_partitions(connection, RECORDS)
+        named = (RECORDS.partition_day(p.name) for p in found if p.attached)
         days = {day for day in named if day is not None}
     else:
         retention = conf.MAX_TTL + conf.EXPIRED_WINDOW
@@ -283,7 +285,7 @@ class CreatedFilter(admin.SimpleListFilter):
         if value in self.recent:
             return queryset.filter(created_at__gte=timezone.now() - self.recent[value])
         try:
-            start, end = partitions.day_bounds(date.fromisoformat(value))
+            start, end = catalog.day_bounds(date.fromisoformat(value))
         except ValueError as exc:
             raise IncorrectLookupParameters(value) from exc
         return queryset.filter(created_at__gte=start, created_at__lt=end)

@@ -1,5 +1,5 @@
 """System checks: ``django_idempotency.E0xx`` for settings, ``W0xx`` for the environment,
-``W1xx`` for the records table (``Tags.database``: run by ``migrate`` and by
+``E1xx``/``W1xx`` for the partitioned tables (``Tags.database``: run by ``migrate`` and by
 ``check --database``)."""
 
 from __future__ import annotations
@@ -15,9 +15,10 @@ from django.core.checks import CheckMessage, Error, Tags, register
 from django.core.checks import Warning as CheckWarning
 from django.db import connections, router
 
-from django_idempotency import beat, partitions
+from django_idempotency import beat
 from django_idempotency.conf import conf
 from django_idempotency.models import IdempotencyRecord
+from django_idempotency.partitions import catalog, tables
 from django_idempotency.problems import ERROR_FORMATS
 
 SCHEDULE_HINT = (
@@ -99,49 +100,69 @@ def check_partitions(
     messages: list[CheckMessage] = []
     for alias in databases or ():
         connection = connections[alias]
-        if connection.vendor != "postgresql" or not router.allow_migrate_model(
-            alias, IdempotencyRecord
-        ):
+        if connection.vendor != "postgresql":
             continue
-        kind = partitions.table_kind(connection)
-        if kind is None:
-            continue  # not migrated yet
-        if kind == "plain":
-            messages.append(
-                CheckWarning(
-                    f"{partitions.TABLE} on database {alias!r} is not partitioned: expired "
-                    "records are removed by batched DELETEs, which write much more WAL and "
-                    "leave the table bloated.",
-                    hint="The table was not created by django_idempotency's migration. Migrate "
-                    "django_idempotency to zero and back (this deletes the stored records).",
-                    id="django_idempotency.W102",
-                )
+        for table in tables.registered():
+            model = table.model_class()
+            if model is None or router.allow_migrate_model(alias, model):
+                messages += _check_table(alias, table)
+    return messages
+
+
+def _check_table(alias: str, table: tables.PartitionedTable) -> list[CheckMessage]:
+    connection = connections[alias]
+    kind = catalog.table_kind(connection, table)
+    if kind is None:
+        return []  # not migrated yet
+    if kind == "plain":
+        return [
+            CheckWarning(
+                f"{table.table} on database {alias!r} is not partitioned: expired rows are "
+                "removed by batched DELETEs, which write much more WAL and leave the table "
+                "bloated.",
+                hint="The table was not created by django_idempotency's migration. Migrate "
+                "django_idempotency to zero and back (this deletes the rows).",
+                id="django_idempotency.W102",
             )
-            continue
-        found = partitions.list_partitions(connection)
-        future = partitions.future_partitions(found, partitions.database_now(connection))
-        if len(future) < 2:
-            messages.append(
-                CheckWarning(
-                    f"Only {len(future)} future partitions of {partitions.TABLE} exist on "
-                    f"database {alias!r}: partition maintenance is not running. Requests fail "
-                    "(503) once no partition holds the day, unless the request path can create "
-                    "one.",
-                    hint=SCHEDULE_HINT,
-                    id="django_idempotency.W101",
-                )
+        ]
+    messages: list[CheckMessage] = []
+    found = catalog.list_partitions(connection, table)
+    now = catalog.database_now(connection)
+    future = len(catalog.future_partitions(found, now))
+    # A day short of the configured headroom means at least one day's runs failed or never
+    # ran: said days before the last partition is used up, not on the day.
+    enough = max(2, conf.PARTITIONS_AHEAD - 1)
+    if not catalog.holds(found, now):
+        messages.append(
+            Error(
+                f"No partition of {table.table} on database {alias!r} holds the current "
+                f"time ({now:%Y-%m-%d %H:%M} UTC): every write to it fails, and idempotent "
+                "requests answer 503.",
+                hint=SCHEDULE_HINT,
+                id="django_idempotency.E101",
             )
-        if any(p.default for p in found):
-            messages.append(
-                CheckWarning(
-                    f"{partitions.TABLE} on database {alias!r} has a DEFAULT partition: "
-                    "PostgreSQL cannot detach partitions concurrently while it exists, so "
-                    "maintenance drops none, and every new partition scans it under an "
-                    "exclusive lock.",
-                    hint="Move its rows out and drop it; django_idempotency never creates one.",
-                    id="django_idempotency.W103",
-                )
+        )
+    elif future < enough:
+        messages.append(
+            CheckWarning(
+                f"Only {future} future partitions of {table.table} exist on database "
+                f"{alias!r} (IDEMPOTENCY_PARTITIONS_AHEAD is {conf.PARTITIONS_AHEAD}): "
+                f"partition maintenance is not running. Writes fail (503) in {future + 1} "
+                "days at most.",
+                hint=SCHEDULE_HINT,
+                id="django_idempotency.W101",
             )
+        )
+    if any(p.default for p in found):
+        messages.append(
+            CheckWarning(
+                f"{table.table} on database {alias!r} has a DEFAULT partition: PostgreSQL "
+                "cannot detach partitions concurrently while it exists, so maintenance drops "
+                "none, and every new partition scans it under an exclusive lock.",
+                hint="Move its rows out and drop it; django_idempotency never creates one.",
+                id="django_idempotency.W103",
+            )
+        )
     return messages
 
 
@@ -221,7 +242,8 @@ def check_settings(app_configs: Sequence[AppConfig] | None, **kwargs: Any) -> li
         ):
             messages.append(
                 Error(
-                    f"IDEMPOTENCY_{name} is {number!r}; it must be an integer of at least {least}.",
+                    f"IDEMPOTENCY_{name} is {number!r}; it must be an integer of at least "
+                    f"{smallest}.",
                     hint=f"Remove IDEMPOTENCY_{name} to use its default.",
                     id="django_idempotency.E008",
                 )

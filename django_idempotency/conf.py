@@ -118,7 +118,7 @@ class Settings:
 
     @property
     def PARTITIONS_AHEAD(self) -> int:
-        return int(_setting("IDEMPOTENCY_PARTITIONS_AHEAD", 4))
+        return int(_setting("IDEMPOTENCY_PARTITIONS_AHEAD", 7))
 
     @property
     def DROP_PARTITIONS(self) -> bool:

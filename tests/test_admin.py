@@ -16,9 +16,10 @@ from django.urls import reverse
 from django.utils import timezone
 from django.utils.html import escape
 
-from django_idempotency import partitions
 from django_idempotency.admin import EstimatedCountPaginator, idempotent_endpoints
 from django_idempotency.models import IdempotencyRecord
+from django_idempotency.partitions.catalog import day_bounds, utc_today
+from django_idempotency.partitions.tables import RECORDS
 from tests.factories import IdempotencyRecordFactory, new_key
 
 pytestmark = pytest.mark.django_db
@@ -112,9 +113,9 @@ def test_search_for_something_that_is_no_key_finds_nothing(superuser_client):
 
 
 def test_created_filter_offers_the_partition_days_and_prunes_to_one(superuser_client):
-    today = partitions.utc_today()
+    today = utc_today()
     yesterday = today - timedelta(days=1)
-    start, _ = partitions.day_bounds(yesterday)
+    start, _ = day_bounds(yesterday)
     old = IdempotencyRecordFactory(created_at=start + timedelta(hours=3))
     recent = IdempotencyRecordFactory(created_at=timezone.now() - timedelta(minutes=5))
 
@@ -129,11 +130,11 @@ def test_created_filter_offers_the_partition_days_and_prunes_to_one(superuser_cl
         cursor.execute(
             "EXPLAIN SELECT id FROM django_idempotency_record "
             "WHERE created_at >= %s AND created_at < %s",
-            partitions.day_bounds(yesterday),
+            day_bounds(yesterday),
         )
         plan = " ".join(row[0] for row in cursor.fetchall())
-    assert partitions.partition_name(yesterday) in plan
-    assert partitions.partition_name(today) not in plan
+    assert RECORDS.partition_name(yesterday) in plan
+    assert RECORDS.partition_name(today) not in plan
 
 
 def test_created_filter_rejects_a_malformed_day(superuser_client):

@@ -28,12 +28,12 @@ from django_celery_beat.schedulers import DatabaseScheduler
 
 from django_idempotency import beat, signals
 from django_idempotency.beat import TASK_NAME
-from django_idempotency.partitions import partition_name
 from django_idempotency.tasks import maintain_partitions
 from testproject.celery import app
 from tests.test_partitions import (  # noqa: F401  (partition_sandbox is a fixture)
     detach_and_drop,
     execute,
+    partition_name,
     partition_sandbox,
     today,
 )

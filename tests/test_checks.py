@@ -12,16 +12,17 @@ from io import StringIO
 from pathlib import Path
 
 import pytest
-from django.core.checks import CheckMessage, run_checks
+from django.core.checks import CheckMessage, Error, run_checks
 from django.core.management import call_command
 from django.core.management.base import SystemCheckError
 from django.test import modify_settings, override_settings
 
 from django_idempotency import checks
-from django_idempotency.partitions import TABLE, partition_name
-from tests.test_partitions import execute, today
+from django_idempotency.partitions.tables import RECORDS
+from tests.test_partitions import detach_and_drop, execute, today
 
 ROOT = Path(__file__).resolve().parent.parent
+TABLE = RECORDS.table
 
 pytestmark = pytest.mark.django_db
 
@@ -36,8 +37,8 @@ def ids(messages: list[CheckMessage]) -> list[str]:
 
 def drop_future_partitions(keep: int) -> None:
     """Inside the test's transaction: rolled back afterwards."""
-    for n in range(1 + keep, 5):
-        name = partition_name(today() + timedelta(days=n))
+    for n in range(1 + keep, 8):
+        name = RECORDS.partition_name(today() + timedelta(days=n))
         if not execute("SELECT to_regclass(%s)", [name])[0][0]:
             continue
         execute(f'ALTER TABLE {TABLE} DETACH PARTITION "{name}"')
@@ -53,14 +54,39 @@ def test_database_checks_only_run_when_asked_for_a_database() -> None:
     assert checks.check_partitions(None, databases=None) == []
 
 
-def test_w101_fewer_than_two_future_partitions() -> None:
+def test_w101_a_day_short_of_the_headroom_that_maintenance_keeps() -> None:
+    # IDEMPOTENCY_PARTITIONS_AHEAD is 7: between midnight and the next hourly run, 6 is normal.
+    drop_future_partitions(keep=6)
+    assert partition_messages() == []
+    drop_future_partitions(keep=5)
+    (message,) = partition_messages()
+    assert message.id == "django_idempotency.W101"
+    assert message.msg == (
+        f"Only 5 future partitions of {TABLE} exist on database 'default' "
+        "(IDEMPOTENCY_PARTITIONS_AHEAD is 7): partition maintenance is not running. Writes "
+        "fail (503) in 6 days at most."
+    )
+    assert "idempotency_partitions" in message.hint
+
+
+@override_settings(IDEMPOTENCY_PARTITIONS_AHEAD=2)
+def test_w101_with_the_smallest_headroom_warns_when_one_future_partition_is_left() -> None:
     drop_future_partitions(keep=2)
     assert partition_messages() == []
     drop_future_partitions(keep=1)
+    assert ids(partition_messages()) == ["django_idempotency.W101"]
+
+
+def test_e101_no_partition_holds_the_current_time() -> None:
+    detach_and_drop(today())
     (message,) = partition_messages()
-    assert message.id == "django_idempotency.W101"
-    assert "Only 1 future partitions" in message.msg
+    assert message.id == "django_idempotency.E101"
+    assert isinstance(message, Error)
+    assert message.msg.startswith(f"No partition of {TABLE} on database 'default' holds ")
+    assert "idempotent requests answer 503" in message.msg
     assert "idempotency_partitions" in message.hint
+    with pytest.raises(SystemCheckError, match=r"django_idempotency\.E101"):
+        call_command("check", "--database", "default", stdout=StringIO())
 
 
 def test_w102_table_not_partitioned() -> None:
@@ -142,6 +168,7 @@ def test_check_ids_are_unique() -> None:
         "django_idempotency.W001",
         "django_idempotency.W002",
         "django_idempotency.W003",
+        "django_idempotency.E101",
         "django_idempotency.W101",
         "django_idempotency.W102",
         "django_idempotency.W103",
@@ -307,20 +334,23 @@ def test_e007_is_right_that_the_claim_refuses_other_levels() -> None:
 
 
 @pytest.mark.parametrize(
-    ("name", "value"),
+    ("name", "value", "smallest"),
     [
-        ("PARTITIONS_AHEAD", 1),
-        ("DELETE_BATCH_SIZE", 0),
-        ("DELETE_BATCH_SIZE", "100"),
-        ("MAX_RESPONSE_BYTES", True),
-        ("COMPRESS_MIN_BYTES", -1),
+        ("PARTITIONS_AHEAD", 1, 2),
+        ("DELETE_BATCH_SIZE", 0, 1),
+        ("DELETE_BATCH_SIZE", "100", 1),
+        ("MAX_RESPONSE_BYTES", True, 1),
+        ("COMPRESS_MIN_BYTES", -1, 0),
     ],
 )
-def test_e008_integer_out_of_range(name: str, value: object) -> None:
+def test_e008_integer_out_of_range(name: str, value: object, smallest: int) -> None:
     with override_settings(**{f"IDEMPOTENCY_{name}": value}):
         (message,) = checks.check_settings(None)
     assert message.id == "django_idempotency.E008"
-    assert f"IDEMPOTENCY_{name} is {value!r}" in message.msg
+    assert message.msg == (
+        f"IDEMPOTENCY_{name} is {value!r}; it must be an integer of at least {smallest}."
+    )
+    assert message.hint == f"Remove IDEMPOTENCY_{name} to use its default."
 
 
 @pytest.mark.parametrize(

@@ -15,10 +15,12 @@ from pathlib import Path
 import pytest
 from django.dispatch import Signal
 
-from django_idempotency import partitions, signals
+from django_idempotency import signals
 from django_idempotency.conf import Settings
 from django_idempotency.decorators import idempotent
 from django_idempotency.engine import errors as exceptions
+from django_idempotency.partitions.apply import create_partition_statements
+from django_idempotency.partitions.tables import RECORDS
 from django_idempotency.rest_framework import IdempotencyMixin
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -160,7 +162,7 @@ def test_every_signal_has_a_section(name):
 
 def test_partition_ddl_shown_is_what_the_code_runs():
     shown = page("partitions.md")
-    for statement in partitions.create_partition_statements(date(2026, 11, 22)):
+    for statement in create_partition_statements(RECORDS, date(2026, 11, 22)):
         assert f"{statement};" in shown
     migration = importlib.import_module("django_idempotency.migrations.0001_initial")
     assert migration.KEY_SCOPE_INDEX in shown

@@ -5,6 +5,7 @@ where the table is not partitioned (PostgreSQL and SQLite)."""
 from __future__ import annotations
 
 import json
+import random
 import subprocess
 import sys
 import textwrap
@@ -24,17 +25,29 @@ from django.db import connection, connections, transaction
 from django.test import override_settings
 from django.test.utils import CaptureQueriesContext
 
-from django_idempotency import maintenance, partitions, signals
-from django_idempotency.partitions import TABLE, day_bounds, partition_name
+from django_idempotency import signals
+from django_idempotency.partitions import apply, catalog, tables
+from django_idempotency.partitions.catalog import day_bounds
+from django_idempotency.partitions.maintain import (
+    MAINTENANCE_LOCK,
+    MaintenanceFailed,
+    Report,
+    maintain,
+)
+from django_idempotency.partitions.tables import RECORDS, PartitionedTable
 from tests.test_partitions import (  # noqa: F401  (partition_sandbox is a fixture)
     attach_foreign,
     detach_and_drop,
     execute,
     insert_record,
+    make_partitions,
     partition_sandbox,
     table_names,
     today,
 )
+
+TABLE = RECORDS.table
+partition_name = RECORDS.partition_name
 
 # Every test here commits DDL, except the one that swaps the table inside its transaction.
 sandboxed = pytest.mark.usefixtures("partition_sandbox")
@@ -43,14 +56,14 @@ sandboxed = pytest.mark.usefixtures("partition_sandbox")
 def old_partitions(*ages: int) -> list[str]:
     """Our partitions ``ages`` days ago, with a record each."""
     days = [today() - timedelta(days=age) for age in ages]
-    partitions.create_partitions(connection, days)
+    make_partitions(*days)
     for day in days:
         insert_record(day_bounds(day)[0] + timedelta(hours=12), timedelta(hours=24))
     return [partition_name(day) for day in days]
 
 
 def live_names() -> set[str]:
-    return {p.name for p in partitions.list_partitions(connection) if p.live}
+    return {p.name for p in catalog.list_partitions(connection, RECORDS) if p.live}
 
 
 @pytest.fixture
@@ -84,17 +97,17 @@ def test_creates_missing_partitions_and_drops_only_our_expired_ones(
     unattached = partition_name(today() - timedelta(days=30))
     execute(f'CREATE TABLE "{unattached}" (LIKE {TABLE})')
 
-    report = maintenance.maintain()
+    report = maintain()
 
     assert report.created == [partition_name(day) for day in missing]
     assert report.dropped == expired
     assert not set(expired) & table_names()
     assert {foreign, unattached, *recent, *report.created} <= table_names()
     assert {foreign, *recent, *report.created} <= live_names()
-    assert report.future_partitions == 4
+    assert report.future_partitions == 7 and report.future == {TABLE: 7}
     assert sent == [("created", report.created, "default"), ("dropped", expired, "default")]
     # Nothing is left to do.
-    again = maintenance.maintain()
+    again = maintain()
     assert again.plan is not None and again.plan.empty
     assert not again.created and not again.dropped
 
@@ -113,7 +126,7 @@ def test_dry_run_prints_the_plan_and_changes_nothing() -> None:
     assert f"create           {partition_name(missing)}" in text
     assert f"detach and drop  {expired}" in text
     assert f"keep             {partition_name(today())}  (current)" in text
-    assert "4 future partitions" in text  # once the plan is applied
+    assert f"7 future partitions of {TABLE}" in text  # once the plan is applied
 
 
 @sandboxed
@@ -131,10 +144,10 @@ def test_no_drop_only_creates() -> None:
 @override_settings(IDEMPOTENCY_DROP_PARTITIONS=False)
 def test_drop_partitions_setting_off_keeps_expired_partitions() -> None:
     (expired,) = old_partitions(12)
-    report = maintenance.maintain()
+    report = maintain()
     assert report.dropped == []
     assert expired in live_names()
-    assert maintenance.maintain(drop=True).dropped == [expired]
+    assert maintain(drop=True).dropped == [expired]
 
 
 @sandboxed
@@ -148,7 +161,7 @@ def test_retention_is_max_ttl_plus_expired_window_plus_grace() -> None:
     # 5 days ago (age 6) goes, the one that ended 4 days ago (age 5) stays.
     kept = old_partitions(5, 4)
     dropped = old_partitions(7, 6)
-    report = maintenance.maintain(now=day_bounds(today())[0] + timedelta(hours=12))
+    report = maintain(now=day_bounds(today())[0] + timedelta(hours=12))
     assert report.dropped == dropped
     assert set(kept) <= live_names()
 
@@ -187,8 +200,10 @@ def leave_detach_pending(name: str) -> None:
 def test_finishes_a_pending_detach_and_drops_the_partition_if_ours_and_expired() -> None:
     (expired,) = old_partitions(11)
     leave_detach_pending(expired)
-    assert [p.name for p in partitions.list_partitions(connection) if p.detach_pending] == [expired]
-    report = maintenance.maintain()
+    assert [p.name for p in catalog.list_partitions(connection, RECORDS) if p.detach_pending] == [
+        expired
+    ]
+    report = maintain()
     assert report.dropped == [expired]
     assert expired not in table_names()
 
@@ -200,7 +215,7 @@ def test_finishes_a_foreign_pending_detach_and_keeps_the_table() -> None:
     foreign = f"{TABLE}_p20200101"
     attach_foreign(foreign, *day_bounds(date(2020, 1, 1)))
     leave_detach_pending(foreign)
-    report = maintenance.maintain()
+    report = maintain()
     assert report.finalized == [foreign]
     assert report.dropped == [expired]
     assert foreign in table_names() and foreign not in live_names()
@@ -212,8 +227,8 @@ def test_drops_a_table_that_an_interrupted_run_left_detached() -> None:
     for name in (leftover, kept):
         execute(f'ALTER TABLE {TABLE} DETACH PARTITION "{name}"')
     # The run marks a partition before detaching it; an operator's detach leaves no mark.
-    execute(f"COMMENT ON TABLE \"{leftover}\" IS '{partitions.DROPPING_COMMENT}'")
-    report = maintenance.maintain()
+    execute(f"COMMENT ON TABLE \"{leftover}\" IS '{catalog.DROPPING_COMMENT}'")
+    report = maintain()
     assert report.dropped == [leftover]
     assert kept in table_names()
 
@@ -224,8 +239,8 @@ def test_a_name_taken_by_another_table_fails_that_step_only() -> None:
     detach_and_drop(taken, missing)
     execute(f'CREATE TABLE "{partition_name(taken)}" (note text)')
     (expired,) = old_partitions(10)
-    with pytest.raises(maintenance.MaintenanceFailed, match="not a partition") as failed:
-        maintenance.maintain()
+    with pytest.raises(MaintenanceFailed, match="not a partition") as failed:
+        maintain()
     report = failed.value.report
     assert report.created == [partition_name(missing)]
     assert report.dropped == [expired]
@@ -239,15 +254,15 @@ def test_a_name_taken_by_another_table_fails_that_step_only() -> None:
 def test_logs_an_error_when_fewer_than_two_future_partitions_exist(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    detach_and_drop(*(today() + timedelta(days=n) for n in (2, 3, 4)))
+    detach_and_drop(*(today() + timedelta(days=n) for n in range(2, 8)))
     with override_settings(IDEMPOTENCY_PARTITIONS_AHEAD=1):
-        report = maintenance.maintain()
+        report = maintain()
     assert report.future_partitions == 1
     errors = [r for r in caplog.records if r.name == "django_idempotency.partitions"]
     assert [r.levelname for r in errors] == ["ERROR"]
     assert "Only 1 future partitions" in errors[0].getMessage()
     caplog.clear()
-    maintenance.maintain()
+    maintain()
     assert not [
         r
         for r in caplog.records
@@ -261,12 +276,12 @@ def test_maintenance_creates_utc_days_whatever_the_time_zone() -> None:
     with override_settings(TIME_ZONE="Pacific/Kiritimati"):
         execute("SET TIME ZONE 'Pacific/Pago_Pago'")  # UTC-11: 25 hours behind Kiritimati
         try:
-            report = maintenance.maintain()
+            report = maintain()
         finally:
             execute("RESET TIME ZONE")
     assert report.created == [partition_name(today() + timedelta(days=4))]
-    for p in partitions.list_partitions(connection):
-        day = partitions.partition_day(p.name)
+    for p in catalog.list_partitions(connection, RECORDS):
+        day = RECORDS.partition_day(p.name)
         assert day is not None and (p.lower, p.upper) == day_bounds(day)
 
 
@@ -274,9 +289,23 @@ def test_maintenance_creates_utc_days_whatever_the_time_zone() -> None:
 def test_maintenance_inside_a_transaction_runs_on_its_own_connection() -> None:
     (expired,) = old_partitions(10)
     with transaction.atomic():
-        report = maintenance.maintain()
+        report = maintain()
     assert report.dropped == [expired]
     assert expired not in table_names()
+
+
+def maintenance_lock_held() -> bool:
+    """Whether a session holds the maintenance run's lock on this test's database; another
+    database on the same server may hold locks of its own."""
+    return bool(
+        execute(
+            "SELECT 1 FROM pg_locks WHERE locktype = 'advisory' AND granted AND objsubid = 1 "
+            "AND database = (SELECT oid FROM pg_database WHERE datname = current_database()) "
+            "AND classid::bigint = (hashtextextended(%s, 0) >> 32) & 4294967295 "
+            "AND objid::bigint = hashtextextended(%s, 0) & 4294967295",
+            [MAINTENANCE_LOCK, MAINTENANCE_LOCK],
+        )
+    )
 
 
 @sandboxed
@@ -286,11 +315,11 @@ def test_two_runs_at_once_one_works_and_the_other_skips() -> None:
     holder = threading.Thread(target=hold_transaction, args=(started, release))
     holder.start()
     started.wait(10)
-    reports: list[maintenance.Report] = []
+    reports: list[Report] = []
 
     def first_run() -> None:
         try:
-            reports.append(maintenance.maintain())
+            reports.append(maintain())
         finally:
             connections["default"].close()
 
@@ -298,12 +327,12 @@ def test_two_runs_at_once_one_works_and_the_other_skips() -> None:
     first.start()
     # The first run holds the lock while its detach waits for the open transaction.
     deadline = time.monotonic() + 10
-    while not execute("SELECT 1 FROM pg_locks WHERE locktype = 'advisory' AND granted"):
+    while not maintenance_lock_held():
         assert time.monotonic() < deadline
         time.sleep(0.01)
     out = StringIO()
     call_command("idempotency_partitions", stdout=out)
-    second = maintenance.maintain()
+    second = maintain()
     release.set()
     holder.join()
     first.join()
@@ -311,13 +340,13 @@ def test_two_runs_at_once_one_works_and_the_other_skips() -> None:
     assert second.skipped and second.plan is None
     assert reports[0].dropped == [expired] and not reports[0].skipped
     # Once the first run is over, the lock is free again.
-    assert not maintenance.maintain().skipped
+    assert not maintain().skipped
 
 
 # Each statement reports how long it took inside the server, lock waits included:
 # client-side timings on a loaded test machine mostly measure the GIL and the scheduler.
 SPENT = "extract(epoch FROM clock_timestamp() - statement_timestamp())"
-CLAIM = f"SELECT outcome, rec_created_at, {SPENT} FROM django_idempotency_claim(%s, %s, %s, %s, %s)"
+CLAIM = f"SELECT outcome, created_at, {SPENT} FROM django_idempotency_claim(%s, %s, %s, %s, %s, %s)"
 FINISH = (
     f"INSERT INTO {TABLE} (scope, key, method, path, fingerprint, status, response_code, "
     "response_body, created_at, expires_at) "
@@ -343,7 +372,8 @@ def claim_traffic(
             key = uuid.uuid4().hex
             started = time.monotonic()
             with transaction.atomic(), own.cursor() as cursor:
-                cursor.execute(CLAIM, ["traffic", key, timedelta(hours=24), timedelta(0), 0])
+                lock = random.randrange(-(2**31), 2**31)  # the engine hashes the key into it
+                cursor.execute(CLAIM, [lock, "traffic", key, timedelta(hours=24), timedelta(0), 0])
                 outcome, created_at, claiming = cursor.fetchone()
                 assert outcome == "won", outcome
                 cursor.execute(FINISH, [key, created_at, created_at + timedelta(hours=24)])
@@ -399,8 +429,8 @@ def test_live_claims_never_wait_while_maintenance_works_behind_a_long_transactio
     expired = old_partitions(10, 9)
     missing = today() + timedelta(days=4)
     detach_and_drop(missing)
-    reports: list[maintenance.Report] = []
-    during, took = behind_a_long_transaction(lambda: reports.append(maintenance.maintain()))
+    reports: list[Report] = []
+    during, took = behind_a_long_transaction(lambda: reports.append(maintain()))
     assert reports[0].created == [partition_name(missing)]
     assert reports[0].dropped == expired
     assert took > 1.5
@@ -425,7 +455,7 @@ def test_deletes_expired_records_in_batches_where_the_table_is_not_partitioned(
     # Swapped for a plain table inside the test's transaction, rolled back afterwards.
     execute(f"ALTER TABLE {TABLE} RENAME TO partitioned_away")
     execute(f"CREATE TABLE {TABLE} (LIKE partitioned_away INCLUDING ALL)")
-    now = partitions.database_now(connection)
+    now = catalog.database_now(connection)
     for n in range(10):
         insert_record(now - timedelta(days=3), timedelta(hours=24), key=f"expired{n}")
     insert_record(now - timedelta(hours=24, minutes=30), timedelta(hours=24), key="gone")
@@ -433,15 +463,15 @@ def test_deletes_expired_records_in_batches_where_the_table_is_not_partitioned(
     with override_settings(
         IDEMPOTENCY_DELETE_BATCH_SIZE=3, IDEMPOTENCY_EXPIRED_WINDOW=timedelta(hours=1)
     ):
-        dry = maintenance.maintain(dry_run=True)
+        dry = maintain(dry_run=True)
         with CaptureQueriesContext(connection) as queries:
-            report = maintenance.maintain()
-    assert not dry.partitioned and dry.deleted == 10
-    assert report.deleted == 10
+            report = maintain()
+    assert dry.deleted == {TABLE: 10} and dry.plan is None
     deletes = [q["sql"] for q in queries.captured_queries if q["sql"].startswith("DELETE")]
     assert len(deletes) == 4  # 3 + 3 + 3 + 1
     assert execute(f"SELECT key FROM {TABLE} ORDER BY key") == [("gone",), ("live",)]
-    assert report.lines()[0] == "default: table not partitioned; deleted 10 expired records"
+    assert report.deleted == {TABLE: 10}
+    assert report.lines() == [f"default: {TABLE} not partitioned; deleted 10 expired rows"]
 
 
 SQLITE_SCRIPT = """
@@ -515,10 +545,10 @@ def test_a_step_that_cannot_get_its_lock_in_time_fails_and_the_others_are_done()
         with other.cursor() as cursor:
             cursor.execute("BEGIN")
             cursor.execute(
-                "SELECT pg_advisory_xact_lock(hashtextextended(%s, 0))", [partitions.CREATE_LOCK]
+                "SELECT pg_advisory_xact_lock(hashtextextended(%s, 0))", [apply.CREATE_LOCK]
             )
-            with pytest.raises(maintenance.MaintenanceFailed, match="lock timeout") as failed:
-                maintenance.maintain(retry_for=timedelta(seconds=0.5))
+            with pytest.raises(MaintenanceFailed, match="lock timeout") as failed:
+                maintain(retry_for=timedelta(seconds=0.5))
             cursor.execute("ROLLBACK")
     finally:
         other.close()
@@ -527,7 +557,7 @@ def test_a_step_that_cannot_get_its_lock_in_time_fails_and_the_others_are_done()
     assert report.created == [] and report.dropped == [expired]
     assert report.errors[0].startswith(f"create {partition_name(missing)}: ")
     # Left for the next run.
-    assert maintenance.maintain().created == [partition_name(missing)]
+    assert maintain().created == [partition_name(missing)]
 
 
 @sandboxed
@@ -541,7 +571,7 @@ def test_a_failing_signal_receiver_is_logged_and_the_run_succeeds(
 
     signals.partitions_dropped.connect(broken)
     try:
-        report = maintenance.maintain()
+        report = maintain()
     finally:
         signals.partitions_dropped.disconnect(broken)
     assert report.dropped == [expired]
@@ -551,5 +581,62 @@ def test_a_failing_signal_receiver_is_logged_and_the_run_succeeds(
 
 def test_without_the_table_maintenance_says_to_run_migrate(db: None) -> None:
     execute(f"ALTER TABLE {TABLE} RENAME TO moved_away")
-    with pytest.raises(maintenance.MaintenanceFailed, match="does not exist; run migrate"):
-        maintenance.maintain()
+    with pytest.raises(MaintenanceFailed, match="does not exist; run migrate"):
+        maintain()
+
+
+# Another partitioned table, as the messaging tables register theirs.
+EVENTS = PartitionedTable(
+    table="maintenance_test_events",
+    column="created_at",
+    keep_for=lambda: timedelta(days=3),
+)
+
+
+@pytest.fixture
+def events_table(
+    partition_sandbox: None,  # noqa: F811  (the fixture)
+    monkeypatch: pytest.MonkeyPatch,
+) -> Iterator[None]:
+    """A second table partitioned by day, registered as another module of the package would."""
+    execute(
+        "CREATE TABLE maintenance_test_events (id bigint, created_at timestamptz NOT NULL) "
+        "PARTITION BY RANGE (created_at)"
+    )
+    monkeypatch.setattr(tables, "TABLES", (*tables.TABLES, "tests.test_maintenance.EVENTS"))
+    yield
+    execute("DROP TABLE maintenance_test_events")  # and its partitions
+
+
+def test_every_registered_table_is_created_ahead_and_dropped_by_the_same_run(
+    events_table: None, sent: list[tuple[str, list[str], str]]
+) -> None:
+    day = today()
+    old, recent = make_partitions(
+        day - timedelta(days=5), day - timedelta(days=2), table=EVENTS
+    )  # ended 4 days ago (past 3 days' retention) and 1 day ago
+    theirs = "maintenance_test_events_p20200101"
+    execute(
+        f"CREATE TABLE {theirs} PARTITION OF maintenance_test_events "
+        "FOR VALUES FROM ('2020-01-01 00:00+00') TO ('2020-01-02 00:00+00')"
+    )
+    missing = day + timedelta(days=4)
+    detach_and_drop(missing)
+
+    dry = maintain(dry_run=True)
+    assert dry.plan is not None
+    assert [plan.table for plan in dry.plan.tables] == [RECORDS, EVENTS]
+    assert f"detach and drop  {old}" in "\n".join(dry.lines())
+    assert table_names("maintenance_test_events") == {old, recent, theirs}
+
+    report = maintain()
+
+    ahead = [EVENTS.partition_name(day + timedelta(days=n)) for n in range(8)]
+    assert report.created == [partition_name(missing), *ahead]
+    assert report.dropped == [old]
+    assert report.future == {TABLE: 7, EVENTS.table: 7}
+    assert table_names("maintenance_test_events") == {recent, theirs, *ahead}
+    assert sent == [("created", report.created, "default"), ("dropped", [old], "default")]
+    execute("INSERT INTO maintenance_test_events VALUES (1, now())")  # today's partition takes it
+    again = maintain().plan
+    assert again is not None and again.empty

@@ -12,8 +12,9 @@ from django.apps import apps
 from django.core.management import call_command
 from django.db import DEFAULT_DB_ALIAS, connection, transaction
 
-from django_idempotency import partitions
 from django_idempotency.models import IdempotencyRecord
+from django_idempotency.partitions import catalog
+from django_idempotency.partitions.tables import RECORDS
 from django_idempotency.storage import records as storage
 from tests.claims import claim
 from tests.factories import IdempotencyRecordFactory, new_key
@@ -96,13 +97,13 @@ def test_claim_function_and_key_scope_index_exist() -> None:
 
 
 def assert_migrated_schema_works() -> None:
-    today = partitions.utc_today()
-    attached = partitions.attached_partitions(connection)
-    for offset in range(-1, 5):
-        name = partitions.partition_name(today + timedelta(days=offset))
+    today = catalog.utc_today()
+    attached = {p.name for p in catalog.list_partitions(connection, RECORDS) if p.attached}
+    for offset in range(-1, 8):
+        name = RECORDS.partition_name(today + timedelta(days=offset))
         assert name in attached
         assert fetch_one("SELECT obj_description(%s::regclass, 'pg_class')", [name]) == (
-            partitions.PARTITION_COMMENT,
+            catalog.PARTITION_COMMENT,
         )
     key = new_key()
     with transaction.atomic():

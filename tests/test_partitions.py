@@ -1,4 +1,5 @@
-"""Partition naming, listing and planning, and creating partitions from the request path.
+"""The partitions package: the registry of tables, naming, listing, planning, creating one
+partition, the migration's own partitions, and a request that finds no partition.
 
 Tests that leave DDL committed (``transaction=True``) use ``partition_sandbox``, which puts
 the partitions back as the migration made them; other modules import it from here.
@@ -6,21 +7,31 @@ the partitions back as the migration made them; other modules import it from her
 
 from __future__ import annotations
 
+import ast
+import logging
 import threading
 from collections.abc import Iterator
 from datetime import UTC, date, datetime, timedelta
+from pathlib import Path
 from typing import Any
 
 import pytest
-from django.db import connection, connections, transaction
+from django.db import connection, connections
 from django.test import override_settings
 from hypothesis import given
 from hypothesis import strategies as st
 
-from django_idempotency import partitions, signals
-from django_idempotency.partitions import Partition, day_bounds, make_plan, partition_name
+import django_idempotency
+from django_idempotency.partitions import apply, catalog, tables
+from django_idempotency.partitions.catalog import Partition, day_bounds
+from django_idempotency.partitions.plan import TablePlan, plan_table
+from django_idempotency.partitions.tables import RECORDS, PartitionedTable
+from tests.client import problem, send
+from tests.factories import ScriptFactory, new_key
+from tests.views import business_rows
 
-TABLE = partitions.TABLE
+TABLE = RECORDS.table
+partition_name = RECORDS.partition_name
 
 
 def execute(sql: str, params: list[Any] | None = None, using: str = "default") -> list[Any]:
@@ -29,17 +40,17 @@ def execute(sql: str, params: list[Any] | None = None, using: str = "default") -
         return cursor.fetchall() if cursor.description else []
 
 
-def table_names() -> set[str]:
-    """Every table named like a partition, attached or not."""
-    return set(table_states())
+def table_names(table: str = TABLE) -> set[str]:
+    """Every table named like a partition of ``table``, attached or not."""
+    return set(table_states(table))
 
 
-def table_states() -> dict[str, tuple[bool, str | None]]:
-    """Name: (attached, comment) of every table named like a partition."""
+def table_states(table: str = TABLE) -> dict[str, tuple[bool, str | None]]:
+    """Name: (attached, comment) of every table named like a partition of ``table``."""
     rows = execute(
         "SELECT relname, relispartition, obj_description(oid, 'pg_class') FROM pg_class "
         "WHERE relkind = 'r' AND relname LIKE %s",
-        [TABLE.replace("_", r"\_") + r"\_p%"],
+        [table.replace("_", r"\_") + r"\_p%"],
     )
     return {name: (attached, comment) for name, attached, comment in rows}
 
@@ -61,8 +72,23 @@ def insert_record(created_at: datetime, ttl: timedelta, key: str = "k") -> None:
     )
 
 
+def make_partitions(*days: date, table: PartitionedTable = RECORDS) -> list[str]:
+    """Our partitions of ``table`` for ``days``, made as maintenance makes them."""
+    return [
+        table.partition_name(day)
+        for day in days
+        if apply.create_partition(connection, table, day, retry_for=timedelta(seconds=5))
+    ]
+
+
 def today() -> date:
-    return partitions.database_now(connection).date()
+    return catalog.database_now(connection).date()
+
+
+def detach_and_drop(*days: date) -> None:
+    for day in days:
+        execute(f'ALTER TABLE {TABLE} DETACH PARTITION "{partition_name(day)}"')
+        execute(f'DROP TABLE "{partition_name(day)}"')
 
 
 @pytest.fixture
@@ -73,7 +99,7 @@ def partition_sandbox(transactional_db: None) -> Iterator[None]:
     for conn in connections.all():
         conn.close()  # a connection left in a transaction would block the DDL below
     execute("SET lock_timeout = '10s'")
-    for p in partitions.list_partitions(connection):
+    for p in catalog.list_partitions(connection, RECORDS):
         if p.detach_pending:
             execute(f'ALTER TABLE {TABLE} DETACH PARTITION "{p.name}" FINALIZE')
     for name, state in sorted(table_states().items()):
@@ -83,12 +109,33 @@ def partition_sandbox(transactional_db: None) -> Iterator[None]:
                 execute(f'ALTER TABLE {TABLE} DETACH PARTITION "{name}"')
             execute(f'DROP TABLE "{name}"')
     missing = sorted(set(before) - table_names())
-    restored = partitions.create_partitions(
-        connection, [d for d in map(partitions.partition_day, missing) if d is not None]
-    )
+    restored = make_partitions(*(d for d in map(RECORDS.partition_day, missing) if d is not None))
     execute("RESET lock_timeout")
     assert sorted(restored) == missing
     assert table_states() == before
+
+
+# The registry -------------------------------------------------------------------------
+
+
+def test_the_records_table_is_registered_first() -> None:
+    assert tables.registered()[0] is RECORDS
+    assert (RECORDS.table, RECORDS.column) == ("django_idempotency_record", "created_at")
+
+
+def test_records_keep_max_ttl_plus_expired_window_plus_grace() -> None:
+    with override_settings(
+        IDEMPOTENCY_MAX_TTL=timedelta(days=3),
+        IDEMPOTENCY_EXPIRED_WINDOW=timedelta(days=2),
+        IDEMPOTENCY_PARTITION_GRACE=timedelta(hours=1),
+    ):
+        assert RECORDS.keep_for() == timedelta(days=5, hours=1)
+
+
+def test_a_registered_path_that_is_no_table_spec_is_refused(monkeypatch: Any) -> None:
+    monkeypatch.setattr(tables, "TABLES", (*tables.TABLES, "django_idempotency.conf.conf"))
+    with pytest.raises(TypeError, match="not a PartitionedTable"):
+        tables.registered()
 
 
 # Naming --------------------------------------------------------------------------------
@@ -97,12 +144,42 @@ def partition_sandbox(transactional_db: None) -> Iterator[None]:
 def test_partitions_are_named_and_bounded_by_utc_day() -> None:
     day = date(2026, 3, 29)  # a DST change in Europe: UTC days are still 24 hours
     assert partition_name(day) == "django_idempotency_record_p20260329"
-    assert partitions.partition_day(partition_name(day)) == day
+    assert RECORDS.partition_day(partition_name(day)) == day
     start, end = day_bounds(day)
     assert start == datetime(2026, 3, 29, tzinfo=UTC)
     assert end - start == timedelta(days=1)
-    assert partitions.partition_day("django_idempotency_record_p20261399") is None
-    assert partitions.partition_day("other_p20261122") is None
+    assert RECORDS.partition_day("django_idempotency_record_p20261399") is None
+    assert RECORDS.partition_day("other_p20261122") is None
+    outbox = PartitionedTable("django_idempotency_outbox", "created_at", RECORDS.keep_for)
+    assert RECORDS.partition_day(outbox.partition_name(day)) is None
+
+
+# The migration -------------------------------------------------------------------------
+
+MIGRATIONS = sorted(Path(django_idempotency.__file__).parent.glob("**/migrations/0*.py"))
+
+
+@pytest.mark.parametrize("path", MIGRATIONS, ids=lambda path: path.name)
+def test_migrations_import_nothing_from_the_package(path: Path) -> None:
+    """Frozen history: a migration that imported the package would change with it."""
+    modules = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            modules += [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            assert node.level == 0, f"{path.name} imports relatively"
+            modules.append(node.module or "")
+    assert modules
+    assert [m for m in modules if m.split(".")[0] not in {"__future__", "datetime", "django"}] == []
+
+
+def test_the_migration_made_yesterday_to_a_week_ahead_with_our_comment(db: None) -> None:
+    found = {p.name: p for p in catalog.list_partitions(connection, RECORDS)}
+    for offset in range(-1, 8):
+        day = today() + timedelta(days=offset)
+        made = found[partition_name(day)]
+        assert (made.lower, made.upper) == day_bounds(day)
+        assert made.comment == catalog.PARTITION_COMMENT and made.live
 
 
 # Listing -------------------------------------------------------------------------------
@@ -111,14 +188,14 @@ def test_partitions_are_named_and_bounded_by_utc_day() -> None:
 @pytest.mark.parametrize("zone", ["UTC", "Asia/Kolkata", "America/St_Johns", "Pacific/Kiritimati"])
 def test_listing_reads_bounds_in_utc_whatever_the_session_time_zone(db: None, zone: str) -> None:
     execute("SET LOCAL TIME ZONE %s", [zone])
-    found = partitions.list_partitions(connection)
-    assert len(found) >= 6  # yesterday to today + 4, made by the migration
+    found = catalog.list_partitions(connection, RECORDS)
+    assert len(found) >= 9  # yesterday to today + 7, made by the migration
     for p in found:
-        day = partitions.partition_day(p.name)
+        day = RECORDS.partition_day(p.name)
         assert day is not None
         assert (p.lower, p.upper) == day_bounds(day)
         assert p.ours and p.live and not p.default
-    assert partitions.database_now(connection).tzinfo == UTC
+    assert catalog.database_now(connection).tzinfo == UTC
 
 
 def test_listing_tells_foreign_default_and_unbounded_partitions_apart(db: None) -> None:
@@ -130,21 +207,33 @@ def test_listing_tells_foreign_default_and_unbounded_partitions_apart(db: None) 
         "FOR VALUES FROM (MINVALUE) TO ('2019-01-01 00:00+00')"
     )
     execute(f"CREATE TABLE {TABLE}_rest PARTITION OF {TABLE} DEFAULT")
-    found = {p.name: p for p in partitions.list_partitions(connection)}
+    found = {p.name: p for p in catalog.list_partitions(connection, RECORDS)}
     foreign = found[f"{TABLE}_p20200101"]
     assert not foreign.ours and foreign.lower == datetime(2020, 1, 1, tzinfo=UTC)
     old = found[f"{TABLE}_old"]
     assert old.lower is None and old.upper == datetime(2019, 1, 1, tzinfo=UTC)
     rest = found[f"{TABLE}_rest"]
     assert rest.default and rest.lower is None and rest.upper is None
+    assert catalog.holds(list(found.values()), datetime(2000, 1, 1, tzinfo=UTC))
+
+
+def test_listing_a_table_shows_none_of_another_tables_leftovers(db: None) -> None:
+    execute("CREATE TABLE other_thing (created_at timestamptz) PARTITION BY RANGE (created_at)")
+    other = PartitionedTable("other_thing", "created_at", RECORDS.keep_for)
+    execute(f"CREATE TABLE other_thing_p20200101 (LIKE {TABLE})")
+    execute(f"COMMENT ON TABLE other_thing_p20200101 IS '{catalog.DROPPING_COMMENT}'")
+    assert [p.name for p in catalog.list_partitions(connection, other)] == ["other_thing_p20200101"]
+    assert "other_thing_p20200101" not in {
+        p.name for p in catalog.list_partitions(connection, RECORDS)
+    }
 
 
 def test_table_kind(db: None) -> None:
-    assert partitions.table_kind(connection) == "partitioned"
+    assert catalog.table_kind(connection, RECORDS) == "partitioned"
     execute(f"ALTER TABLE {TABLE} RENAME TO moved_away")
-    assert partitions.table_kind(connection) is None
+    assert catalog.table_kind(connection, RECORDS) is None
     execute(f"CREATE TABLE {TABLE} (id bigint)")
-    assert partitions.table_kind(connection) == "plain"
+    assert catalog.table_kind(connection, RECORDS) == "plain"
 
 
 # Planning ------------------------------------------------------------------------------
@@ -154,12 +243,12 @@ NOW = datetime(2026, 11, 22, 10, 30, tzinfo=UTC)
 
 def ours(day: date, **fields: Any) -> Partition:
     lower, upper = day_bounds(day)
-    return Partition(partition_name(day), lower, upper, partitions.PARTITION_COMMENT, **fields)
+    return Partition(partition_name(day), lower, upper, catalog.PARTITION_COMMENT, **fields)
 
 
-def plan_for(found: list[Partition], *, now: datetime = NOW, **options: Any) -> partitions.Plan:
+def plan_for(found: list[Partition], *, now: datetime = NOW, **options: Any) -> TablePlan:
     options = {"ahead": 4, "keep_for": timedelta(hours=25), "drop": True, **options}
-    return make_plan(found, now=now, **options)
+    return plan_table(RECORDS, found, now=now, **options)
 
 
 def names(items: Any) -> list[str]:
@@ -198,7 +287,7 @@ def test_plan_drops_our_partitions_that_ended_before_the_cutoff() -> None:
         partition_name(day - timedelta(days=2)),
     ]
     kept = dict((p.name, why) for p, why in plan.keep)
-    assert kept[partition_name(day - timedelta(days=1))].startswith("holds records until")
+    assert kept[partition_name(day - timedelta(days=1))].startswith("holds rows until")
     assert kept[partition_name(day)] == "current"
     assert kept[partition_name(day + timedelta(days=1))] == "future"
 
@@ -208,8 +297,8 @@ def test_plan_never_drops_foreign_default_unbounded_or_current_partitions() -> N
     lower, upper = day_bounds(day - timedelta(days=9))
     foreign = Partition(partition_name(day - timedelta(days=9)), lower, upper, None)
     edited = Partition("x", lower, upper, "kept by the DBA")
-    unbounded = Partition("old", None, lower, partitions.PARTITION_COMMENT)
-    default = Partition("rest", None, None, partitions.PARTITION_COMMENT, default=True)
+    unbounded = Partition("old", None, lower, catalog.PARTITION_COMMENT)
+    default = Partition("rest", None, None, catalog.PARTITION_COMMENT, default=True)
     plan = plan_for([foreign, edited, unbounded, default, ours(day)], keep_for=timedelta(0))
     # "old" is ours and ended long ago, but a DEFAULT partition blocks every detach.
     assert plan.drop == ()
@@ -240,7 +329,7 @@ def test_plan_finishes_a_foreign_pending_detach_without_dropping_it() -> None:
 def test_plan_drops_a_table_left_detached_by_an_interrupted_run() -> None:
     day = NOW.date() - timedelta(days=5)
     leftover = Partition(
-        partition_name(day), *day_bounds(day), partitions.DROPPING_COMMENT, attached=False
+        partition_name(day), *day_bounds(day), catalog.DROPPING_COMMENT, attached=False
     )
     plan = plan_for([leftover])
     assert plan.drop == (leftover,)
@@ -286,7 +375,7 @@ def test_the_last_record_of_a_partition_is_found_until_the_plan_drops_it(
     a partition's last record (replay or 410), the plan keeps the partition; once the plan
     drops it, the claim calls the key new."""
     day = today() - timedelta(days=40)
-    partitions.create_partitions(connection, [day])
+    make_partitions(day)
     created = day_bounds(day)[1] - timedelta(microseconds=1)
     insert_record(created, max_ttl)
     keep_for = max_ttl + gone + grace
@@ -295,14 +384,14 @@ def test_the_last_record_of_a_partition_is_found_until_the_plan_drops_it(
 
     def claim(now: datetime) -> str:
         rows = execute(
-            "SELECT outcome FROM django_idempotency_claim('scope', 'k', %s, %s, 0, %s)",
+            "SELECT outcome FROM django_idempotency_claim(1, 'scope', 'k', %s, %s, 0, %s)",
             [max_ttl + gone, gone, now],
         )
         return str(rows[0][0])
 
     def drops(now: datetime) -> bool:
-        plan = plan_for(partitions.list_partitions(connection), now=now, keep_for=keep_for)
-        return partition_name(day) in names(plan.drop)
+        found = catalog.list_partitions(connection, RECORDS)
+        return partition_name(day) in names(plan_for(found, now=now, keep_for=keep_for).drop)
 
     assert claim(last_found) in ("found", "expired")
     assert not drops(last_found)
@@ -312,29 +401,24 @@ def test_the_last_record_of_a_partition_is_found_until_the_plan_drops_it(
 
 
 def test_plan_is_the_same_whatever_time_zone(db: None) -> None:
-    found = partitions.list_partitions(connection)
-    now = partitions.database_now(connection)
-    expected = make_plan(found, now=now, ahead=7, keep_for=timedelta(hours=25), drop=True)
+    found = catalog.list_partitions(connection, RECORDS)
+    now = catalog.database_now(connection)
+    expected = plan_for(found, now=now, ahead=9)
     for zone in ("Pacific/Kiritimati", "Pacific/Pago_Pago", "Europe/Berlin"):
         with override_settings(TIME_ZONE=zone):
             execute("SET LOCAL TIME ZONE %s", [zone])
-            local_now = partitions.database_now(connection)
-            plan = make_plan(
-                partitions.list_partitions(connection),
-                now=now,
-                ahead=7,
-                keep_for=timedelta(hours=25),
-                drop=True,
-            )
+            local_now = catalog.database_now(connection)
+            plan = plan_for(catalog.list_partitions(connection, RECORDS), now=now, ahead=9)
         assert plan == expected
         assert abs(local_now - now) < timedelta(minutes=5)
-    assert expected.create == tuple(now.date() + timedelta(days=n) for n in (5, 6, 7))
+    assert expected.create == tuple(now.date() + timedelta(days=n) for n in (8, 9))
 
 
 def test_plan_lines_say_what_and_why() -> None:
     day = NOW.date()
     plan = plan_for([ours(day - timedelta(days=4)), ours(day)], ahead=1)
     text = "\n".join(plan.lines())
+    assert text.startswith(f"{TABLE}: now 2026-11-22 10:30 UTC")
     assert f"create           {partition_name(day + timedelta(days=1))}" in text
     assert f"detach and drop  {partition_name(day - timedelta(days=4))}" in text
     assert f"keep             {partition_name(day)}  (current)" in text
@@ -343,76 +427,36 @@ def test_plan_lines_say_what_and_why() -> None:
     )
 
 
-# The request path ----------------------------------------------------------------------
+# Creating ------------------------------------------------------------------------------
 
 
-def detach_and_drop(*days: date) -> None:
-    for day in days:
-        execute(f'ALTER TABLE {TABLE} DETACH PARTITION "{partition_name(day)}"')
-        execute(f'DROP TABLE "{partition_name(day)}"')
-
-
-@pytest.fixture
-def created_signals() -> Iterator[list[dict[str, Any]]]:
-    sent: list[dict[str, Any]] = []
-
-    def receiver(sender: Any, **kwargs: Any) -> None:
-        sent.append(kwargs)
-
-    signals.partitions_created.connect(receiver)
-    yield sent
-    signals.partitions_created.disconnect(receiver)
-
-
-@pytest.mark.parametrize("in_transaction", [False, True])
-def test_ensure_current_partition_creates_today_and_tomorrow(
-    partition_sandbox: None,
-    created_signals: list[dict[str, Any]],
-    caplog: pytest.LogCaptureFixture,
-    in_transaction: bool,
-) -> None:
-    day = today()
-    detach_and_drop(day, day + timedelta(days=1))
-    if in_transaction:
-        # As under ATOMIC_REQUESTS: the DDL must not wait for (or roll back with) the request.
-        with transaction.atomic():
-            created = partitions.ensure_current_partition(connection)
-    else:
-        created = partitions.ensure_current_partition(connection)
-    assert created == [partition_name(day), partition_name(day + timedelta(days=1))]
-    live = {p.name for p in partitions.list_partitions(connection) if p.live and p.ours}
-    assert set(created) <= live
-    assert created_signals == [
-        {"signal": signals.partitions_created, "names": created, "using": "default"}
-    ]
-    assert [r.levelname for r in caplog.records if r.name == partitions.logger.name] == ["ERROR"]
-    assert partitions.ensure_current_partition(connection) == []
-
-
-def test_concurrent_requests_create_each_partition_once(partition_sandbox: None) -> None:
-    day = today()
-    detach_and_drop(day, day + timedelta(days=1))
+def test_concurrent_creators_make_each_partition_once(partition_sandbox: None) -> None:
+    day = today() + timedelta(days=1)
+    detach_and_drop(day)
     barrier = threading.Barrier(8)
-    results: list[list[str]] = []
+    results: list[bool] = []
     errors: list[BaseException] = []
 
-    def request() -> None:
+    def create() -> None:
         try:
             barrier.wait()
-            results.append(partitions.ensure_current_partition(connections["default"]))
+            own = connections["default"]
+            results.append(
+                apply.create_partition(own, RECORDS, day, retry_for=timedelta(seconds=10))
+            )
         except BaseException as exc:
             errors.append(exc)
         finally:
             connections["default"].close()
 
-    threads = [threading.Thread(target=request) for _ in range(8)]
+    threads = [threading.Thread(target=create) for _ in range(8)]
     for thread in threads:
         thread.start()
     for thread in threads:
         thread.join()
     assert errors == []
-    made = sorted(name for created in results for name in created)
-    assert made == [partition_name(day), partition_name(day + timedelta(days=1))]
+    assert sorted(results) == [False] * 7 + [True]
+    assert table_states()[partition_name(day)] == (True, catalog.PARTITION_COMMENT)
 
 
 def test_creating_refuses_a_table_of_the_same_name_that_is_not_a_partition(
@@ -421,14 +465,28 @@ def test_creating_refuses_a_table_of_the_same_name_that_is_not_a_partition(
     day = today() + timedelta(days=1)
     detach_and_drop(day)
     execute(f'CREATE TABLE "{partition_name(day)}" (note text)')
-    with pytest.raises(partitions.PartitionConflict, match="not a partition"):
-        partitions.create_partition(connection, day, retry_for=timedelta(0))
+    with pytest.raises(apply.PartitionConflict, match="not a partition"):
+        apply.create_partition(connection, RECORDS, day, retry_for=timedelta(0))
     assert execute(f'SELECT count(*) FROM "{partition_name(day)}"') == [(0,)]
 
 
-def test_an_error_on_the_side_connection_reaches_the_caller(partition_sandbox: None) -> None:
-    day = today()
-    detach_and_drop(day)
-    execute(f'CREATE TABLE "{partition_name(day)}" (note text)')
-    with transaction.atomic(), pytest.raises(partitions.PartitionConflict):
-        partitions.ensure_current_partition(connection)
+# The request path ----------------------------------------------------------------------
+
+
+@pytest.mark.urls("tests.urls")
+@pytest.mark.parametrize("path", ["/drf/", "/plain/"])
+def test_a_request_without_todays_partition_is_503_and_runs_no_ddl(
+    partition_sandbox: None, client: Any, caplog: pytest.LogCaptureFixture, path: str
+) -> None:
+    """CONTRACT 10, issue 8: the request path never creates a partition; it fails closed
+    and says so loudly, and the check and maintenance put things right."""
+    detach_and_drop(today())
+    before = table_states()
+    script = ScriptFactory()
+    with caplog.at_level(logging.WARNING):
+        response = send(client, "POST", path, script, key=new_key())
+    assert response.status_code == 503
+    assert problem(response)["type"].endswith("store-unavailable")
+    assert table_states() == before  # no partition was made
+    assert business_rows(script["tag"]) == 0
+    assert [r for r in caplog.records if r.levelno >= logging.CRITICAL], caplog.text

@@ -14,8 +14,7 @@ from typing import Any
 import pytest
 from django.db import connection
 
-from django_idempotency import maintenance
-from django_idempotency.partitions import partition_name
+from django_idempotency.partitions.maintain import MaintenanceFailed
 
 # Celery and django-celery-beat are an optional extra: without them these tests skip.
 pytest.importorskip("celery")
@@ -23,6 +22,7 @@ from django_idempotency.tasks import maintain_partitions
 from tests.test_partitions import (  # noqa: F401  (partition_sandbox is a fixture)
     detach_and_drop,
     execute,
+    partition_name,
     partition_sandbox,
     today,
 )
@@ -40,7 +40,7 @@ def test_the_task_runs_maintenance_and_returns_a_json_report() -> None:
     result = maintain_partitions.apply()
     report: dict[str, Any] = result.get()
     assert report["created"] == [partition_name(missing)]
-    assert report["using"] == "default" and report["future_partitions"] == 4
+    assert report["using"] == "default" and report["future_partitions"] == 7
     assert json.loads(json.dumps(report)) == report
 
 
@@ -61,10 +61,10 @@ def test_the_task_fails_when_a_step_fails() -> None:
     execute(f'CREATE TABLE "{partition_name(taken)}" (note text)')
     result = maintain_partitions.apply()
     assert result.failed()
-    assert isinstance(result.result, maintenance.MaintenanceFailed)
+    assert isinstance(result.result, MaintenanceFailed)
     assert "not a partition" in str(result.result)
     # Rebuilt from its message, as a result backend does.
-    assert str(maintenance.MaintenanceFailed(*result.result.args)) == str(result.result)
+    assert str(MaintenanceFailed(*result.result.args)) == str(result.result)
     assert connection.is_usable()
 
 
@@ -108,4 +108,4 @@ def test_the_package_works_without_celery_and_never_imports_the_task_module() ->
     lines = result.stdout.splitlines()
     assert lines[0] == "W001"
     assert lines[1].startswith("install_schedule: django_celery_beat is not in INSTALLED_APPS")
-    assert lines[2] == "default: table not partitioned; deleted 0 expired records"
+    assert "default: django_idempotency_record not partitioned; deleted 0 expired rows" in lines[2:]

@@ -5,13 +5,14 @@ from typing import Any
 
 from django.core.management.base import BaseCommand, CommandError
 
-from django_idempotency.maintenance import MaintenanceFailed, maintain
+from django_idempotency.partitions.maintain import MaintenanceFailed, maintain
 
 
 class Command(BaseCommand):
     help = (
-        "Create upcoming partitions of the idempotency records table and drop expired ones "
-        "(on databases without partitions: delete expired records). Run it hourly."
+        "Create upcoming partitions of django-idempotency's tables (records, and the messaging "
+        "tables) and drop expired ones (on databases without partitions: delete expired "
+        "rows). Run it hourly."
     )
 
     def add_arguments(self, parser: ArgumentParser) -> None:
