@@ -28,6 +28,7 @@ from django.contrib.auth import get_user_model
 from django.core.management import call_command
 from rest_framework.authtoken.models import Token
 
+call_command("migrate", interactive=False, verbosity=0)
 call_command("seed_demo", stdout=io.StringIO())
 User = get_user_model()
 for spec in json.loads(os.environ["RELIABILITY_USERS"]):
@@ -51,12 +52,14 @@ class User:
         )
 
 
-def django_env(database: Database, app_name: str = APP_NAME) -> dict[str, str]:
+def django_env(
+    database: Database, app_name: str = APP_NAME, settings: str = "testproject.settings"
+) -> dict[str, str]:
     """The environment of every process that runs the testproject for the run."""
     env = {
         **os.environ,
         "DATABASE_URL": database.url,
-        "DJANGO_SETTINGS_MODULE": "testproject.settings",
+        "DJANGO_SETTINGS_MODULE": settings,
         "PAYMENTS_FAULTS_ENABLED": "1",
         # Everything the library logs, so the leak check sees all of it.
         "IDEMPOTENCY_LOG_LEVEL": "DEBUG",
@@ -84,8 +87,8 @@ def manage(database: Database, *args: str, env: dict[str, str] | None = None) ->
 
 
 def prepare(database: Database, profile: Profile) -> list[User]:
-    """Migrate, and create the token users and the staff users who log in by session."""
-    manage(database, "migrate", "--noinput")
+    """Migrate, and create the token users and the staff users who log in by session (in
+    one process: each Django start costs a second or two)."""
     users = [User(name, token) for name, token in DEMO_USERS.items()]
     users += [
         User(f"token-user-{n}", secrets.token_hex(20))
@@ -125,12 +128,24 @@ def session_principal(base_url: str, user: User) -> Principal:
 
 
 @contextlib.contextmanager
-def serve(database: Database, shape: ServerShape, logs: list[str]) -> Iterator[GunicornServer]:
+def serve(
+    database: Database,
+    shape: ServerShape,
+    logs: list[str],
+    settings: str = "testproject.settings",
+    env: dict[str, str] | None = None,
+) -> Iterator[GunicornServer]:
     """gunicorn on the run's database; its log is appended to ``logs`` when it stops."""
-    with run_gunicorn(django_env(database), workers=shape.workers, threads=shape.threads) as server:
+    env = {**django_env(database, settings=settings), **(env or {})}
+    with run_gunicorn(env, workers=shape.workers, threads=shape.threads) as server:
         try:
             yield server
         finally:
+            # Nothing in flight matters any more, and a worker busy in a slow handler or a
+            # dead connection would hold up the server's shutdown for seconds.
+            for worker in workers(server):
+                with contextlib.suppress(psutil.Error):
+                    worker.kill()
             logs.append(server.log_text())
 
 

@@ -37,6 +37,8 @@ UUID = re.compile(r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}
 DUPLICATE = "duplicate"  # more than one effect for one logical request
 LEAK = "leak"  # a principal saw or could read what is not theirs
 OTHER = "other"  # lost effects, half-results, wrong answers
+# What: a 2xx answered or stored for work that did not commit.
+NO_COMMIT = "2xx without a commit"
 
 
 @dataclass(frozen=True)
@@ -114,7 +116,7 @@ def _check_exchange(
             findings.add(OTHER, "never answered 2xx", f"{label}: {_outcomes(exchange)}")
             return
         if not rows:
-            findings.add(OTHER, "answered 2xx, no effect", label)
+            findings.add(OTHER, NO_COMMIT, f"{label}: no committed row")
         body = _json(answered[0].body)
         if body.get("user") != exchange.principal.username:
             who = body.get("user")
@@ -134,7 +136,8 @@ def _check_exchange(
             findings.add(DUPLICATE, "reused key wrote", f"{label}: {len(rows)} rows")
     elif exchange.expect == "none":
         if answered:
-            findings.add(OTHER, "answered 2xx unprotected", f"{label}: {_outcomes(exchange)}")
+            what = NO_COMMIT if exchange.kind == "rolled back" else "answered 2xx unprotected"
+            findings.add(OTHER, what, f"{label}: {_outcomes(exchange)}")
         if rows:
             findings.add(OTHER, "effect while refused", f"{label}: {len(rows)} rows")
 
@@ -142,6 +145,13 @@ def _check_exchange(
 def _check_answer(exchange: Exchange, attempt: Attempt, label: str, findings: Findings) -> None:
     """Every answer must be one the contract allows for this exchange."""
     status = attempt.status
+    if attempt.replayed and attempt.sets_cookie:
+        findings.add(LEAK, "replay carried Set-Cookie", label)
+    first_answer = attempt.ok and not attempt.replayed
+    if exchange.kind == "cookie" and first_answer and not attempt.sets_cookie:
+        findings.add(OTHER, "set_cookie switch set no cookie", label)
+    if exchange.kind == "rolled back" and status == 500 and attempt.problem is None:
+        findings.add(OTHER, "rolled-back work answered 500 without problem+json", label)
     if status == 503:
         if attempt.problem != "store-unavailable":
             findings.add(OTHER, "503 that is not store-unavailable", label)
@@ -209,7 +219,7 @@ def check_records(database: Database) -> Findings:
         row_id = _json(raw).get("id")
         findings.checked["stored successes"] += 1
         if row_id not in ids[table_for(path)]:
-            findings.add(OTHER, "stored success without its row", f"{path} id {row_id}")
+            findings.add(OTHER, NO_COMMIT, f"stored success without its row: {path} id {row_id}")
     return findings
 
 

@@ -42,6 +42,7 @@ class Attempt:
     body: bytes = b""
     problem: str | None = None  # the problem type's name, for problem+json answers
     retry_after: float | None = None
+    sets_cookie: bool = False
 
     @property
     def ok(self) -> bool:
@@ -124,21 +125,31 @@ class SDKClient:
     def close(self) -> None:
         self.session.close()
 
-    def attempt(self, exchange: Exchange, headers: Mapping[str, str] | None = None) -> Attempt:
-        """Send the exchange once; ``headers`` add to or replace the usual ones."""
+    def attempt(
+        self,
+        exchange: Exchange,
+        headers: Mapping[str, str] | None = None,
+        files: Mapping[str, tuple[str, bytes, str]] | None = None,
+    ) -> Attempt:
+        """Send the exchange once; ``headers`` add to or replace the usual ones. With
+        ``files``, the body goes as multipart/form-data (its fields, then the files)."""
         all_headers = {
             **exchange.principal.headers,
-            "Content-Type": "application/json",
             "Idempotency-Key": exchange.key,
             **(headers or {}),
         }
+        if files is None:
+            all_headers.setdefault("Content-Type", "application/json")
+            payload: dict[str, Any] = {"data": json.dumps(exchange.body)}
+        else:
+            payload = {"data": {k: str(v) for k, v in exchange.body.items()}, "files": files}
         started = time.monotonic()
         try:
             response = self.session.post(
                 self.base_url + exchange.path,
-                data=json.dumps(exchange.body),
                 headers=all_headers,
                 timeout=(self.policy.connect_timeout, self.policy.read_timeout),
+                **payload,
             )
         except requests.Timeout:
             attempt = Attempt(started, time.monotonic() - started, None, TIMEOUT)
@@ -151,7 +162,10 @@ class SDKClient:
                 replayed=response.headers.get("Idempotent-Replayed") == "true",
                 body=response.content, problem=_problem_name(response),
                 retry_after=_retry_after(response),
+                sets_cookie="Set-Cookie" in response.headers,
             )  # fmt: skip
+            # An SDK keeps no cookies: each attempt carries only the principal's headers.
+            self.session.cookies.clear()
         exchange.attempts.append(attempt)
         return attempt
 

@@ -14,11 +14,14 @@ from typing import Any
 
 from psycopg import sql
 
-from django_idempotency.partitions import DROPPING_COMMENT, PARTITION_COMMENT, TABLE
+from django_idempotency.partitions.catalog import DROPPING_COMMENT, PARTITION_COMMENT
+from django_idempotency.partitions.tables import RECORDS
 from tests.conftest import GunicornServer
 from tests.reliability.app import manage, workers
 from tests.reliability.postgres import Database
 from tests.reliability.profiles import Profile
+
+TABLE = RECORDS.table
 
 
 @dataclass(frozen=True)
@@ -67,8 +70,12 @@ class Injector(threading.Thread):
     def inject(self, started: float) -> Fault:
         raise NotImplementedError
 
-    def stop(self) -> list[Fault]:
+    def halt(self) -> None:
+        """No new fault from now on (one under way finishes)."""
         self.stopping.set()
+
+    def stop(self) -> list[Fault]:
+        self.halt()
         self.join()
         return self.faults
 
@@ -89,6 +96,8 @@ class ServerFaults(Injector):
         self.server = server
         self.database = database
         self.weights = profile.fault_weights
+        self.outage_modes = profile.outage_modes
+        self.outage_seconds = profile.outage_seconds
 
     def inject(self, started: float) -> Fault:
         # Every kind once first, so that even a short run sees them all; then by weight.
@@ -103,8 +112,8 @@ class ServerFaults(Injector):
             victim.send_signal(signal.SIGKILL)
             return Fault(kind, started, f"SIGKILL worker {victim.pid}")
         if kind == "db-outage":
-            mode = self.rng.choice(["fast", "immediate"])
-            pause = self.rng.uniform(0.2, 2.0)
+            mode = self.rng.choice(self.outage_modes)
+            pause = self.rng.uniform(*self.outage_seconds)
             with self.database.outage(mode):
                 time.sleep(pause)
             what = f"restart -m {mode}" if self.database.private else "refused connections"

@@ -246,6 +246,12 @@ def _private() -> Iterator[Database]:
             socket_dir=info.socket_dir,
         )  # fmt: skip
         with database.connect(server_url) as conn:
+            # A throw-away cluster: writes need not reach the disk, only the kernel, which
+            # is all that outlives the crash-like stops (-m immediate) of a run. Commits
+            # stay synchronous: an acknowledged commit must survive those stops.
+            conn.execute("ALTER SYSTEM SET fsync = off")
+            conn.execute("ALTER SYSTEM SET full_page_writes = off")
+            conn.execute("SELECT pg_reload_conf()")
             conn.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(DATABASE)))
         yield database
     finally:

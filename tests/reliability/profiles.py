@@ -1,4 +1,5 @@
-"""How hard a run pushes: the short profile runs in every test run, the long one is the proof."""
+"""How hard a run pushes: the short profile runs in every test run (every kind of fault
+once, back to back, in about half a minute), the long one is the proof."""
 
 from __future__ import annotations
 
@@ -47,10 +48,21 @@ class Profile:
     # Seconds between two injected faults (uniform), and the weight of each kind.
     fault_every: tuple[float, float]
     fault_weights: dict[str, int]
-    # Share of logical requests carrying a client-triggered fault.
+    # How a database outage is made (pg_ctl's stop modes, on a private cluster) and how
+    # long the database stays away.
+    outage_modes: tuple[str, ...] = ("fast", "immediate")
+    outage_seconds: tuple[float, float] = (0.2, 2.0)
+    # Share of logical requests carrying a client-triggered fault; each kind is also sent
+    # at least once per faulted-traffic phase.
     crash_share: float = 0.03
     fail_share: float = 0.03
     slow_share: float = 0.03
+    # A slow handler outlasts the client's read timeout by this much (uniform).
+    slow_extra_seconds: tuple[float, float] = (0.3, 1.5)
+    # Writes, marks the transaction for rollback and answers 201 (must become a 500); and
+    # a response that sets a cookie (a replay must never carry it).
+    rollback_share: float = 0.02
+    cookie_share: float = 0.03
     # Share of requests reusing another principal's key, and of successes followed by a
     # reuse of the same key for a different request (which must get 422).
     cross_principal_share: float = 0.05
@@ -66,23 +78,51 @@ class Profile:
     scaling_delay_ms: int = 400
     cold_start_requests: int = 5
     maintenance_every: float = 8.0
+    # Clients still retrying this long after the traffic's end are left to the recovery.
+    stragglers_seconds: float = 15.0
+    # The waiting-duplicate flood: duplicates with "Prefer: wait=10" on one slow charge,
+    # against a threaded server whose processes let at most flood_max_waiters wait.
+    flood_duplicates: int = 16
+    flood_delay_ms: int = 3000
+    flood_shape: ServerShape = ServerShape(workers=2, threads=4)
+    flood_max_waiters: int = 2
     policy: RetryPolicy = field(default_factory=RetryPolicy)
 
 
 FAULT_KINDS = ("worker-kill", "db-outage", "connection-cut")
+# Client-triggered faults of the traffic, by exchange kind.
+CLIENT_FAULT_KINDS = ("crash", "fail", "slow", "cross-principal", "rolled back", "cookie")
+# The attacks of issue 9, each made once per run (tests/reliability/attacks.py).
+ATTACK_KINDS = (
+    "rolled-back 2xx",
+    "waiting-duplicate flood",
+    "forged lock key",
+    "oversized 4xx",
+    "multipart to a JSON-only endpoint",
+)
 
 PROFILES = {
     "short": Profile(
         name="short",
-        traffic_seconds=35.0,
+        # Faults back to back rather than on timers: every kind comes in the first
+        # seconds, and the outages are crash-like stops with a short pause.
+        traffic_seconds=6.0,
         shapes=(ServerShape(workers=4),),
-        clients=10,
+        clients=8,
         token_principals=4,
         session_principals=1,
-        fault_every=(1.5, 3.0),
+        fault_every=(0.3, 0.8),
         fault_weights={"worker-kill": 5, "db-outage": 1, "connection-cut": 3},
-        hot_key_clients=100,
-        maintenance_every=6.0,
+        outage_modes=("immediate",),
+        outage_seconds=(0.1, 0.4),
+        hot_key_clients=40,
+        hot_key_delay_ms=2300,
+        scaling_batches=(1, 4),
+        maintenance_every=2.0,
+        # A slow handler never outlives back-to-back faults: the recovery finishes it.
+        stragglers_seconds=2.0,
+        flood_delay_ms=2500,
+        slow_extra_seconds=(0.2, 0.5),
     ),
     "long": Profile(
         name="long",

@@ -7,11 +7,15 @@
    rendering of a stored body that carries markup.
 4. contention: hundreds of clients on one key; distinct keys at once against the
    unprotected baseline (no global lock).
-5. faulted traffic, per server shape: SDK clients under worker kills, database outages,
-   connection cuts, crash_once/fail_once/slow handlers, and partition maintenance.
-6. recovery: every unanswered request is retried until answered; every faulted key is
+5. the attacks of issue 9, once each (``attacks.py``): rolled-back work answered 2xx,
+   a waiting-duplicate flood, a forged lock key, an oversized 4xx, multipart bodies.
+6. faulted traffic, per server shape: SDK clients under worker kills, database outages,
+   connection cuts, crash_once/fail_once/slow/rolled-back/cookie-setting handlers, and
+   partition maintenance.
+7. recovery: every unanswered request is retried until answered; every faulted key is
    retried once more and must be answered from the store.
-7. the invariant and the leak checks over the database and the logs.
+8. the invariant (every key answered 2xx has exactly one committed effect: no duplicate
+   effect, no 2xx without a commit) and the leak checks over the database and the logs.
 """
 
 from __future__ import annotations
@@ -39,6 +43,7 @@ import requests
 from tests.conftest import ROOT, GunicornServer
 from tests.reliability import checks
 from tests.reliability.app import User, prepare, serve, session_principal
+from tests.reliability.attacks import Attacks
 from tests.reliability.client import Exchange, Principal, SDKClient
 from tests.reliability.faults import (
     Fault,
@@ -92,6 +97,7 @@ class Runner:
         self.recovered = 0
         # (server shape, logical requests, seconds) of each faulted-traffic phase.
         self.throughput: list[tuple[str, int, float]] = []
+        self.attacks: Counter[str] = Counter()
         self.load_at_start = os.getloadavg()
         # gunicorn loads the code at the start: a commit made during the run is not tested.
         self.code_version = _code_version()
@@ -132,6 +138,7 @@ class Runner:
                 checks.check_records(database),
                 self.scan_logs(),
             ]
+            self.no_2xx_without_a_commit(findings)
             report.faults = self.count_faults(database)
         report.environment = self.environment(database, traffic_seconds)
         self.fill(report, findings)
@@ -153,6 +160,8 @@ class Runner:
                         self.hot_key(server.url)
                     with self.phase("contention: distinct keys at once"):
                         self.scaling(server.url, shape)
+                    with self.phase("attacks of issue 9"):
+                        self.attack(server.url, database)
                 else:
                     with self.phase(f"start {shape.describe()}"):
                         server = stack.enter_context(serve(database, shape, self.logs))
@@ -160,6 +169,7 @@ class Runner:
                     self.faulted_traffic(server, database, shape, traffic_seconds / len(shapes))
                 with self.phase(f"recovery, {shape.describe()}"):
                     self.recover(server.url, shape)
+                self.say(f"[{time.monotonic() - self.started:7.1f}s] stop {shape.describe()}")
 
     def cold_start(
         self, database: Database, shape: ServerShape, stack: ExitStack
@@ -411,6 +421,15 @@ class Runner:
                       f"serial {r['serial']}s" for r in rows),
         ))  # fmt: skip
 
+    def attack(self, base_url: str, database: Database) -> None:
+        alice, bob = self.token_principals()[:2]
+        rng = random.Random(self.rng.random())
+        attacks = Attacks(self.profile, database, self.ledger, rng, self.logs, self.say)
+        try:
+            self.checks += attacks.run(base_url, alice, bob)
+        finally:
+            self.attacks += attacks.made
+
     def faulted_traffic(
         self, server: GunicornServer, database: Database, shape: ServerShape, seconds: float
     ) -> None:
@@ -424,10 +443,20 @@ class Runner:
             )
         for injector in injectors:
             injector.start()
+
+        # Faults end with the traffic's time, not after its stragglers: the stragglers
+        # then finish while the last fault is being undone.
+        def halt_all() -> None:
+            for injector in injectors:
+                injector.halt()
+
+        halt = threading.Timer(seconds, halt_all)
+        halt.start()
         before, started = len(self.ledger.exchanges), time.monotonic()
         try:
             traffic.run(seconds)
         finally:
+            halt.cancel()
             for injector in injectors:
                 self.faults += injector.stop()
         sent, elapsed = len(self.ledger.exchanges) - before, time.monotonic() - started
@@ -522,6 +551,19 @@ class Runner:
         ))  # fmt: skip
         return findings
 
+    def no_2xx_without_a_commit(self, findings: Sequence[checks.Findings]) -> None:
+        found = [v for f in findings for v in f.violations if v.what == checks.NO_COMMIT]
+        answered = sum(e.success is not None for e in self.ledger.exchanges)
+        rolled_back = sum(e.kind == "rolled back" for e in self.ledger.exchanges)
+        self.checks.append(Check(
+            "no 2xx without a commit",
+            not found,
+            f"{answered} logical requests answered 2xx, each checked for its committed row; "
+            f"stored successes checked for theirs; {rolled_back} requests that rolled back "
+            f"their own work; {len(found)} violations"
+            + (": " + "; ".join(v.detail for v in found[:5]) if found else ""),
+        ))  # fmt: skip
+
     def count_faults(self, database: Database) -> dict[str, int]:
         counted = Counter(f.kind for f in self.faults)
         for fault in self.faults:
@@ -536,6 +578,12 @@ class Runner:
                     "SELECT count(*) FROM payments_faulttag WHERE tag LIKE %s", [prefix + "%"]
                 ).fetchone()
                 counted[label] = int(row[0]) if row else 0
+        counted.update(self.attacks)
+        for kind, label in (
+            ("rolled back", "fail=rollback_only: wrote, marked for rollback, returned 201"),
+            ("cookie", "set_cookie: the first answer sets a cookie"),
+        ):
+            counted[label] = sum(e.kind == kind for e in self.ledger.exchanges)
         slow = [e for e in self.ledger.exchanges if e.kind == "slow"]
         counted["slow handler: client timed out, retried"] = sum(
             any(a.outcome == "timeout" for a in e.attempts) for e in slow

@@ -12,9 +12,8 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from tests.reliability.client import Amounts, Exchange, Principal, SDKClient
-from tests.reliability.profiles import Profile
+from tests.reliability.profiles import CLIENT_FAULT_KINDS, Profile
 
-STRAGGLERS_SECONDS = 15.0
 # The DRF views (where a session could authenticate; the @idempotent view checks tokens only).
 DRF_ENDPOINTS = ("/api/charges/", "/api/refunds/")
 
@@ -75,6 +74,9 @@ class Traffic:
         self._recent: collections.deque[str] = collections.deque(maxlen=200)
         self._used: collections.defaultdict[str, set[str]] = collections.defaultdict(set)
         self._keys_lock = threading.Lock()
+        # Each client-triggered fault is sent at least once, by the first clients to ask
+        # after their first request (cross-principal reuse needs a key already sent).
+        self._owed = list(CLIENT_FAULT_KINDS)
 
     def run(self, seconds: float) -> None:
         stop_at = time.monotonic() + seconds
@@ -89,12 +91,15 @@ class Traffic:
     def _client(self, rng: random.Random, stop_at: float) -> None:
         client = SDKClient(self.base_url, self.profile.policy, rng)
         # Requests still retrying this long after the end are left to the recovery sweep.
-        give_up_at = stop_at + STRAGGLERS_SECONDS
+        give_up_at = stop_at + self.profile.stragglers_seconds
         try:
             while time.monotonic() < stop_at:
                 exchange = self._next(rng)
                 with self._keys_lock:
                     self._used[exchange.principal.username].add(exchange.key)
+                if exchange.kind == "rolled back":
+                    self._rolled_back(client, exchange, give_up_at)
+                    continue
                 client.send(exchange, give_up_at - time.monotonic())
                 with self._keys_lock:
                     self._recent.append(exchange.key)
@@ -108,6 +113,15 @@ class Traffic:
         finally:
             client.close()
 
+    def _rolled_back(self, client: SDKClient, exchange: Exchange, give_up_at: float) -> None:
+        """Sent once (every retry of it would roll back again): it must never be answered
+        2xx. Then the same key with a clean body must execute, as the key was left free."""
+        client.attempt(exchange)
+        clean = self.ledger.new(
+            exchange.principal, exchange.path, key=exchange.key, kind="after rollback"
+        )
+        client.send(clean, give_up_at - time.monotonic())
+
     def _next(self, rng: random.Random) -> Exchange:
         principal = rng.choice(self.principals)
         paths = self.profile.endpoints
@@ -115,20 +129,31 @@ class Traffic:
             paths = {p: w for p, w in paths.items() if p in DRF_ENDPOINTS}
         path = rng.choices(list(paths), weights=list(paths.values()))[0]
         tag = f"{self.ledger.run_tag}-{uuid.uuid4().hex[:12]}"
-        choices: list[tuple[float, Callable[[], Exchange]]] = [
-            (self.profile.crash_share, lambda: self.ledger.new(
+        makers: dict[str, tuple[float, Callable[[], Exchange]]] = {
+            "crash": (self.profile.crash_share, lambda: self.ledger.new(
                 principal, path, kind="crash", crash_once=tag)),
-            (self.profile.fail_share, lambda: self.ledger.new(
+            "fail": (self.profile.fail_share, lambda: self.ledger.new(
                 principal, path, kind="fail", fail_once=tag)),
             # Longer than the client's read timeout: the client gives up on an attempt
             # that the server finishes, then retries the same key.
-            (self.profile.slow_share, lambda: self.ledger.new(
+            "slow": (self.profile.slow_share, lambda: self.ledger.new(
                 principal, path, kind="slow",
-                delay_ms=int((self.profile.policy.read_timeout + rng.uniform(0.3, 1.5)) * 1000))),
-            (self.profile.cross_principal_share, lambda: self._cross_principal(principal, path)),
-        ]  # fmt: skip
+                delay_ms=int((self.profile.policy.read_timeout
+                              + rng.uniform(*self.profile.slow_extra_seconds)) * 1000))),
+            "cross-principal": (self.profile.cross_principal_share,
+                                lambda: self._cross_principal(principal, path)),
+            # The fault switch needs the library's transaction: not the plain baseline.
+            "rolled back": (self.profile.rollback_share, lambda: self.ledger.new(
+                principal, path, kind="rolled back", expect="none", fail="rollback_only")),
+            "cookie": (self.profile.cookie_share, lambda: self.ledger.new(
+                principal, path, kind="cookie", set_cookie=tag)),
+        }  # fmt: skip
+        with self._keys_lock:
+            owed = self._owed.pop() if self._owed and self._recent else None
+        if owed is not None:
+            return makers[owed][1]()
         roll = rng.random()
-        for share, make in choices:
+        for share, make in makers.values():
             if roll < share:
                 return make()
             roll -= share
