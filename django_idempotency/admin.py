@@ -9,25 +9,20 @@ from __future__ import annotations
 
 import contextlib
 import json
-import re
 import uuid
-from collections.abc import Iterable, Iterator, Mapping
-from dataclasses import dataclass
+from collections.abc import Mapping
 from datetime import date, timedelta
 from typing import TYPE_CHECKING, Any
 
 from django.contrib import admin
 from django.contrib.admin.options import IncorrectLookupParameters
 from django.contrib.admin.views.main import ChangeList
-from django.contrib.admindocs.views import simplify_regex
 from django.contrib.auth import get_user_model
 from django.core.exceptions import ValidationError
 from django.core.paginator import Paginator
 from django.db import connections
 from django.db.models import Q, QuerySet
 from django.http import HttpRequest
-from django.urls import URLPattern, URLResolver, get_resolver, get_script_prefix
-from django.urls.resolvers import RoutePattern
 from django.utils import timezone
 from django.utils.formats import date_format
 from django.utils.functional import cached_property
@@ -37,7 +32,7 @@ from django.utils.translation import gettext
 from django.utils.translation import gettext_lazy as _
 
 from django_idempotency.conf import conf
-from django_idempotency.engine import unit as engine
+from django_idempotency.endpoints import idempotent_endpoints
 from django_idempotency.engine.errors import InvalidKey
 from django_idempotency.engine.identity import PARTS, parse_key
 from django_idempotency.models import IdempotencyRecord, OutboxMessage
@@ -49,8 +44,6 @@ from django_idempotency.storage import records as storage
 DETAIL_ONLY_FIELDS = ("fingerprint", "response_headers", "response_body")
 # Stored bodies longer than this are cut in the detail view, which must stay a web page.
 BODY_PREVIEW_CHARS = 100_000
-# Python's named groups are the one URL-pattern construct PostgreSQL's regexes lack.
-_NAMED_GROUP = re.compile(r"\(\?P<\w+>")
 
 
 if TYPE_CHECKING:
@@ -138,62 +131,6 @@ class RecordChangeList(ChangeList):
         for record in page:
             record.principal_label = _principal_label(record.scope, labels)
         self.result_list = page
-
-
-@dataclass(frozen=True)
-class Endpoint:
-    """An idempotent view in the URLconf: its route and a regex over stored paths."""
-
-    route: str
-    regex: str
-    methods: frozenset[str]
-
-
-def _idempotent_methods(callback: Any) -> frozenset[str]:
-    """The methods a URLconf callback makes idempotent; empty for other views."""
-    view_class = getattr(callback, "cls", None)
-    if view_class is not None and hasattr(view_class, "get_idempotency_options"):
-        view = view_class(**getattr(callback, "initkwargs", {}))
-        actions = getattr(callback, "actions", None)
-        served = (
-            {m.upper() for m in actions}
-            if actions
-            else {m.upper() for m in view.http_method_names if hasattr(view, m)}
-        )
-        return view.get_idempotency_options().methods & served  # type: ignore[no-any-return]
-    overrides = getattr(callback, "idempotency_overrides", None)
-    if overrides is not None:
-        return engine.Options.resolve(methods=overrides.get("methods")).methods
-    return frozenset()
-
-
-def _walk(
-    patterns: Iterable[URLPattern | URLResolver], route: str, regex: str
-) -> Iterator[tuple[str, str, Any]]:
-    # (the route as people write it, the full Python regex of path_info, the callback)
-    for pattern in patterns:
-        piece = pattern.pattern
-        here = str(piece) if isinstance(piece, RoutePattern) else simplify_regex(str(piece))[1:]
-        joined = regex + piece.regex.pattern.removeprefix("^")
-        if isinstance(pattern, URLResolver):
-            yield from _walk(pattern.url_patterns, route + here, joined)
-        else:
-            yield route + here, joined, pattern.callback
-
-
-def idempotent_endpoints() -> list[Endpoint]:
-    """The URLconf's idempotent views, read now. Stored paths carry the script prefix,
-    path_info does not."""
-    root = get_resolver()
-    script_prefix = "^" + re.escape(get_script_prefix().rstrip("/"))
-    endpoints: dict[str, Endpoint] = {}
-    for route, regex, callback in _walk(root.url_patterns, "/", "/"):
-        methods = _idempotent_methods(callback)
-        # The first of two equal routes is the one Django resolves.
-        if methods and route not in endpoints:
-            sql_regex = script_prefix + _NAMED_GROUP.sub("(", regex)
-            endpoints[route] = Endpoint(route, sql_regex, methods)
-    return list(endpoints.values())
 
 
 class EndpointFilter(admin.SimpleListFilter):

@@ -355,3 +355,109 @@ def check_outbox_backlog(
                 )
             )
     return messages
+
+
+@register()
+def check_consumers(app_configs: Sequence[AppConfig] | None, **kwargs: Any) -> list[CheckMessage]:
+    """Exactly-once tasks whose settings break the guarantee: without ``acks_late`` a
+    message is acknowledged before it runs, so a worker that dies mid-task loses it; without
+    ``reject_on_worker_lost`` Celery acknowledges a killed worker's task anyway."""
+    import importlib
+    import importlib.util
+
+    if not _ours(app_configs) or importlib.util.find_spec("celery") is None:
+        return []
+    # Tasks are declared at import: import each app's tasks module, as Celery's
+    # autodiscovery does, so that the check sees the tasks a worker would run.
+    for config in apps.get_app_configs():
+        try:
+            found = importlib.util.find_spec(f"{config.name}.tasks")
+        except ImportError:
+            found = None
+        if found is not None:
+            importlib.import_module(f"{config.name}.tasks")
+    from celery import current_app
+
+    from django_idempotency.messaging.consumers import declared
+
+    # A shared task's class is made when an app is finalized.
+    current_app.finalize(auto=True)
+    messages: list[CheckMessage] = []
+    for task in declared:
+        off = [name for name in ("acks_late", "reject_on_worker_lost") if not getattr(task, name)]
+        if off and getattr(task, "name", None):
+            messages.append(
+                Error(
+                    f"The exactly-once task {task.name!r} runs with {' and '.join(off)} off, so "
+                    "a worker that dies while running it loses the message instead of "
+                    "having it redelivered.",
+                    hint="Remove acks_late=False / reject_on_worker_lost=False from the task's "
+                    "decorator: ExactlyOnceTask turns both on.",
+                    id="django_idempotency.E010",
+                )
+            )
+    return messages
+
+
+@register(Tags.urls)
+def check_views(app_configs: Sequence[AppConfig] | None, **kwargs: Any) -> list[CheckMessage]:
+    """What each idempotent view of the URLconf risks: a shared anonymous scope, a durable
+    block that cannot run in the claim's transaction."""
+    if not _ours(app_configs):
+        return []
+    from django_idempotency.endpoints import idempotent_endpoints
+
+    messages: list[CheckMessage] = []
+    for endpoint in idempotent_endpoints():
+        name = f"{endpoint.route} ({_qualname(endpoint.view)})"
+        if endpoint.policy.principal is None and _open_to_anonymous(endpoint.view):
+            messages.append(
+                CheckWarning(
+                    f"The idempotent view {name} lets anonymous clients in, and all of them "
+                    "share one principal: one anonymous client's key can replay another's "
+                    "response.",
+                    hint="Require authentication on this view, or give it a principal "
+                    "callable (idempotency_principal / principal=) that tells anonymous "
+                    "clients apart, such as by an API client id.",
+                    id="django_idempotency.W004",
+                )
+            )
+        if _opens_durable_block(endpoint.view):
+            messages.append(
+                CheckWarning(
+                    f"The idempotent view {name} opens transaction.atomic(durable=True), which "
+                    "cannot run inside the transaction that holds its key: such requests fail "
+                    "with a clear error instead of running.",
+                    hint="Use a plain transaction.atomic() in an idempotent view.",
+                    id="django_idempotency.W005",
+                )
+            )
+    return messages
+
+
+def _qualname(view: Any) -> str:
+    # A DRF view comes as an instance, a plain view as its (decorated) function.
+    target = view if hasattr(view, "__qualname__") else type(view)
+    return f"{target.__module__}.{target.__qualname__}"
+
+
+def _open_to_anonymous(view: Any) -> bool:
+    """A DRF view whose permissions all allow anonymous clients; plain views cannot be
+    judged from outside (their decorators decide)."""
+    permissions = getattr(view, "permission_classes", None)
+    if permissions is None:
+        return False
+    from rest_framework.permissions import AllowAny
+
+    return all(permission is AllowAny for permission in permissions)
+
+
+def _opens_durable_block(view: Any) -> bool:
+    import inspect
+
+    owner = view if inspect.isfunction(view) else type(view)
+    try:
+        source = inspect.getsource(inspect.unwrap(owner))
+    except (OSError, TypeError):
+        return False
+    return re.search(r"atomic\([^)]*durable\s*=\s*True", source) is not None

@@ -16,7 +16,8 @@ from django.urls import reverse
 from django.utils import timezone
 from django.utils.html import escape
 
-from django_idempotency.admin import EstimatedCountPaginator, idempotent_endpoints
+from django_idempotency.admin import EstimatedCountPaginator
+from django_idempotency.endpoints import idempotent_endpoints
 from django_idempotency.models import IdempotencyRecord
 from django_idempotency.partitions.catalog import day_bounds, utc_today
 from django_idempotency.partitions.tables import RECORDS

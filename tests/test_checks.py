@@ -165,9 +165,12 @@ def test_check_ids_are_unique() -> None:
         "django_idempotency.E007",
         "django_idempotency.E008",
         "django_idempotency.E009",
+        "django_idempotency.E010",
         "django_idempotency.W001",
         "django_idempotency.W002",
         "django_idempotency.W003",
+        "django_idempotency.W004",
+        "django_idempotency.W005",
         "django_idempotency.E101",
         "django_idempotency.W101",
         "django_idempotency.W102",
@@ -320,17 +323,25 @@ def test_e007_isolation_level_other_than_read_committed(monkeypatch) -> None:
 
 
 @pytest.mark.django_db(transaction=True)
-def test_e007_is_right_that_the_claim_refuses_other_levels() -> None:
-    # What the check saves users from: the claim itself refuses to run.
-    from django.db import DatabaseError, connection, transaction
+def test_e007_is_right_that_the_claim_cannot_hold_above_read_committed() -> None:
+    # What the check saves users from: a REPEATABLE READ snapshot taken before another
+    # request stored its record never sees it, so the key would run a second time.
+    from django.db import connection, transaction
 
-    with (
-        pytest.raises(DatabaseError, match="requires READ COMMITTED"),
-        transaction.atomic(),
-        connection.cursor() as cursor,
-    ):
-        cursor.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ")
-        cursor.execute("SELECT * FROM django_idempotency_claim('s', 'k', '1 day', '0', 0)")
+    from django_idempotency.storage.records import Outcome
+    from tests.claims import ClaimThread, claim
+    from tests.factories import new_key
+
+    key = new_key()
+    with transaction.atomic():
+        with connection.cursor() as cursor:
+            cursor.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ")
+            cursor.execute("SELECT 1")  # the snapshot is taken here
+        other = ClaimThread("anonymous", key, complete=True)
+        other.start()
+        assert other.result() is Outcome.WON  # stored and committed
+        assert claim("anonymous", key).outcome is Outcome.WON  # blind to it: a duplicate
+    assert claim("anonymous", key).outcome is Outcome.FOUND  # READ COMMITTED sees it
 
 
 @pytest.mark.parametrize(
@@ -408,3 +419,23 @@ def test_the_check_command_runs_the_settings_checks() -> None:
         pytest.raises(SystemCheckError, match=r"django_idempotency\.E005"),
     ):
         call_command("check", stderr=StringIO())
+
+
+@pytest.mark.urls("tests.urls")
+def test_w004_an_idempotent_view_open_to_anonymous_clients_without_a_principal_callable() -> None:
+    warned = {
+        re.search(r"view (\S+) ", m.msg)[1]  # type: ignore[index]
+        for m in checks.check_views(None)
+        if m.id == "django_idempotency.W004"
+    }
+    assert "/drf/" in warned  # AllowAny, no principal callable
+    assert "/drf/guarded/" not in warned  # IsAuthenticated
+    assert "/drf/tenant/" not in warned  # a principal callable
+    assert "/drf/durable/" not in warned
+
+
+@pytest.mark.urls("tests.urls")
+def test_w005_an_idempotent_view_that_opens_a_durable_block() -> None:
+    durable = [m for m in checks.check_views(None) if m.id == "django_idempotency.W005"]
+    assert len(durable) == 1
+    assert "/drf/durable/ (tests.views.DurableView)" in durable[0].msg

@@ -34,6 +34,7 @@ urlpatterns = [
     path("drf/traced/", views.TracedView.as_view()),
     path("drf/negotiated/", views.NegotiatedView.as_view()),
     path("drf/json-only/", views.JSONOnlyView.as_view()),
+    path("drf/durable/", views.DurableView.as_view()),
     path("drf/api-view/", views.api_view_charge),
     path("drf/", include(router.urls)),
     path("plain/", views.plain),

@@ -230,6 +230,17 @@ class NegotiatedView(ScriptedView):
     renderer_classes = [JSONRenderer, PlainTextRenderer]
 
 
+class DurableView(IdempotencyMixin, APIView):
+    """Writes in a durable block, which cannot run inside the claim's transaction."""
+
+    permission_classes = [IsAuthenticated]
+
+    def post(self, request: Request) -> Response:
+        with transaction.atomic(durable=True):
+            Group.objects.create(name=uuid.uuid4().hex)
+        return Response(status=201)
+
+
 class JSONOnlyView(ScriptedView):
     parser_classes = [JSONParser]
 
