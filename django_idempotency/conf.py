@@ -179,6 +179,16 @@ class Settings:
         value: str | None = _setting("IDEMPOTENCY_OUTBOX_CELERY_APP", None)
         return value
 
+    @property
+    def CONSUMER_TTL(self) -> timedelta:
+        value: timedelta = _setting("IDEMPOTENCY_CONSUMER_TTL", timedelta(days=7))
+        return value
+
+    @property
+    def CONSUMER_WAIT(self) -> timedelta:
+        value: timedelta = _setting("IDEMPOTENCY_CONSUMER_WAIT", timedelta(seconds=10))
+        return value
+
 
 
 conf = Settings()

@@ -150,6 +150,12 @@ if SPECTACULAR:
 # body). Off unless asked for: the demo and the test settings turn them on.
 PAYMENTS_FAULTS_ENABLED = os.environ.get("PAYMENTS_FAULTS_ENABLED") == "1"
 
+# The fake card processor (testproject/processor.py): when set, a charge is captured there
+# with a downstream key and posted to the ledger through the outbox.
+PAYMENTS_PROCESSOR_URL = os.environ.get("PAYMENTS_PROCESSOR_URL", "")
+# Shared with the processor: POST /api/webhooks/processor/ checks HMAC-SHA256 signatures with it.
+PAYMENTS_WEBHOOK_SECRET = os.environ.get("PAYMENTS_WEBHOOK_SECRET", "demo-only-webhook-secret")
+
 CELERY_BROKER_URL = os.environ.get("CELERY_BROKER_URL", "memory://")
 CELERY_BROKER_CONNECTION_RETRY_ON_STARTUP = True
 CELERY_TIMEZONE = "UTC"

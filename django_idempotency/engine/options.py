@@ -25,6 +25,8 @@ class ViewOptions(TypedDict, total=False):
     fingerprint_headers: Sequence[str] | None
     principal: PrincipalFunc | None
     lookup_first: bool | None
+    # The header that carries the key, for a webhook receiver: "X-GitHub-Delivery".
+    key_header: str | None
 
 
 OPTION_NAMES: tuple[str, ...] = tuple(ViewOptions.__annotations__)
@@ -42,7 +44,8 @@ class Policy:
     fingerprint_headers: tuple[str, ...]
     principal: PrincipalFunc | None
     lookup_first: bool
-    # The key's header as it appears in request.META.
+    # The key's header, and as it appears in request.META.
+    header: str
     header_meta: str
 
 
@@ -55,6 +58,7 @@ def resolve(options: ViewOptions) -> Policy:
     required = options.get("required")
     lookup_first = options.get("lookup_first")
     principal = options.get("principal")
+    header = options.get("key_header") or conf.HEADER
     return Policy(
         methods=conf.METHODS if methods is None else frozenset(m.upper() for m in methods),
         required=conf.REQUIRED if required is None else required,
@@ -66,7 +70,8 @@ def resolve(options: ViewOptions) -> Policy:
         # A plain function stored on a view class comes back bound to the view.
         principal=getattr(principal, "__func__", principal) or conf.PRINCIPAL,
         lookup_first=conf.LOOKUP_FIRST if lookup_first is None else lookup_first,
-        header_meta="HTTP_" + conf.HEADER.upper().replace("-", "_"),
+        header=header,
+        header_meta="HTTP_" + header.upper().replace("-", "_"),
     )
 
 

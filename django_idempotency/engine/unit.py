@@ -520,7 +520,7 @@ class RequestUnit:
         request, policy = self.request, self.policy
         raw = request.META.get(policy.header_meta)
         if raw is None:
-            raise MissingKey(f"This endpoint requires an {conf.HEADER} header.")
+            raise MissingKey(f"This endpoint requires an {policy.header} header.")
         key = parse_key(raw)
         try:
             with failing_closed():  # the user may be loaded from the database only now

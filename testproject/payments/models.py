@@ -35,3 +35,33 @@ class FaultTag(models.Model):
 
     def __str__(self) -> str:
         return self.tag
+
+
+class LedgerEntry(models.Model):
+    """A charge posted to the ledger by the exactly-once task ``post_ledger_entry``.
+
+    Deliberately without a unique constraint on the charge: a duplicate posting must show
+    up as a second row, which is what the tests and the demo count.
+    """
+
+    charge = models.ForeignKey(Charge, on_delete=models.PROTECT, related_name="+")
+    amount = models.PositiveIntegerField()
+    currency = models.CharField(max_length=3)
+    # The Celery task id: the outbox message that posted it.
+    message_id = models.CharField(max_length=64)
+    created = models.DateTimeField(auto_now_add=True)
+
+    def __str__(self) -> str:
+        return f"ledger {self.amount} {self.currency.upper()} for charge {self.charge_id}"
+
+
+class Settlement(models.Model):
+    """A charge marked settled by the processor's webhook; no unique constraint either."""
+
+    charge = models.ForeignKey(Charge, on_delete=models.PROTECT, related_name="+")
+    # The processor's delivery id (X-Processor-Delivery).
+    delivery = models.CharField(max_length=255)
+    created = models.DateTimeField(auto_now_add=True)
+
+    def __str__(self) -> str:
+        return f"settlement of charge {self.charge_id}"

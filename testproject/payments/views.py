@@ -21,7 +21,7 @@ from rest_framework.views import APIView
 
 from django_idempotency.decorators import idempotent
 from django_idempotency.rest_framework import IdempotencyMixin
-from testproject.payments import executions
+from testproject.payments import chain, executions
 from testproject.payments.faults import Faults, with_cookie
 from testproject.payments.models import Charge, Payment
 from testproject.payments.parsers import JSONParser
@@ -35,18 +35,23 @@ from testproject.payments.serializers import (
 
 
 def create_payment(
-    serializer: PaymentSerializer, user: AbstractBaseUser | AnonymousUser
+    serializer: PaymentSerializer,
+    user: AbstractBaseUser | AnonymousUser,
+    *,
+    capture: bool = False,
 ) -> tuple[int, Any]:
-    """The one payment handler behind every endpoint: count the run, validate, write."""
+    """The one payment handler behind every endpoint: count the run, validate, write;
+    with ``capture`` (and a processor configured), capture it and post it to the ledger."""
     executions.record(serializer.Meta.model)
     faults = Faults.from_data(serializer.initial_data)
     serializer.is_valid(raise_exception=True)
     faults.before_write()
-    serializer.save(user=user)
+    payment = serializer.save(user=user)
+    captured = chain.capture_and_post(payment) if capture else None
     if faults.responds_with_error:
         return 500, {"detail": "fail=500r: answered 500 after writing"}
     faults.after_write()
-    return 201, serializer.data
+    return 201, serializer.data if captured is None else {**serializer.data, "capture": captured}
 
 
 class PaymentCreateView(GenericAPIView[Payment]):
@@ -56,16 +61,20 @@ class PaymentCreateView(GenericAPIView[Payment]):
     permission_classes = [IsAuthenticated]
     parser_classes = [JSONParser]
     serializer_class: type[PaymentSerializer] = ChargeSerializer
+    # Capture at the processor and post to the ledger (the protected charge view only).
+    captures = False
 
     def post(self, request: Request) -> Response:
         serializer = self.get_serializer(data=request.data)
         assert isinstance(serializer, PaymentSerializer)
-        status, body = create_payment(serializer, request.user)
+        status, body = create_payment(serializer, request.user, capture=self.captures)
         return with_cookie(Response(body, status=status), request.data)
 
 
 class ChargeCreateView(IdempotencyMixin, PaymentCreateView):
     """Create a charge; a retry with the same ``Idempotency-Key`` gets the first answer."""
+
+    captures = True
 
 
 class IsOwner(BasePermission):

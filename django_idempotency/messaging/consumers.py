@@ -1,0 +1,157 @@
+"""Exactly-once Celery consumers: a task whose effects commit once per message id.
+
+``@shared_task(base=ExactlyOnceTask, bind=True)``: each delivery claims
+``(consumer, task id)`` on the records table, runs the body, stores its JSON result and
+commits, all in one transaction. A redelivery of a committed message returns the stored
+result without running the body; one that raised, retried or died before the commit left
+nothing, so the redelivery runs it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import time
+from typing import Any
+
+from celery import Task
+from celery.exceptions import Reject
+from django.core.serializers.json import DjangoJSONEncoder
+
+from django_idempotency.conf import conf
+from django_idempotency.engine.errors import InProgress, KeyExpired, StoreUnavailable
+from django_idempotency.engine.unit import Outcome, Refuse, Replay, UnitOfWork, Work
+
+logger = logging.getLogger("django_idempotency.consumers")
+
+METHOD = "TASK"
+PRINCIPAL_PREFIX = "consumer:"
+JSON_HEADERS = [["content-type", "application/json"]]
+# Records' key and scope columns hold this many characters; longer ones are hashed.
+MAX_IDENTITY = 255
+# A delivery that found the store down waits this long before giving the message back, so
+# an outage does not spin every worker through the broker.
+STORE_DOWN_PAUSE = 1.0
+
+# Every ExactlyOnceTask class Celery made (one per task), for the system check.
+declared: list[type[ExactlyOnceTask]] = []
+
+
+class ExactlyOnceTask(Task[Any, Any]):
+    """A Celery task that takes effect once per message id, however often it is delivered.
+
+    Use it as ``@shared_task(base=ExactlyOnceTask, bind=True)``. The body runs inside a
+    transaction on the records' database together with the claim of
+    ``(consumer_name, task id)``; its return value must be JSON and is stored, and a
+    redelivery returns it without running the body. ``acks_late`` and
+    ``reject_on_worker_lost`` are on, and the check ``django_idempotency.E010`` refuses a
+    task that turns them off.
+    """
+
+    acks_late = True
+    reject_on_worker_lost = True
+    # Message ids are scoped by consumer: by default the task's name.
+    consumer_name: str | None = None
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        declared.append(cls)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        request = self.request
+        # Called as a plain function (no message): nothing to deduplicate on.
+        if request.called_directly or not request.id:
+            return super().__call__(*args, **kwargs)
+        return consume(self, str(request.id), args, kwargs)
+
+
+def consumer_principal(task: Task[Any, Any]) -> str:
+    name = getattr(task, "consumer_name", None) or task.name
+    return _bounded(PRINCIPAL_PREFIX + name)
+
+
+def _bounded(value: str) -> str:
+    if len(value) <= MAX_IDENTITY:
+        return value
+    return "sha256:" + hashlib.sha256(value.encode("utf-8", "surrogatepass")).hexdigest()
+
+
+def arguments_digest(args: tuple[Any, ...], kwargs: dict[str, Any]) -> str:
+    canonical = json.dumps(
+        [list(args), kwargs], sort_keys=True, separators=(",", ":"), cls=DjangoJSONEncoder
+    )
+    return hashlib.sha256(canonical.encode()).hexdigest()
+
+
+def consume(
+    task: Task[Any, Any], message_id: str, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> Any:
+    """Run ``task``'s body for one delivery of ``message_id``, exactly once."""
+    work = Work(
+        principal=consumer_principal(task),
+        key=_bounded(message_id),
+        method=METHOD,
+        path=task.name,
+        fingerprint={"arguments": arguments_digest(args, kwargs)},
+        ttl=conf.CONSUMER_TTL,
+    )
+    unit = UnitOfWork(work, wait=conf.CONSUMER_WAIT, sender=type(task), context=task.request)
+    try:
+        decision = unit.open()
+    except StoreUnavailable as exc:
+        logger.warning(
+            "Task %s[%s] found the idempotency store unavailable; the message goes back to "
+            "the broker.",
+            task.name,
+            message_id,
+        )
+        time.sleep(STORE_DOWN_PAUSE)
+        raise Reject(exc, requeue=True) from exc
+    if isinstance(decision, Replay):
+        logger.info("Task %s[%s] already ran; acknowledged with its result.", task.name, message_id)
+        return json.loads(decision.record.body() or b"null")
+    if isinstance(decision, Refuse):
+        return _refused(task, message_id, decision)
+    try:
+        result = task.run(*args, **kwargs)
+        body = json.dumps(result, separators=(",", ":"), cls=DjangoJSONEncoder).encode()
+    except BaseException as exc:
+        # Retry, Reject, any error, SystemExit: nothing of this delivery stays.
+        unit.fail(exc)
+        raise
+    try:
+        unit.close(Outcome(200, JSON_HEADERS, body))
+    except StoreUnavailable as exc:
+        # Nothing was committed; the broker redelivers.
+        raise Reject(exc, requeue=True) from exc
+    return result
+
+
+def _refused(task: Task[Any, Any], message_id: str, decision: Refuse) -> Any:
+    error = decision.error
+    if isinstance(error, InProgress):
+        # Another delivery of this message still holds the claim: give it back to the
+        # broker, which redelivers it; by then the holder has committed (a replay) or
+        # died (a run).
+        logger.info(
+            "Task %s[%s] is running in another delivery; the message goes back to the broker.",
+            task.name,
+            message_id,
+        )
+        raise Reject(error, requeue=True)
+    if isinstance(error, KeyExpired):
+        logger.warning(
+            "Task %s[%s] ran before and its record has expired; acknowledged without running "
+            "it again. Raise IDEMPOTENCY_CONSUMER_TTL above the broker's redelivery window.",
+            task.name,
+            message_id,
+        )
+        return None
+    # KeyReused: the same message id with other arguments is not a redelivery.
+    logger.error(
+        "Task %s[%s] was delivered again with different arguments; it was not run.",
+        task.name,
+        message_id,
+    )
+    raise error

@@ -1,0 +1,42 @@
+"""Downstream keys: the idempotency key to send to an external API (a payment processor)
+from inside a protected view or an exactly-once task.
+
+The key is a keyed hash of the principal, the request's key (or the message id) and a step
+name, so the run that a retry re-executes after a rollback sends the same key again and the
+provider deduplicates it, while the key says nothing about its inputs.
+"""
+
+from __future__ import annotations
+
+import uuid
+
+from django_idempotency.engine.hashing import keyed_digest
+from django_idempotency.engine.unit import current_work
+
+# Bumped if the derivation ever changes, so that old and new keys never meet.
+VERSION = "v1"
+
+
+class OutsideUnitOfWork(RuntimeError):
+    """``derive_key()`` was called outside a protected view or an exactly-once task."""
+
+
+def derive_key(step: str) -> str:
+    """The downstream idempotency key for ``step`` of the work running now: the same
+    principal, key (or message id) and step always give the same key; anything else never
+    does. A UUID-shaped string (version 8), which providers that want a UUID accept."""
+    if not step:
+        raise ValueError("derive_key() needs a step name, such as 'capture'.")
+    work = current_work.get()
+    if work is None:
+        raise OutsideUnitOfWork(
+            "derive_key() derives from the key of the work running now, and there is none: "
+            "call it inside a view protected by @idempotent or IdempotencyMixin (on a request "
+            "that carries a key) or inside an ExactlyOnceTask."
+        )
+    digest = keyed_digest("downstream", VERSION, work.principal, work.key, step)
+    value = int.from_bytes(digest[:16], "big")
+    # RFC 9562 version 8 (custom) and variant bits; the other 122 bits are the digest's.
+    value = (value & ~(0xF << 76)) | (0x8 << 76)
+    value = (value & ~(0x3 << 62)) | (0x2 << 62)
+    return str(uuid.UUID(int=value))

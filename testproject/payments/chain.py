@@ -1,0 +1,137 @@
+"""The payments API beyond its own database: the processor capture (with a downstream key),
+the ledger posting (through the outbox to an exactly-once task), and the processor's
+webhook (deduplicated by its delivery id, scoped to the sender that signed it).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+import urllib.error
+import urllib.request
+from collections.abc import Callable
+from functools import wraps
+from typing import Any
+
+from django.conf import settings
+from django.http import HttpRequest, HttpResponse, JsonResponse
+from django.views.decorators.csrf import csrf_exempt
+from django.views.decorators.http import require_POST
+from rest_framework.permissions import AllowAny
+from rest_framework.request import Request
+from rest_framework.response import Response
+from rest_framework.views import APIView
+
+from django_idempotency.decorators import idempotent
+from django_idempotency.messaging.downstream import derive_key
+from django_idempotency.messaging.outbox import enqueue_task
+from django_idempotency.models import OutboxMessage
+from testproject import processor
+from testproject.payments.models import Charge, LedgerEntry, Payment, Settlement
+from testproject.payments.tasks import POST_LEDGER_ENTRY
+
+DELIVERY_HEADER = "X-Processor-Delivery"
+SIGNATURE_HEADER = "X-Processor-Signature"
+
+
+def capture_and_post(payment: Payment) -> str | None:
+    """Capture the charge at the processor and put its ledger posting in the outbox; the
+    capture's id, or None when no processor is configured."""
+    url = getattr(settings, "PAYMENTS_PROCESSOR_URL", "")
+    if not url:
+        return None
+    # The same request key gives the same processor key: a retry that runs this again
+    # after a rollback (or a crash) is answered by the processor with the first capture.
+    captured = processor.capture(
+        url,
+        key=derive_key("capture"),
+        amount=payment.amount,
+        currency=payment.currency,
+        reference=f"charge:{payment.pk}",
+    )
+    # Published by the relay if and only if this request commits.
+    enqueue_task(POST_LEDGER_ENTRY, (payment.pk, payment.amount, payment.currency))
+    return str(captured["id"])
+
+
+def signature(secret: str, body: bytes) -> str:
+    """The processor's signature of a webhook body: HMAC-SHA256, hex, ``sha256=`` first."""
+    return "sha256=" + hmac.new(secret.encode(), body, hashlib.sha256).hexdigest()
+
+
+def verify_processor_signature(view: Callable[..., HttpResponse]) -> Callable[..., HttpResponse]:
+    """Refuse a delivery that the processor did not sign, before the delivery id is claimed:
+    an unsigned request must neither run the handler nor store an answer under a real
+    delivery id."""
+
+    @wraps(view)
+    def wrapper(request: HttpRequest, *args: Any, **kwargs: Any) -> HttpResponse:
+        secret = getattr(settings, "PAYMENTS_WEBHOOK_SECRET", "")
+        sent = request.headers.get(SIGNATURE_HEADER, "")
+        if not secret or not hmac.compare_digest(sent, signature(secret, request.body)):
+            return JsonResponse({"detail": "The signature does not match."}, status=401)
+        request.webhook_sender = "processor"  # type: ignore[attr-defined]
+        return view(request, *args, **kwargs)
+
+    return wrapper
+
+
+def webhook_sender(request: HttpRequest) -> str:
+    # Delivery ids are unique per sender only: scope them by whoever signed the request.
+    return f"webhook:{request.webhook_sender}"  # type: ignore[attr-defined]
+
+
+@csrf_exempt
+@require_POST
+@verify_processor_signature
+@idempotent(key_header=DELIVERY_HEADER, principal=webhook_sender, required=True)
+def processor_webhook(request: HttpRequest) -> HttpResponse:
+    """The processor's events: ``charge.settled`` marks the charge settled, once per
+    delivery id however often the processor delivers it."""
+    try:
+        event = json.loads(request.body)
+        kind, charge_id = event["type"], int(event["data"]["charge"])
+    except (ValueError, KeyError, TypeError):
+        return JsonResponse({"detail": "Not an event."}, status=400)
+    if kind != "charge.settled":
+        return JsonResponse({"ignored": kind})
+    charge = Charge.objects.filter(pk=charge_id).first()
+    if charge is None:
+        # Perhaps captured by a request that has not committed yet: not stored (5xx), so
+        # the processor's next delivery tries again.
+        return JsonResponse({"detail": "Unknown charge; deliver again later."}, status=503)
+    settlement = Settlement.objects.create(charge=charge, delivery=request.headers[DELIVERY_HEADER])
+    return JsonResponse({"charge": charge.pk, "settled": True, "settlement": settlement.pk})
+
+
+def processor_stats() -> dict[str, Any] | None:
+    url = getattr(settings, "PAYMENTS_PROCESSOR_URL", "")
+    if not url:
+        return None
+    try:
+        with urllib.request.urlopen(f"{url.rstrip('/')}/v1/stats", timeout=5) as response:
+            stats: dict[str, Any] = json.loads(response.read())
+            return stats
+    except (urllib.error.URLError, OSError, ValueError):
+        return None
+
+
+class ChainCountView(APIView):
+    """The whole chain at a glance: charges, captures at the processor, ledger rows,
+    settlements and the outbox backlog."""
+
+    authentication_classes: list[type[Any]] = []
+    permission_classes = [AllowAny]
+
+    def get(self, request: Request) -> Response:
+        stats = processor_stats()
+        return Response(
+            {
+                "charges": Charge.objects.count(),
+                "captures": None if stats is None else stats["captures"],
+                "ledger_rows": LedgerEntry.objects.count(),
+                "settlements": Settlement.objects.count(),
+                "outbox_backlog": OutboxMessage.objects.filter(published_at__isnull=True).count(),
+            }
+        )

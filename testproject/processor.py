@@ -1,0 +1,163 @@
+"""A fake card processor: a separate HTTP service that the payments API captures charges at.
+
+Like a real one (Stripe, Adyen), it deduplicates on its own ``Idempotency-Key`` header: a
+capture sent again with the same key is answered with the first answer and captures
+nothing. It counts what it captured, which is how the demo and the tests see that a charge
+was captured once. State is in memory, behind a lock.
+
+    python -m testproject.processor --port 8010
+
+``POST /v1/captures`` ``{"amount", "currency", "reference"}`` with an ``Idempotency-Key``
+captures; ``GET /v1/stats`` counts captures, keys and requests.
+
+The module also holds the payments API's client: ``capture()``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import threading
+import urllib.error
+import urllib.request
+import uuid
+from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+KEY_HEADER = "Idempotency-Key"
+REPLAYED_HEADER = "Idempotent-Replayed"
+
+
+@dataclass
+class Ledger:
+    """What the processor has seen: captures, and the first answer per key."""
+
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    captures: list[dict[str, Any]] = field(default_factory=list)
+    # key -> (request body, status, answer)
+    answers: dict[str, tuple[dict[str, Any], int, dict[str, Any]]] = field(default_factory=dict)
+    requests: int = 0
+
+    def capture(self, key: str, body: dict[str, Any]) -> tuple[int, dict[str, Any], bool]:
+        """(status, answer, replayed) for a capture request."""
+        with self.lock:
+            self.requests += 1
+            seen = self.answers.get(key)
+            if seen is not None:
+                first, status, answer = seen
+                if first != body:
+                    return 422, {"error": "Idempotency-Key reused with other parameters"}, False
+                return status, answer, True
+            answer = {
+                "id": f"cap_{uuid.uuid4().hex[:16]}",
+                "amount": body.get("amount"),
+                "currency": body.get("currency"),
+                "reference": body.get("reference"),
+            }
+            self.captures.append(answer)
+            self.answers[key] = (body, 201, answer)
+            return 201, answer, False
+
+    def stats(self) -> dict[str, Any]:
+        with self.lock:
+            return {
+                "captures": len(self.captures),
+                "keys": len(self.answers),
+                "requests": self.requests,
+                "references": [c["reference"] for c in self.captures],
+            }
+
+
+class Handler(BaseHTTPRequestHandler):
+    server: ProcessorServer
+
+    def log_message(self, format: str, *args: Any) -> None:
+        if self.server.verbose:
+            super().log_message(format, *args)
+
+    def _send(self, status: int, body: dict[str, Any], replayed: bool = False) -> None:
+        data = json.dumps(body).encode()
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        if replayed:
+            self.send_header(REPLAYED_HEADER, "true")
+        self.end_headers()
+        self.wfile.write(data)
+
+    def do_GET(self) -> None:
+        if self.path == "/v1/stats":
+            self._send(200, self.server.ledger.stats())
+        else:
+            self._send(404, {"error": "not found"})
+
+    def do_POST(self) -> None:
+        length = int(self.headers.get("Content-Length") or 0)
+        raw = self.rfile.read(length)
+        if self.path != "/v1/captures":
+            self._send(404, {"error": "not found"})
+            return
+        key = self.headers.get(KEY_HEADER)
+        if not key:
+            self._send(400, {"error": f"{KEY_HEADER} is required"})
+            return
+        try:
+            body = json.loads(raw)
+        except ValueError:
+            self._send(400, {"error": "the body must be JSON"})
+            return
+        status, answer, replayed = self.server.ledger.capture(key, body)
+        self._send(status, answer, replayed)
+
+
+class ProcessorServer(ThreadingHTTPServer):
+    daemon_threads = True
+
+    def __init__(self, address: tuple[str, int], *, verbose: bool = False) -> None:
+        super().__init__(address, Handler)
+        self.ledger = Ledger()
+        self.verbose = verbose
+
+
+class ProcessorError(Exception):
+    """The processor refused a capture or could not be reached."""
+
+
+def capture(
+    url: str, *, key: str, amount: int, currency: str, reference: str, timeout: float = 10
+) -> dict[str, Any]:
+    """Capture at the processor at ``url``; the same ``key`` never captures twice."""
+    data = json.dumps({"amount": amount, "currency": currency, "reference": reference})
+    request = urllib.request.Request(
+        f"{url.rstrip('/')}/v1/captures",
+        data=data.encode(),
+        method="POST",
+        headers={"Content-Type": "application/json", KEY_HEADER: key},
+    )
+    try:
+        with urllib.request.urlopen(request, timeout=timeout) as response:
+            answer: dict[str, Any] = json.loads(response.read())
+            return answer
+    except (urllib.error.URLError, OSError, ValueError) as exc:
+        raise ProcessorError(f"The processor did not capture: {exc}") from exc
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8010)
+    parser.add_argument("--verbose", action="store_true")
+    options = parser.parse_args(argv)
+    server = ProcessorServer((options.host, options.port), verbose=options.verbose)
+    print(f"processor listening on http://{options.host}:{server.server_port}", flush=True)
+    try:
+        server.serve_forever()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        server.server_close()
+
+
+if __name__ == "__main__":
+    main()
