@@ -27,9 +27,9 @@ TASK_NAME = "django_idempotency.maintain_partitions"
 # The row's fixed name: how we find it again, whatever else an operator changed.
 SCHEDULE_NAME = "django-idempotency: maintain partitions"
 DESCRIPTION = (
-    "Created by django-idempotency: creates upcoming partitions of the idempotency records "
-    "table and drops expired ones. Edit freely: migrate and beat restarts keep your changes; "
-    "`manage.py idempotency_install_schedule --force` resets this row."
+    "Created by django-idempotency: creates upcoming partitions of its tables (records, and "
+    "the messaging tables) and drops expired ones. Edit freely: migrate and beat restarts "
+    "keep your changes; `manage.py idempotency_install_schedule --force` resets this row."
 )
 CRONTAB_FIELDS = ("minute", "hour", "day_of_month", "month_of_year", "day_of_week")
 
