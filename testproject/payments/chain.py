@@ -29,6 +29,7 @@ from django_idempotency.messaging.outbox import enqueue_task
 from django_idempotency.models import OutboxMessage
 from testproject import processor
 from testproject.payments.models import Charge, LedgerEntry, Payment, Settlement
+from testproject.payments.serializers import ChainCountSerializer
 from testproject.payments.tasks import POST_LEDGER_ENTRY
 
 DELIVERY_HEADER = "X-Processor-Delivery"
@@ -123,6 +124,8 @@ class ChainCountView(APIView):
 
     authentication_classes: list[type[Any]] = []
     permission_classes = [AllowAny]
+    # Read by drf-spectacular for the response schema (APIView has no get_serializer).
+    serializer_class = ChainCountSerializer
 
     def get(self, request: Request) -> Response:
         stats = processor_stats()

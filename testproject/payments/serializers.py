@@ -51,3 +51,15 @@ class PaymentCountSerializer(serializers.Serializer[dict[str, Any]]):
         allow_null=True, help_text="Runs of the handler, rolled back ones included (PostgreSQL)."
     )
     rows = serializers.IntegerField(help_text="Payments committed.")
+
+
+class ChainCountSerializer(serializers.Serializer[dict[str, Any]]):
+    """What ``ChainCountView`` answers; declared so the OpenAPI schema describes it."""
+
+    charges = serializers.IntegerField()
+    captures = serializers.IntegerField(
+        allow_null=True, help_text="Captures at the payment processor; null if unreachable."
+    )
+    ledger_rows = serializers.IntegerField()
+    settlements = serializers.IntegerField()
+    outbox_backlog = serializers.IntegerField(help_text="Outbox messages not yet published.")
