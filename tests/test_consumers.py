@@ -240,3 +240,15 @@ def test_the_task_declares_late_acks_and_rejection_on_worker_loss() -> None:
     from testproject.payments.tasks import post_ledger_entry
 
     assert post_ledger_entry.acks_late is True
+
+
+def test_records_partitions_are_kept_for_the_consumer_ttl_when_it_is_longer() -> None:
+    from django_idempotency.partitions.tables import RECORDS
+
+    with override_settings(
+        IDEMPOTENCY_MAX_TTL=timedelta(days=1),
+        IDEMPOTENCY_CONSUMER_TTL=timedelta(days=7),
+        IDEMPOTENCY_EXPIRED_WINDOW=timedelta(0),
+        IDEMPOTENCY_PARTITION_GRACE=timedelta(hours=1),
+    ):
+        assert RECORDS.keep_for() == timedelta(days=7, hours=1)

@@ -153,6 +153,7 @@ def test_drop_partitions_setting_off_keeps_expired_partitions() -> None:
 @sandboxed
 @override_settings(
     IDEMPOTENCY_MAX_TTL=timedelta(days=3),
+    IDEMPOTENCY_CONSUMER_TTL=timedelta(days=1),
     IDEMPOTENCY_EXPIRED_WINDOW=timedelta(days=2),
     IDEMPOTENCY_PARTITION_GRACE=timedelta(hours=1),
 )

@@ -126,6 +126,7 @@ def test_the_records_table_is_registered_first() -> None:
 def test_records_keep_max_ttl_plus_expired_window_plus_grace() -> None:
     with override_settings(
         IDEMPOTENCY_MAX_TTL=timedelta(days=3),
+        IDEMPOTENCY_CONSUMER_TTL=timedelta(days=1),
         IDEMPOTENCY_EXPIRED_WINDOW=timedelta(days=2),
         IDEMPOTENCY_PARTITION_GRACE=timedelta(hours=1),
     ):

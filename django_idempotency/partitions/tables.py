@@ -67,8 +67,10 @@ class PartitionedTable:
 
 
 def _records_keep_for() -> timedelta:
-    # The longest a view may keep a record, its 410 window, and a margin for clocks.
-    return conf.MAX_TTL + conf.EXPIRED_WINDOW + conf.PARTITION_GRACE
+    # The longest a view or an exactly-once consumer may keep a record, its 410 window,
+    # and a margin for clocks.
+    longest = max(conf.MAX_TTL, conf.CONSUMER_TTL)
+    return longest + conf.EXPIRED_WINDOW + conf.PARTITION_GRACE
 
 
 def _records_expired(now: datetime) -> Q:
