@@ -54,9 +54,10 @@ MIB = 1024 * 1024
 # Each statement reports the time it spent in the server, lock waits included; the client
 # side adds its own scheduling on a busy machine.
 SPENT = "extract(epoch FROM clock_timestamp() - statement_timestamp())"
+# The first argument is the key's lock, which the engine derives with a keyed hash.
 CLAIM = (
-    f"SELECT outcome, rec_created_at, {SPENT} FROM django_idempotency_claim("
-    "%s, %s, interval '24 hours', interval '0', 2000)"
+    f"SELECT outcome, created_at, {SPENT} FROM django_idempotency_claim("
+    "%s, %s, %s, interval '24 hours', interval '0', 2000)"
 )
 FINISH = (
     f"INSERT INTO {TABLE} (scope, key, method, path, fingerprint, status, response_code, "
@@ -185,19 +186,23 @@ def measure(action: Any) -> Removal:
 
 
 def keep_for() -> timedelta:
-    from django_idempotency.conf import conf
+    from django_idempotency.partitions.tables import RECORDS
 
-    return conf.MAX_TTL + conf.EXPIRED_WINDOW + conf.PARTITION_GRACE
+    return RECORDS.keep_for()
 
 
 def maintain_dropping(day: date) -> None:
     """Run maintenance at the moment ``day``'s partition first qualifies, so it alone goes."""
+    from django.test import override_settings
+
     from django_idempotency.partitions.catalog import day_bounds
     from django_idempotency.partitions.maintain import maintain
     from django_idempotency.partitions.tables import RECORDS
 
     now = day_bounds(day)[1] + keep_for()
-    report = maintain(now=now)
+    # The moment may be days ahead (records kept for a week): create nothing, measure the drop.
+    with override_settings(IDEMPOTENCY_PARTITIONS_AHEAD=2):
+        report = maintain(now=now)
     assert report.dropped == [RECORDS.partition_name(day)], report.lines()
     assert not report.created, report.lines()
 
@@ -233,7 +238,8 @@ def client(url: str, interval: float, stop: EventType, results: Any) -> None:
             scope, key = f"user:{uuid.uuid4().int % SCOPES}", uuid.uuid4().hex
             began, started = time.time(), time.perf_counter()
             with conn.transaction():
-                claimed = conn.execute(CLAIM, [scope, key]).fetchone()
+                lock = uuid.uuid4().int % 2**32 - 2**31
+                claimed = conn.execute(CLAIM, [lock, scope, key]).fetchone()
                 assert claimed is not None and claimed[0] == "won", claimed
                 stored = conn.execute(FINISH, [scope, key, BODY, claimed[1], claimed[1]]).fetchone()
                 assert stored is not None
