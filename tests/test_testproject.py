@@ -279,6 +279,46 @@ def test_demo_smoke_runs_the_readme_requests_against_gunicorn(
     assert Charge.objects.filter(user__username="alice").count() == 1
 
 
+@pytest.mark.django_db(transaction=True)
+def test_demo_serves_the_api_and_its_styled_admin_until_stopped(
+    subprocess_env: dict[str, str],
+) -> None:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    base = f"http://127.0.0.1:{port}"
+    demo = subprocess.Popen(
+        [sys.executable, "manage.py", "demo", "--workers", "1", "--port", str(port)],
+        cwd=ROOT,
+        env=subprocess_env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+    )
+    try:
+        assert demo.stdout is not None
+        printed = []
+        for line in demo.stdout:
+            printed.append(line)
+            if "Ctrl-C stops the server" in line:
+                break
+        output = "".join(printed)
+        assert f"Admin: {base}/admin/ (user admin, password demo-admin" in output
+        login = requests.get(f"{base}/admin/login/", timeout=10)
+        stylesheet = requests.get(f"{base}/static/admin/css/base.css", timeout=10)
+        count = requests.get(f"{base}/api/charges/count/", timeout=10)
+        assert login.status_code == 200 and "/static/admin/css/base.css" in login.text
+        assert stylesheet.status_code == 200
+        assert count.status_code == 200
+    finally:
+        demo.terminate()  # SIGTERM stops gunicorn with the demo
+        code = demo.wait(timeout=60)
+
+    assert code == 0
+    with pytest.raises(requests.ConnectionError):
+        requests.get(f"{base}/api/charges/count/", timeout=5)
+
+
 @pytest.mark.parametrize("mode", [[], ["--smoke"]], ids=["serve", "smoke"])
 def test_demo_with_its_port_taken_fails_naming_the_port_and_the_option(
     subprocess_env: dict[str, str], mode: list[str]
