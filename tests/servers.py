@@ -23,6 +23,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import uuid
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,8 +34,12 @@ import psycopg
 import pytest
 import requests
 
-from tests.conftest import ROOT, GunicornServer, die_with_parent
+from tests.conftest import ROOT, GunicornServer, TokenUser, die_with_parent
 
+# After a SIGINT gunicorn's master waits for its workers' interpreters to finish (2 s or
+# more); with no graceful period it kills them at once. A test server that is being stopped
+# has nothing in flight worth waiting for.
+QUICK_STOP = ("--graceful-timeout", "0")
 # apt-get may wait for the package lists and a mirror; a test session must not hang on it.
 APT_TIMEOUT = 180
 
@@ -128,6 +133,44 @@ def live_uvicorn(subprocess_env: dict[str, str]) -> Iterator[str]:
     """Base URL of ``testproject.asgi`` under uvicorn, 2 worker processes, on the test database."""
     with run_uvicorn(subprocess_env) as server:
         yield server.url
+
+
+@pytest.fixture(scope="module")
+def flush_after_module(django_db_setup: None, django_db_blocker: Any) -> Iterator[None]:
+    """Empty the test database once after the module, as a transactional test would."""
+    yield
+    from django.core.management import call_command
+
+    with django_db_blocker.unblock():
+        call_command("flush", verbosity=0, interactive=False)
+
+
+@pytest.fixture
+def live_user(db: None, flush_after_module: None, test_database_url: str) -> TokenUser:
+    """A user with a DRF token, committed, for tests that only talk to live servers.
+
+    The test itself runs in a transaction that is rolled back, like any ``db`` test, and
+    reads what the servers commit (READ COMMITTED). What they commit stays until the end of
+    the module (``flush_after_module``): the tests judge by fresh keys and fresh users, never
+    by an empty table, and a flush after each test would cost about a second.
+    """
+    from django.contrib.auth.models import User
+
+    token = uuid.uuid4().hex[:20] + uuid.uuid4().hex[:20]
+    # Its own connection: the test's transaction would hide the user from the servers.
+    with psycopg.connect(test_database_url, autocommit=True) as conn:
+        row = conn.execute(
+            "INSERT INTO auth_user (password, is_superuser, username, first_name, last_name, "
+            "email, is_staff, is_active, date_joined) "
+            "VALUES ('!', false, %s, '', '', '', false, true, now()) RETURNING id",
+            [f"live-{uuid.uuid4().hex[:12]}"],
+        ).fetchone()
+        assert row is not None
+        conn.execute(
+            "INSERT INTO authtoken_token (key, created, user_id) VALUES (%s, now(), %s)",
+            [token, row[0]],
+        )
+    return TokenUser(User.objects.get(pk=row[0]), token)
 
 
 # ---------------------------------------------------------------------------------------
@@ -308,7 +351,7 @@ def live_pgbouncer(
         "DATABASE_URL": pgbouncer.url(database_name(test_database_url)),
         "DATABASE_POOLING": "transaction",
     }
-    with gunicorn_server(workers=2, threads=4, env=env) as server:
+    with gunicorn_server(workers=2, threads=4, env=env, extra_args=QUICK_STOP) as server:
         yield server.url
 
 
