@@ -265,6 +265,24 @@ def check_settings(app_configs: Sequence[AppConfig] | None, **kwargs: Any) -> li
                     id="django_idempotency.E009",
                 )
             )
+    display = _as_written("PRINCIPAL_DISPLAY")
+    if display is not None:
+        # Found only when the admin's records page fails, without this check.
+        try:
+            labels = conf.PRINCIPAL_DISPLAY
+        except ImportError as exc:
+            problem = f"cannot be imported ({exc})"
+        else:
+            problem = "" if callable(labels) else "is not callable"
+        if problem:
+            messages.append(
+                Error(
+                    f"IDEMPOTENCY_PRINCIPAL_DISPLAY {display!r} {problem}.",
+                    hint="Give a function taking a list of principals and returning a dict "
+                    "from principal to label, or its dotted path, or remove the setting.",
+                    id="django_idempotency.E011",
+                )
+            )
     return messages
 
 

@@ -166,6 +166,7 @@ def test_check_ids_are_unique() -> None:
         "django_idempotency.E008",
         "django_idempotency.E009",
         "django_idempotency.E010",
+        "django_idempotency.E011",
         "django_idempotency.W001",
         "django_idempotency.W002",
         "django_idempotency.W003",
@@ -377,6 +378,22 @@ def test_e009_principal_that_is_no_function(principal: object, said: str) -> Non
 
 @override_settings(IDEMPOTENCY_PRINCIPAL="tests.views.tenant_principal")
 def test_a_principal_given_by_dotted_path_is_fine() -> None:
+    assert setting_ids() == []
+
+
+@pytest.mark.parametrize(
+    ("display", "said"),
+    [("tests.views.no_such_function", "cannot be imported"), ({}, "is not callable")],
+)
+def test_e011_principal_display_that_is_no_function(display: object, said: str) -> None:
+    with override_settings(IDEMPOTENCY_PRINCIPAL_DISPLAY=display):
+        (message,) = checks.check_settings(None)
+    assert message.id == "django_idempotency.E011"
+    assert said in message.msg
+
+
+@override_settings(IDEMPOTENCY_PRINCIPAL_DISPLAY="django_idempotency.admin.usernames")
+def test_a_principal_display_given_by_dotted_path_is_fine() -> None:
     assert setting_ids() == []
 
 
