@@ -33,7 +33,7 @@ from django_idempotency.engine.identity import (
 )
 from django_idempotency.models import IdempotencyRecord
 from tests.client import problem, send
-from tests.factories import ScriptFactory, UserFactory, new_key
+from tests.factories import IdempotencyRecordFactory, ScriptFactory, UserFactory, new_key
 from tests.views import CALLS
 
 pytestmark = pytest.mark.urls("tests.urls")
@@ -690,6 +690,15 @@ def test_values_of_different_types_never_share_a_principal() -> None:
     # Neither a string nor an int can pass for the default principals.
     assert ANONYMOUS not in principals
     assert "user:7" not in principals
+
+
+@pytest.mark.django_db
+@pytest.mark.parametrize("value", ["tenant:\x00", "tenant:\ud800", "t" * 300])
+def test_a_principal_the_database_cannot_hold_is_stored_by_its_digest(value: str) -> None:
+    principal = principal_of(value)
+    assert principal.startswith("sha256:")
+    IdempotencyRecordFactory(scope=principal)
+    assert IdempotencyRecord.objects.filter(scope=principal).exists()
 
 
 def test_plain_strings_keep_their_readable_form() -> None:

@@ -85,8 +85,13 @@ def principal_for(request: Any, func: PrincipalFunc | None) -> str:
     else:
         user = getattr(request, "user", None)
         value = f"user:{user.pk}" if user is not None and user.is_authenticated else ANONYMOUS
-    if len(value) > MAX_PRINCIPAL_LENGTH:
-        value = "sha256:" + _digest(value.encode("utf-8", "surrogatepass"))
+    try:
+        encoded = value.encode()
+        storable = "\x00" not in value  # PostgreSQL text cannot hold NUL
+    except UnicodeEncodeError:  # a lone surrogate
+        encoded, storable = value.encode("utf-8", "surrogatepass"), False
+    if len(value) > MAX_PRINCIPAL_LENGTH or not storable:
+        value = "sha256:" + _digest(encoded)
     return value
 
 
