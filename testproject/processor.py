@@ -8,7 +8,7 @@ was captured once. State is in memory, behind a lock.
     python -m testproject.processor --port 8010
 
 ``POST /v1/captures`` ``{"amount", "currency", "reference"}`` with an ``Idempotency-Key``
-captures; ``GET /v1/stats`` counts captures, keys and requests.
+captures; ``GET /v1/stats`` counts captures, keys, requests and replayed answers.
 
 The module also holds the payments API's client: ``capture()``.
 """
@@ -38,6 +38,7 @@ class Ledger:
     # key -> (request body, status, answer)
     answers: dict[str, tuple[dict[str, Any], int, dict[str, Any]]] = field(default_factory=dict)
     requests: int = 0
+    replays: int = 0
 
     def capture(self, key: str, body: dict[str, Any]) -> tuple[int, dict[str, Any], bool]:
         """(status, answer, replayed) for a capture request."""
@@ -48,6 +49,7 @@ class Ledger:
                 first, status, answer = seen
                 if first != body:
                     return 422, {"error": "Idempotency-Key reused with other parameters"}, False
+                self.replays += 1
                 return status, answer, True
             answer = {
                 "id": f"cap_{uuid.uuid4().hex[:16]}",
@@ -65,7 +67,7 @@ class Ledger:
                 "captures": len(self.captures),
                 "keys": len(self.answers),
                 "requests": self.requests,
-                "references": [c["reference"] for c in self.captures],
+                "replays": self.replays,
             }
 
 
@@ -125,7 +127,7 @@ class ProcessorError(Exception):
 
 
 def capture(
-    url: str, *, key: str, amount: int, currency: str, reference: str, timeout: float = 10
+    url: str, *, key: str, amount: int, currency: str, reference: str = "", timeout: float = 10
 ) -> dict[str, Any]:
     """Capture at the processor at ``url``; the same ``key`` never captures twice."""
     data = json.dumps({"amount": amount, "currency": currency, "reference": reference})

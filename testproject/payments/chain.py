@@ -10,7 +10,7 @@ import hmac
 import json
 import urllib.error
 import urllib.request
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from functools import wraps
 from typing import Any
 
@@ -36,9 +36,9 @@ DELIVERY_HEADER = "X-Processor-Delivery"
 SIGNATURE_HEADER = "X-Processor-Signature"
 
 
-def capture_and_post(payment: Payment) -> str | None:
-    """Capture the charge at the processor and put its ledger posting in the outbox; the
-    capture's id, or None when no processor is configured."""
+def capture(data: Mapping[str, Any]) -> str | None:
+    """Capture the charge at the processor; the capture's id, or None when no processor is
+    configured."""
     url = getattr(settings, "PAYMENTS_PROCESSOR_URL", "")
     if not url:
         return None
@@ -47,13 +47,18 @@ def capture_and_post(payment: Payment) -> str | None:
     captured = processor.capture(
         url,
         key=derive_key("capture"),
-        amount=payment.amount,
-        currency=payment.currency,
-        reference=f"charge:{payment.pk}",
+        # Only what a re-execution sends again unchanged: the processor compares a repeated
+        # key's parameters, and the charge's id is new on every run.
+        amount=data["amount"],
+        currency=data["currency"],
     )
-    # Published by the relay if and only if this request commits.
-    enqueue_task(POST_LEDGER_ENTRY, (payment.pk, payment.amount, payment.currency))
     return str(captured["id"])
+
+
+def post_to_ledger(payment: Payment) -> str:
+    """Put the charge's ledger posting in the outbox: published by the relay if and only if
+    this request commits, and posted once by the exactly-once task."""
+    return enqueue_task(POST_LEDGER_ENTRY, (payment.pk, payment.amount, payment.currency))
 
 
 def signature(secret: str, body: bytes) -> str:

@@ -46,8 +46,12 @@ def create_payment(
     faults = Faults.from_data(serializer.initial_data)
     serializer.is_valid(raise_exception=True)
     faults.before_write()
+    # Captured before the write: without a key to derive the processor's key from, it
+    # raises before anything is written.
+    captured = chain.capture(serializer.validated_data) if capture else None
     payment = serializer.save(user=user)
-    captured = chain.capture_and_post(payment) if capture else None
+    if captured is not None:
+        chain.post_to_ledger(payment)
     if faults.responds_with_error:
         return 500, {"detail": "fail=500r: answered 500 after writing"}
     faults.after_write()

@@ -1,0 +1,323 @@
+"""The whole chain, with real processes: the payments API under gunicorn, the fake card
+processor as its own HTTP service, a private redis-server, a Celery worker (prefork) and the
+relay. Workers, relays and request workers are killed; each charge still has one capture at
+the processor and one ledger row.
+
+The broker runs with a 2 s visibility timeout, swept every second, so Redis redelivers a
+task that runs longer than that while it is still running.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytest.importorskip("celery")
+import requests
+from celery import Celery
+
+from django_idempotency.messaging.outbox import enqueue_task
+from django_idempotency.messaging.relay import Relay
+from django_idempotency.models import OutboxMessage
+from testproject.payments.models import Charge, LedgerEntry
+from testproject.payments.tasks import POST_LEDGER_ENTRY
+from tests.conftest import ROOT, GunicornServer, die_with_parent, run_gunicorn
+from tests.test_relay import RedisServer, free_port, wait_for
+
+pytestmark = [
+    pytest.mark.django_db(transaction=True),
+    pytest.mark.timeout(120),
+    pytest.mark.skipif(
+        __import__("shutil").which("redis-server") is None, reason="needs redis-server"
+    ),
+]
+
+SETTINGS = """
+from datetime import timedelta
+from tests.settings import *  # noqa
+CELERY_BROKER_TRANSPORT_OPTIONS = {
+    "visibility_timeout": 2, "unacked_restore_interval": 1, "unacked_restore_throttle": 1,
+}
+CELERY_WORKER_PREFETCH_MULTIPLIER = 1
+IDEMPOTENCY_OUTBOX_LEASE = timedelta(seconds=1)
+"""
+
+
+@pytest.fixture(scope="module")
+def broker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
+    server = RedisServer(free_port(), tmp_path_factory.mktemp("redis"))
+    server.start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def processor() -> Iterator[str]:
+    port = free_port()
+    process = subprocess.Popen(
+        [sys.executable, "-m", "testproject.processor", "--port", str(port)],
+        cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        preexec_fn=die_with_parent,
+    )  # fmt: skip
+    url = f"http://127.0.0.1:{port}"
+    wait_for(lambda: _answers(url), timeout=10)
+    yield url
+    process.kill()
+    process.wait()
+
+
+def _answers(url: str) -> bool:
+    with contextlib.suppress(requests.RequestException):
+        return requests.get(f"{url}/v1/stats", timeout=1).ok
+    return False
+
+
+def captures(url: str) -> dict[str, int]:
+    stats: dict[str, int] = requests.get(f"{url}/v1/stats", timeout=5).json()
+    return stats
+
+
+@pytest.fixture(scope="module")
+def env(
+    subprocess_env: dict[str, str],
+    broker: RedisServer,
+    processor: str,
+    tmp_path_factory: pytest.TempPathFactory,
+) -> dict[str, str]:
+    directory = tmp_path_factory.mktemp("settings")
+    (directory / "chain_settings.py").write_text(SETTINGS)
+    return {
+        **subprocess_env,
+        "CELERY_BROKER_URL": broker.url,
+        "PAYMENTS_PROCESSOR_URL": processor,
+        "DJANGO_SETTINGS_MODULE": "chain_settings",
+        "PYTHONPATH": f"{directory}{os.pathsep}{subprocess_env['PYTHONPATH']}",
+    }
+
+
+class Worker:
+    """``celery -A testproject worker`` (prefork, two children) with its log in a file."""
+
+    def __init__(self, env: dict[str, str]) -> None:
+        self.log = Path(tempfile.mkstemp(prefix="chain-worker-", suffix=".log")[1])
+        with self.log.open("w") as out:
+            self.process = subprocess.Popen(
+                [sys.executable, "-m", "celery", "-A", "testproject", "worker", "-P", "prefork",
+                 "-c", "2", "--loglevel", "INFO", "--without-gossip", "--without-mingle",
+                 "--without-heartbeat", "-n", f"chain-{uuid.uuid4().hex[:6]}@%h"],
+                cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT,
+                preexec_fn=die_with_parent,
+            )  # fmt: skip
+        wait_for(lambda: " ready." in self.text() or self.process.poll() is not None, 60)
+        assert self.process.poll() is None, self.text()
+
+    def text(self) -> str:
+        return self.log.read_text(errors="replace")
+
+    def count(self, needle: str) -> int:
+        return self.text().count(needle)
+
+    def stop(self) -> None:
+        self.process.send_signal(signal.SIGQUIT)  # cold shutdown: the test is over
+        try:
+            self.process.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+        self.log.unlink(missing_ok=True)
+
+
+@pytest.fixture(scope="module")
+def worker(env: dict[str, str], django_db_blocker: Any) -> Iterator[Worker]:
+    running = Worker(env)
+    yield running
+    running.stop()
+
+
+@pytest.fixture(scope="module")
+def web(env: dict[str, str]) -> Iterator[GunicornServer]:
+    with run_gunicorn(env, workers=2) as server:
+        yield server
+
+
+@pytest.fixture
+def relay(broker: RedisServer) -> Relay:
+    app = Celery(f"chain-relay-{uuid.uuid4().hex[:6]}", set_as_current=False)
+    app.conf.update(broker_url=broker.url, broker_connection_retry_on_startup=True)
+    return Relay(app=app)
+
+
+def ledger_rows(charge_id: int | None = None) -> int:
+    rows = LedgerEntry.objects.all()
+    return (rows if charge_id is None else rows.filter(charge_id=charge_id)).count()
+
+
+def charge_now(token_user: Any) -> Charge:
+    return Charge.objects.create(amount=2499, currency="inr", user=token_user.user)
+
+
+def publish(relay: Relay, charge: Charge, **switches: Any) -> str:
+    """Put a ledger posting for ``charge`` in the outbox and publish it."""
+    from django.db import transaction
+
+    with transaction.atomic():
+        message_id = enqueue_task(
+            POST_LEDGER_ENTRY, (charge.pk, charge.amount, charge.currency), switches
+        )
+    assert relay.drain() == 1
+    return message_id
+
+
+def post_charge(web: GunicornServer, user: Any, key: str, **body: Any) -> requests.Response:
+    return requests.post(
+        f"{web.url}/api/charges/",
+        json={"amount": 2499, "currency": "inr", **body},
+        headers={**user.headers, "Idempotency-Key": key},
+        timeout=30,
+    )
+
+
+# The worker -------------------------------------------------------------------------------
+
+
+def test_a_worker_killed_mid_task_leaves_nothing_and_the_redelivery_posts_once(
+    worker: Worker, relay: Relay, token_user: Any
+) -> None:
+    charge = charge_now(token_user)
+    message_id = publish(relay, charge, crash_once=uuid.uuid4().hex)
+    wait_for(lambda: ledger_rows(charge.pk), timeout=30)
+    assert worker.count(f"[{message_id}] received") >= 2, worker.text()
+    time.sleep(1)
+    assert ledger_rows(charge.pk) == 1
+
+
+def test_a_worker_killed_after_its_commit_and_before_its_ack_is_replayed_not_run_again(
+    worker: Worker, relay: Relay, token_user: Any
+) -> None:
+    charge = charge_now(token_user)
+    message_id = publish(relay, charge, crash_after_commit_once=uuid.uuid4().hex)
+    # The redelivery finds the committed record and is acknowledged with its result.
+    wait_for(lambda: worker.count(f"{POST_LEDGER_ENTRY}[{message_id}] already ran"), timeout=30)
+    assert ledger_rows(charge.pk) == 1
+
+
+def test_redis_redelivering_a_running_task_after_its_visibility_timeout_posts_once(
+    worker: Worker, relay: Relay, token_user: Any
+) -> None:
+    charge = charge_now(token_user)
+    # 5 s against a 2 s visibility timeout: Redis hands the message to the other child while
+    # the first still runs; the second waits on the claim, then replays.
+    message_id = publish(relay, charge, delay_ms=5000)
+    wait_for(lambda: worker.count(f"{POST_LEDGER_ENTRY}[{message_id}] already ran"), timeout=40)
+    assert worker.count(f"[{message_id}] received") >= 2
+    assert ledger_rows(charge.pk) == 1
+
+
+def test_a_relay_killed_between_publish_and_mark_publishes_twice_and_posts_once(
+    worker: Worker, env: dict[str, str], token_user: Any
+) -> None:
+    from django.db import transaction
+
+    from tests.test_relay import KILL_AFTER_PUBLISH
+
+    charge = charge_now(token_user)
+    with transaction.atomic():
+        message_id = enqueue_task(POST_LEDGER_ENTRY, (charge.pk, charge.amount, charge.currency))
+    killed = subprocess.run(
+        [sys.executable, "-c", KILL_AFTER_PUBLISH], cwd=ROOT, env=env, capture_output=True,
+        text=True, timeout=60,
+    )  # fmt: skip
+    assert killed.returncode == -signal.SIGKILL, killed.stderr
+    assert OutboxMessage.objects.get().published_at is None
+    time.sleep(1.1)  # the dead relay's lease runs out
+    again = subprocess.run(
+        [sys.executable, "manage.py", "idempotency_relay", "--once"], cwd=ROOT, env=env,
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert again.returncode == 0, again.stderr
+    wait_for(lambda: worker.count(f"[{message_id}] received") >= 2, timeout=30)
+    wait_for(lambda: worker.count(f"{POST_LEDGER_ENTRY}[{message_id}] already ran"), timeout=30)
+    assert ledger_rows(charge.pk) == 1
+    assert OutboxMessage.objects.get().published_at is not None
+
+
+# Requests ---------------------------------------------------------------------------------
+
+
+def test_a_charge_is_captured_once_posted_once_and_reported(
+    web: GunicornServer, worker: Worker, relay: Relay, processor: str, token_user: Any
+) -> None:
+    before = captures(processor)
+    key = str(uuid.uuid4())
+    first = post_charge(web, token_user, key)
+    assert first.status_code == 201, first.text
+    assert first.json()["capture"].startswith("cap_")
+    again = post_charge(web, token_user, key)
+    assert again.json() == first.json() and again.headers["Idempotent-Replayed"] == "true"
+    assert relay.drain() == 1
+    charge_id = first.json()["id"]
+    wait_for(lambda: ledger_rows(charge_id), timeout=30)
+    chain = requests.get(f"{web.url}/api/charges/chain/", timeout=10).json()
+    assert chain["captures"] == before["captures"] + 1
+    assert (chain["charges"], chain["ledger_rows"], chain["outbox_backlog"]) == (1, 1, 0)
+
+
+def test_a_rolled_back_request_leaves_no_outbox_row_and_no_task(
+    web: GunicornServer, worker: Worker, relay: Relay, token_user: Any
+) -> None:
+    failed = post_charge(web, token_user, str(uuid.uuid4()), fail="after_write")
+    assert failed.status_code == 500
+    assert not Charge.objects.exists() and not OutboxMessage.objects.exists()
+    assert relay.drain() == 0
+    time.sleep(0.5)
+    assert ledger_rows() == 0
+
+
+def test_a_crash_after_the_processor_call_sends_the_same_key_on_retry_and_captures_once(
+    web: GunicornServer, worker: Worker, relay: Relay, processor: str, token_user: Any
+) -> None:
+    before = captures(processor)
+    key, body = str(uuid.uuid4()), {"crash_once": uuid.uuid4().hex}
+    # The request worker dies after the capture and before its commit: no answer.
+    with pytest.raises(requests.ConnectionError):
+        post_charge(web, token_user, key, **body)
+    assert not Charge.objects.exists() and not OutboxMessage.objects.exists()
+    after_crash = captures(processor)
+    assert after_crash["captures"] == before["captures"] + 1
+    retried = post_charge(web, token_user, key, **body)
+    assert retried.status_code == 201, retried.text
+    after = captures(processor)
+    # The retry re-executed the charge and called the processor with the same key, which
+    # answered with the first capture.
+    assert after["captures"] == before["captures"] + 1
+    assert after["replays"] == after_crash["replays"] + 1
+    assert relay.drain() == 1
+    wait_for(lambda: ledger_rows(retried.json()["id"]), timeout=30)
+    assert ledger_rows() == 1 and Charge.objects.count() == 1
+
+
+def test_a_charge_without_a_key_is_refused_rather_than_captured_unprotected(
+    web: GunicornServer, processor: str, token_user: Any
+) -> None:
+    before = captures(processor)
+    # Without an Idempotency-Key the view runs unprotected: derive_key() has no unit to
+    # derive from, so the charge is refused rather than captured with a key that a retry
+    # could not reproduce.
+    response = requests.post(
+        f"{web.url}/api/charges/", json={"amount": 2499, "currency": "inr"},
+        headers=token_user.headers, timeout=30,
+    )  # fmt: skip
+    assert response.status_code == 500
+    assert not Charge.objects.exists()
+    assert captures(processor)["captures"] == before["captures"]
