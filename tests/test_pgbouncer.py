@@ -4,9 +4,9 @@
 connections go through a private PgBouncer with 4 server connections, so consecutive
 transactions of one Django connection run on different server connections. Nothing of the
 claim may outlive its transaction: the advisory lock is transaction-scoped, the lock wait is
-``set_config(..., true)``, and the test project disables server-side cursors and prepared
-statements (``DATABASE_POOLING=transaction``; Django's psycopg 3 backend binds on the client
-and prepares nothing by default, but a project that turns ``server_side_binding`` on would).
+``set_config(..., true)``, and the test project disables server-side cursors and pins
+prepared statements off (``DATABASE_POOLING=transaction``; Django's psycopg 3 backend prepares
+none unless ``OPTIONS`` asks for them).
 The end-to-end tests run through it unchanged.
 """
 
