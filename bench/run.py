@@ -18,6 +18,7 @@ BENCHMARKS = {
     "claim": "bench.claim_bench",
     "partitions": "bench.partitions_bench",
     "relay": "bench.relay_bench",
+    "consumer": "bench.consumer_bench",
 }
 
 
