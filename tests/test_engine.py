@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+import zlib
 from datetime import timedelta
+from typing import Any
 
 import pytest
 import requests
@@ -760,3 +762,80 @@ def test_a_durable_block_in_an_idempotent_view_is_a_clear_error_naming_it(client
     with pytest.raises(ImproperlyConfigured, match=r"durable=True"):
         send(client, "POST", path, ScriptFactory(durable=True), key=new_key())
     assert not IdempotencyRecord.objects.exists()
+
+
+@pytest.mark.django_db
+@ENDPOINTS
+def test_a_compressed_replay_goes_out_as_stored_to_clients_that_accept_deflate(
+    client, path: str
+) -> None:
+    key, script = new_key(), ScriptFactory(pad=64_000)
+    first = send(client, "POST", path, script, key=key)
+    plain = send(client, "POST", path, script, key=key)
+    encoded = send(
+        client, "POST", path, script, key=key, headers={"Accept-Encoding": "gzip, deflate"}
+    )
+    refused = send(
+        client, "POST", path, script, key=key, headers={"Accept-Encoding": "deflate;q=0"}
+    )
+    assert IdempotencyRecord.objects.get(key=key).body_encoding == "zlib"
+    assert plain.content == first.content
+    assert "Content-Encoding" not in plain
+    assert encoded["Content-Encoding"] == "deflate"
+    assert "Accept-Encoding" in encoded["Vary"]
+    assert len(encoded.content) < len(first.content) // 10
+    assert zlib.decompress(encoded.content) == first.content
+    assert refused.content == first.content
+    assert all(replayed(r) for r in (plain, encoded, refused))
+
+
+def statements(client, path: str, script: dict[str, Any], key: str) -> list[str]:
+    """The statements a request sends; BEGIN and COMMIT are Django's own log lines of the
+    transaction (psycopg sends no COMMIT when the server is already idle)."""
+    from django.test.utils import CaptureQueriesContext
+
+    with CaptureQueriesContext(connection) as captured:
+        response = send(client, "POST", path, script, key=key)
+    assert response.status_code == 201
+    sent = [query["sql"] for query in captured.captured_queries]
+    return [sql.split("(", 1)[0].strip() for sql in sent if sql not in ("BEGIN", "COMMIT")]
+
+
+@pytest.mark.django_db(transaction=True)
+def test_round_trip_budget_per_mode(client) -> None:
+    """Beyond the view's own statements (here one INSERT): a fresh key sends the claim and
+    the store with its COMMIT; a replay only the claim (its transaction's BEGIN and COMMIT
+    are psycopg's, not statements); with lookup_first, one SELECT and no transaction."""
+    key, script = new_key(), ScriptFactory()
+    fresh = statements(client, "/drf/", script, key)
+    assert fresh[0] == "SELECT * FROM django_idempotency_claim"
+    assert fresh[1].startswith('INSERT INTO "auth_group"')
+    assert fresh[2:] == ["SELECT django_idempotency_store"]
+    assert statements(client, "/drf/", script, key) == ["SELECT * FROM django_idempotency_claim"]
+    lookup_key = new_key()
+    statements(client, "/drf/lookup-first/", script, lookup_key)
+    replay = statements(client, "/drf/lookup-first/", script, lookup_key)
+    assert len(replay) == 1 and replay[0].startswith("SELECT 'found'")
+
+
+@pytest.mark.django_db(transaction=True)
+def test_the_store_and_the_commit_travel_as_one_statement(client) -> None:
+    from django.test.utils import CaptureQueriesContext
+    from psycopg.pq import TransactionStatus
+
+    from django_idempotency.storage import records
+
+    seen: list[TransactionStatus] = []
+    original = records.store
+
+    def store(*args: Any, **kwargs: Any) -> None:
+        original(*args, **kwargs)
+        seen.append(connection.connection.info.transaction_status)
+
+    with CaptureQueriesContext(connection) as captured, pytest.MonkeyPatch.context() as patch:
+        patch.setattr(records, "store", store)
+        send(client, "POST", "/drf/", ScriptFactory(), key=new_key())
+    stored = [q["sql"] for q in captured.captured_queries if "django_idempotency_store" in q["sql"]]
+    assert len(stored) == 1 and stored[0].endswith("; COMMIT")
+    # Committed by that statement: Django's own commit() then costs no round trip.
+    assert seen == [TransactionStatus.IDLE]

@@ -28,6 +28,7 @@ urlpatterns = [
         views.ScriptedView.as_view(idempotency_fingerprint_headers=["X-Account"]),
     ),
     path("drf/tenant/", views.ScriptedView.as_view(idempotency_principal=views.tenant_principal)),
+    path("drf/lookup-first/", views.ScriptedView.as_view(idempotency_lookup_first=True)),
     path("drf/no-wait/", views.ScriptedView.as_view(idempotency_wait=timedelta(0))),
     path("drf/guarded/", views.GuardedView.as_view()),
     path("drf/upload/", views.Upload.as_view()),

@@ -24,6 +24,7 @@ from django.core.exceptions import ImproperlyConfigured
 from django.db import InterfaceError, OperationalError, connections, router, transaction
 from django.http import HttpRequest, HttpResponse
 from django.http.response import HttpResponseBase
+from django.utils.cache import patch_vary_headers
 
 from django_idempotency import signals
 from django_idempotency.conf import conf
@@ -141,14 +142,22 @@ class Replay:
 
     record: storage.Record
     headers: dict[str, str] = field(default_factory=dict)
+    # The client accepts the "deflate" coding: a compressed body goes out as stored.
+    deflate: bool = False
 
     def response(self) -> HttpResponse:
-        """The stored response, byte for byte, marked as a replay."""
+        """The stored response, byte for byte (after decoding), marked as a replay."""
         record = self.record
-        response = HttpResponse(record.body(), status=record.response_code)
+        encoded = self.deflate and record.body_encoding == storage.ZLIB
+        body = record.response_body if encoded else record.body()
+        response = HttpResponse(body, status=record.response_code)
         del response["Content-Type"]
         for name, value in record.response_headers:
             response[name] = value
+        if encoded:
+            # zlib's format is HTTP's "deflate": the client decodes what we never inflate.
+            response["Content-Encoding"] = "deflate"
+            patch_vary_headers(response, ("Accept-Encoding",))
         response[REPLAYED_HEADER] = "true"
         for name, value in self.headers.items():
             response[name] = value
@@ -463,6 +472,19 @@ def _name(sender: Any) -> str:
     return f"view {module}.{name}" if module else f"view {name}"
 
 
+def accepts_deflate(header: str) -> bool:
+    """Whether an Accept-Encoding value allows "deflate" (explicitly or by "*")."""
+    allowed: dict[str, bool] = {}
+    for item in header.lower().split(","):
+        coding, _, params = item.partition(";")
+        quality = params.strip().removeprefix("q=").strip() if params else "1"
+        try:
+            allowed[coding.strip()] = float(quality) > 0
+        except ValueError:
+            allowed[coding.strip()] = False
+    return allowed.get("deflate", allowed.get("*", False))
+
+
 def prefer_wait(meta: dict[str, Any]) -> int | None:
     """The ``wait`` preference of RFC 7240, in seconds; ill-formed preferences are ignored."""
     for preference in meta.get("HTTP_PREFER", "").split(","):
@@ -509,7 +531,8 @@ class RequestUnit:
         if isinstance(decision, Refuse):
             return self._refuse(decision.error)
         if isinstance(decision, Replay):
-            return Replay(decision.record, self._headers)
+            deflate = accepts_deflate(self.request.META.get("HTTP_ACCEPT_ENCODING", ""))
+            return Replay(decision.record, self._headers, deflate)
         return decision
 
     def _refuse(self, error: IdempotencyError) -> Refuse:
