@@ -9,7 +9,6 @@ outcome in. ``RequestUnit`` is the same for an HTTP request, which is all the vi
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import threading
 import time
@@ -555,9 +554,9 @@ class RequestUnit:
                 _name(self.sender),
             )
             raise
-        parts = fingerprint(request, policy.exclude_fields, policy.fingerprint_headers)
-        if media_type is not None:
-            parts["header:accept"] = hashlib.sha256(media_type.encode()).hexdigest()
+        parts = fingerprint(
+            request, policy.exclude_fields, policy.fingerprint_headers, media_type=media_type
+        )
         preferred = prefer_wait(request.META)
         asked = (
             policy.wait
