@@ -21,6 +21,7 @@ from django.core.management import call_command
 from django.core.management.base import BaseCommand, CommandError
 
 import testproject
+from testproject.payments import demo_chain
 from testproject.payments.management.commands.seed_demo import DEMO_ADMIN, DEMO_TOKENS
 
 REPO_ROOT = Path(testproject.__file__).resolve().parent.parent
@@ -146,11 +147,19 @@ class Command(BaseCommand):
         # Bound here, before anything else, and handed to gunicorn: a taken port fails at
         # once, and whatever answers on it afterwards can only be our own gunicorn.
         listener = self.listen(port)
+        chain = demo_chain.Chain()
         try:
             call_command("migrate", interactive=False, verbosity=0)
             call_command("seed_demo", stdout=self.stdout)
             self.show_partitions()
+            # The processor, a broker, a Celery worker and the relay, for the chain.
+            chain = demo_chain.start(quiet=options["smoke"])
+            os.environ.update(chain.env)
+            self.stdout.write(chain.note)
             server = self.start_gunicorn(listener, options["workers"], quiet=options["smoke"])
+        except BaseException:
+            chain.stop()
+            raise
         finally:
             listener.close()
         # Stop gunicorn with us on SIGTERM too, not only on Ctrl-C.
@@ -159,7 +168,7 @@ class Command(BaseCommand):
             self.wait_until_serving(server, base_url)
             calls = demo_calls(str(uuid.uuid4()))
             if options["smoke"]:
-                self.smoke(calls, base_url)
+                self.smoke(calls, base_url, chain)
             else:
                 self.show(calls, base_url)
                 code = server.wait()
@@ -171,6 +180,7 @@ class Command(BaseCommand):
             if server.poll() is None:
                 server.terminate()
                 server.wait(timeout=60)
+            chain.stop()
 
     def listen(self, port: int) -> socket.socket:
         listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
@@ -242,11 +252,16 @@ class Command(BaseCommand):
         self.stdout.write(admin_login(base_url))
         for call in calls:
             self.stdout.write(f"\n# {call.title}\n{call.curl(base_url)}")
+        self.stdout.write(
+            "\n# The chain: captures at the processor, ledger rows, outbox backlog\n"
+            f"curl -i {base_url}/api/charges/chain/"
+        )
         self.stdout.write("\nCtrl-C stops the server.\n")
 
-    def smoke(self, calls: list[Call], base_url: str) -> None:
+    def smoke(self, calls: list[Call], base_url: str, chain: demo_chain.Chain) -> None:
         count = calls[-1]
         before = json.loads(count.send(base_url).body)
+        ledger = demo_chain.wait_for_ledger(base_url, 0)["ledger_rows"] if chain.running else 0
         answers = []
         for call in calls:
             self.stdout.write(f"\n# {call.title}\n{call.curl(base_url)}")
@@ -270,6 +285,16 @@ class Command(BaseCommand):
             f"the admin's stylesheet answered {stylesheet.status}, not 200": stylesheet.status
             == 200,
         }
+        if chain.running:
+            # The charge was captured at the processor once (with a key derived from the
+            # request's), and the relay and the exactly-once task posted it to the ledger once.
+            counts = demo_chain.wait_for_ledger(base_url, ledger + 1)
+            self.stdout.write(
+                "\n# The chain: captures at the processor, ledger rows, outbox backlog\n"
+                f"curl -i {base_url}/api/charges/chain/\n  {json.dumps(counts)}"
+            )
+            checks["the processor did not capture exactly once"] = counts["captures"] == 1
+            checks["not exactly one ledger row was posted"] = counts["ledger_rows"] == ledger + 1
         problems = [problem for problem, passed in checks.items() if not passed]
         if problems:
             raise CommandError("Smoke test failed: " + "; ".join(problems))
