@@ -271,3 +271,43 @@ def test_outbox_settings_out_of_range_are_refused_by_the_settings_check(
     with override_settings(**{setting: value}):
         found = [m for m in check_settings(None) if setting in m.msg]
     assert [m.id for m in found] == [check_id]
+
+
+@pytest.mark.django_db(transaction=True)
+def test_maintenance_drops_published_days_of_the_outbox_and_keeps_a_day_with_a_pending_one():
+    from django.test import override_settings
+
+    from django_idempotency.partitions.maintain import maintain
+    from django_idempotency.partitions.tables import registered
+
+    assert outbox.OUTBOX in registered()
+    today = datetime.now(UTC).date()
+    yesterday, tomorrow = today - timedelta(days=1), today + timedelta(days=1)
+    with transaction.atomic():
+        published, pending = enqueue_task("tests.noop"), enqueue_task("tests.noop")
+    OutboxMessage.objects.filter(id=published).update(published_at=datetime.now(UTC))
+    with connection.cursor() as cursor:
+        cursor.execute(
+            f"UPDATE {outbox.TABLE} SET created_at = created_at - interval '1 day' WHERE id = %s",
+            [published],
+        )
+    # Two days on, with a one-hour retention: yesterday, today and tomorrow are past it.
+    later = datetime(tomorrow.year, tomorrow.month, tomorrow.day, 12, tzinfo=UTC) + timedelta(
+        days=1
+    )
+    name = outbox.OUTBOX.partition_name
+    try:
+        with override_settings(IDEMPOTENCY_OUTBOX_RETENTION=timedelta(hours=1)):
+            preview = maintain(now=later, tables=[outbox.OUTBOX], dry_run=True)
+            assert f"keep             {name(today)}  (holds 1 unpublished message)" in (
+                "\n".join(preview.lines())
+            )
+            report = maintain(now=later, tables=[outbox.OUTBOX])
+        assert sorted(report.dropped) == [name(yesterday), name(tomorrow)]
+        assert [str(pk) for pk in OutboxMessage.objects.values_list("id", flat=True)] == [pending]
+    finally:
+        maintain(tables=[outbox.OUTBOX])  # today's partitions ahead again
+    OutboxMessage.objects.filter(id=pending).update(published_at=datetime.now(UTC))
+    with override_settings(IDEMPOTENCY_OUTBOX_RETENTION=timedelta(hours=1)):
+        report = maintain(now=later, tables=[outbox.OUTBOX], drop=True, dry_run=True)
+    assert name(today) in [p.name for p in report.plan.tables[0].drop]  # all published: may go

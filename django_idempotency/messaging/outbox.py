@@ -13,8 +13,11 @@ from typing import Any, Protocol
 
 from django.db import connections, router
 from django.db.backends.base.base import BaseDatabaseWrapper
+from django.db.models import Q
 
+from django_idempotency.conf import conf
 from django_idempotency.models import OutboxMessage
+from django_idempotency.partitions.tables import PartitionedTable
 
 TABLE = "django_idempotency_outbox"
 # The relay LISTENs here; a NOTIFY is delivered only when the sending transaction commits.
@@ -143,6 +146,23 @@ def keep_partition(connection: BaseDatabaseWrapper, partition: str) -> str | Non
         return None
     more = "+" if count >= UNPUBLISHED_COUNT_LIMIT else ""
     return f"holds {count}{more} unpublished message{'' if count == 1 else 's'}"
+
+
+def _outbox_expired(now: datetime) -> Q:
+    # Without partitions (SQLite): published messages past retention; never unpublished ones.
+    return Q(published_at__isnull=False, created_at__lt=now - conf.OUTBOX_RETENTION)
+
+
+# Partition maintenance keeps the outbox too: partitions ahead, and published messages
+# dropped with their day once it is past IDEMPOTENCY_OUTBOX_RETENTION.
+OUTBOX = PartitionedTable(
+    table=TABLE,
+    column="created_at",
+    model="django_idempotency.OutboxMessage",
+    keep_for=lambda: conf.OUTBOX_RETENTION,
+    expired=_outbox_expired,
+    keep_partition=keep_partition,
+)
 
 
 def enqueue_task(

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from datetime import datetime, timedelta
 from functools import partial
 from typing import Any
@@ -205,17 +205,36 @@ def _plan(
     now = now or catalog.database_now(connection)
     return Plan(
         tuple(
-            plan_table(
-                table,
-                catalog.list_partitions(connection, table),
-                now=now,
-                ahead=conf.PARTITIONS_AHEAD,
-                keep_for=table.keep_for(),
-                drop=drop,
+            _kept_by_table(
+                connection,
+                plan_table(
+                    table,
+                    catalog.list_partitions(connection, table),
+                    now=now,
+                    ahead=conf.PARTITIONS_AHEAD,
+                    keep_for=table.keep_for(),
+                    drop=drop,
+                ),
             )
             for table in tables
         )
     )
+
+
+def _kept_by_table(connection: BaseDatabaseWrapper, plan: TablePlan) -> TablePlan:
+    """Take off the drop list what the table says to keep (the outbox: a partition holding
+    an unpublished message), whatever its age."""
+    keep_partition = plan.table.keep_partition
+    if keep_partition is None or not plan.drop:
+        return plan
+    drop, keep = [], list(plan.keep)
+    for partition in plan.drop:
+        reason = keep_partition(connection, partition.name)
+        if reason is None:
+            drop.append(partition)
+        else:
+            keep.append((partition, reason))
+    return replace(plan, drop=tuple(drop), keep=tuple(keep))
 
 
 def _apply(

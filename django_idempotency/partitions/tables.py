@@ -16,6 +16,7 @@ from datetime import date, datetime, timedelta
 
 from django.apps import apps
 from django.db import models
+from django.db.backends.base.base import BaseDatabaseWrapper
 from django.db.models import Q
 from django.utils.module_loading import import_string
 
@@ -31,7 +32,8 @@ class PartitionedTable:
     ("app_label.ModelName") routes the table to its database (without one, every database
     maintenance runs on) and, where the table is not partitioned (SQLite), deletes the rows
     that ``expired`` selects in batches; by default, rows whose ``column`` is older than
-    ``keep_for``.
+    ``keep_for``. ``keep_partition(connection, name)``, asked before a partition past
+    retention is dropped, returns a reason to keep it anyway, or None.
     """
 
     table: str
@@ -39,6 +41,7 @@ class PartitionedTable:
     keep_for: Callable[[], timedelta]
     model: str | None = None
     expired: Callable[[datetime], Q] | None = None
+    keep_partition: Callable[[BaseDatabaseWrapper, str], str | None] | None = None
     _pattern: re.Pattern[str] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -87,7 +90,10 @@ RECORDS = PartitionedTable(
 
 # Dotted paths, resolved when maintenance runs, so that this module imports none of the
 # modules that declare tables. Append yours; keep RECORDS first.
-TABLES: tuple[str, ...] = ("django_idempotency.partitions.tables.RECORDS",)
+TABLES: tuple[str, ...] = (
+    "django_idempotency.partitions.tables.RECORDS",
+    "django_idempotency.messaging.outbox.OUTBOX",
+)
 
 
 def registered() -> tuple[PartitionedTable, ...]:
