@@ -373,3 +373,61 @@ def test_openapi_schema_documents_the_idempotency_key_on_idempotent_endpoints_on
     assert "Idempotency-Key" in header_names("/api/refunds/")
     assert "Idempotency-Key" not in header_names("/api/charges-plain/")
     assert "422" in paths["/api/charges/"]["post"]["responses"]
+
+
+RECEIPT_ENDPOINTS = ["/api/receipts/", "/api/receipts-plain/"]
+
+
+@pytest.mark.parametrize("path", RECEIPT_ENDPOINTS)
+@pytest.mark.parametrize("size", [1024, 100_000, 2 * 1024 * 1024])
+def test_receipt_is_exactly_the_size_asked_for(
+    api_client: APIClient, token_user: Any, path: str, size: int
+) -> None:
+    headers = {"Idempotency-Key": str(uuid.uuid4())} if path == "/api/receipts/" else {}
+    answer = api_client.post(path, {**CHARGE, "size": size}, format="json", headers=headers)
+    assert answer.status_code == 201, answer.content[:300]
+    assert len(answer.content) == size
+    receipt = json.loads(answer.content)
+    charge = Charge.objects.get(pk=receipt["charge"]["id"])
+    assert (charge.amount, charge.user_id) == (2499, token_user.user.pk)
+    assert receipt["charge"]["currency"] == "inr" and "size" not in receipt["charge"]
+    # Whole lines of one width fill it; the padding is less than one more line.
+    widths = {len(line) for line in receipt["lines"]}
+    assert len(widths) == 1 and len(receipt["padding"]) < widths.pop() + 3
+    assert len(set(receipt["lines"])) == len(receipt["lines"])  # not one line repeated
+
+
+@pytest.mark.parametrize("path", RECEIPT_ENDPOINTS)
+@pytest.mark.parametrize("size", [1023, 2 * 1024 * 1024 + 1, "large", None])
+def test_receipt_of_an_invalid_size_is_400_and_writes_nothing(
+    api_client: APIClient, path: str, size: Any
+) -> None:
+    data = {**CHARGE} if size is None else {**CHARGE, "size": size}
+    headers = {"Idempotency-Key": str(uuid.uuid4())} if path == "/api/receipts/" else {}
+    answer = api_client.post(path, data, format="json", headers=headers)
+    assert answer.status_code == 400
+    assert "size" in answer.json()
+    assert not Charge.objects.exists()
+
+
+def test_receipt_replay_is_byte_identical_with_and_without_deflate(
+    api_client: APIClient,
+) -> None:
+    import zlib
+
+    key = {"Idempotency-Key": str(uuid.uuid4())}
+    data = {**CHARGE, "size": 100_000}
+    first = api_client.post("/api/receipts/", data, format="json", headers=key)
+    assert first.status_code == 201
+    again = api_client.post("/api/receipts/", data, format="json", headers=key)
+    assert again.headers["Idempotent-Replayed"] == "true"
+    assert again.content == first.content
+    deflated = api_client.post(
+        "/api/receipts/", data, format="json", headers={**key, "Accept-Encoding": "deflate"}
+    )
+    assert deflated.status_code == 201 and deflated.headers["Idempotent-Replayed"] == "true"
+    body = deflated.content
+    if deflated.headers.get("Content-Encoding") == "deflate":
+        body = zlib.decompress(body)
+    assert body == first.content
+    assert Charge.objects.count() == 1

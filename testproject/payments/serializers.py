@@ -44,6 +44,31 @@ class RefundSerializer(PaymentSerializer):
         model = Refund
 
 
+# Receipts outside these bounds are refused (400). The least leaves room for the charge
+# itself, whose longest user name (150 characters of up to 4 bytes) takes about 700.
+RECEIPT_MIN_BYTES = 1024
+RECEIPT_MAX_BYTES = 2 * 1024 * 1024
+
+
+class ReceiptSerializer(PaymentSerializer):
+    """A charge, and how many bytes of JSON its receipt should take."""
+
+    size = serializers.IntegerField(
+        write_only=True,
+        min_value=RECEIPT_MIN_BYTES,
+        max_value=RECEIPT_MAX_BYTES,
+        help_text="The receipt's size in bytes, exactly: whole lines, then padding.",
+    )
+
+    class Meta(PaymentSerializer.Meta):
+        model = Charge
+        fields = [*PaymentSerializer.Meta.fields, "size"]
+
+    def create(self, validated_data: dict[str, Any]) -> Payment:
+        validated_data.pop("size", None)
+        return super().create(validated_data)
+
+
 class PaymentCountSerializer(serializers.Serializer[dict[str, Any]]):
     """What ``PaymentCountView`` answers; declared so the OpenAPI schema describes it."""
 

@@ -16,6 +16,8 @@ urlpatterns = [
     path("charges-plain/", views.PaymentCreateView.as_view(), name="charges-plain"),
     path("charges-django/", views.charge_without_drf, name="charges-django"),
     path("charges/async/", views.charge_async, name="charges-async"),
+    path("receipts/", views.ReceiptCreateView.as_view(), name="receipts"),
+    path("receipts-plain/", views.ReceiptPlainView.as_view(), name="receipts-plain"),
     path("refunds/", views.RefundCreateView.as_view(), name="refunds"),
     path("refunds/count/", views.PaymentCountView.as_view(model=Refund), name="refund-count"),
 ]

@@ -21,7 +21,7 @@ from rest_framework.views import APIView
 
 from django_idempotency.decorators import idempotent
 from django_idempotency.rest_framework import IdempotencyMixin
-from testproject.payments import chain, executions
+from testproject.payments import chain, executions, receipts
 from testproject.payments.faults import Faults, with_cookie
 from testproject.payments.models import Charge, Payment
 from testproject.payments.parsers import JSONParser
@@ -30,6 +30,7 @@ from testproject.payments.serializers import (
     ChargeSerializer,
     PaymentCountSerializer,
     PaymentSerializer,
+    ReceiptSerializer,
     RefundSerializer,
 )
 
@@ -79,6 +80,28 @@ class ChargeCreateView(IdempotencyMixin, PaymentCreateView):
     """Create a charge; a retry with the same ``Idempotency-Key`` gets the first answer."""
 
     captures = True
+
+
+class ReceiptPlainView(GenericAPIView[Charge]):
+    """Create a charge and answer its receipt, ``size`` bytes of JSON, with no idempotency
+    protection: the large-body benchmark's baseline."""
+
+    authentication_classes = [TokenAuthentication]
+    permission_classes = [IsAuthenticated]
+    parser_classes = [JSONParser]
+    serializer_class = ReceiptSerializer
+
+    def post(self, request: Request) -> Response:
+        serializer = self.get_serializer(data=request.data)
+        serializer.is_valid(raise_exception=True)
+        charge = serializer.save(user=request.user)
+        size = serializer.validated_data["size"]
+        return Response(receipts.receipt(serializer.data, charge.pk, size), status=201)
+
+
+class ReceiptCreateView(IdempotencyMixin, ReceiptPlainView):
+    """Create a charge and answer its receipt; a retry with the same ``Idempotency-Key``
+    gets the same receipt, byte for byte."""
 
 
 class IsOwner(BasePermission):
