@@ -157,6 +157,11 @@ PAYMENTS_PROCESSOR_URL = os.environ.get("PAYMENTS_PROCESSOR_URL", "")
 PAYMENTS_WEBHOOK_SECRET = os.environ.get("PAYMENTS_WEBHOOK_SECRET", "demo-only-webhook-secret")
 
 CELERY_BROKER_URL = os.environ.get("CELERY_BROKER_URL", "memory://")
+if CELERY_BROKER_URL.startswith("filesystem://"):
+    # kombu's broker in a directory, shared by processes on one machine: the demo's fallback
+    # where no Redis is installed.
+    _folder = os.environ.get("CELERY_BROKER_FOLDER", str(BASE_DIR / ".broker"))
+    CELERY_BROKER_TRANSPORT_OPTIONS = {"data_folder_in": _folder, "data_folder_out": _folder}
 CELERY_BROKER_CONNECTION_RETRY_ON_STARTUP = True
 CELERY_TIMEZONE = "UTC"
 CELERY_TASK_IGNORE_RESULT = True

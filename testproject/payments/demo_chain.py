@@ -1,5 +1,10 @@
 """The demo's side-effect chain: the fake card processor, a broker, a Celery worker and the
-outbox relay, as processes next to gunicorn (``manage.py demo``)."""
+outbox relay, as processes next to gunicorn (``manage.py demo``).
+
+The broker is ``CELERY_BROKER_URL`` when set, else a private ``redis-server`` when one is
+installed, else kombu's filesystem transport in a temporary directory (also with
+``DEMO_BROKER=filesystem``), so the demo needs nothing installed.
+"""
 
 from __future__ import annotations
 
@@ -56,12 +61,16 @@ class Chain:
             shutil.rmtree(self.directory, ignore_errors=True)
 
 
-def _broker(chain: Chain) -> str | None:
+def _broker(chain: Chain) -> str:
     url = os.environ.get("CELERY_BROKER_URL", "")
     if url and not url.startswith("memory://"):
         return url
-    if shutil.which("redis-server") is None:
-        return None
+    if shutil.which("redis-server") is None or os.environ.get("DEMO_BROKER") == "filesystem":
+        # kombu's filesystem transport: a directory that the relay writes messages into and
+        # the worker reads them from; nothing to install.
+        chain.directory = tempfile.mkdtemp(prefix="demo-broker-")
+        os.environ["CELERY_BROKER_FOLDER"] = chain.directory
+        return "filesystem://"
     # A private redis-server: never the machine's, and gone with the demo.
     port = free_port()
     chain.directory = tempfile.mkdtemp(prefix="demo-redis-")
@@ -101,19 +110,13 @@ def _wait(url: str, process: subprocess.Popen[bytes]) -> None:
 
 
 def start(*, quiet: bool) -> Chain:
-    """Start the processor, and with a broker the worker and the relay; a chain that cannot
-    start (no Celery, no broker) says why in ``note`` and leaves charges uncaptured."""
+    """Start the processor, a broker, the worker and the relay; without Celery nothing
+    starts, ``note`` says so, and charges are not captured."""
     chain = Chain()
     if importlib.util.find_spec("celery") is None:
         chain.note = "Celery is not installed (the celery extra): no processor, ledger or relay."
         return chain
     broker = _broker(chain)
-    if broker is None:
-        chain.note = (
-            "No broker: set CELERY_BROKER_URL (Redis or RabbitMQ) or install redis-server to "
-            "see the processor capture and the ledger posting."
-        )
-        return chain
     output = subprocess.DEVNULL if quiet else None
     port = free_port()
     processor = subprocess.Popen(
