@@ -56,7 +56,12 @@ class IdempotencyMixin:
             return super().perform_content_negotiation(request, force=True)  # type: ignore[misc, no-any-return]
 
     def initial(self, request: Request, *args: Any, **kwargs: Any) -> None:
-        unit = RequestUnit(request._request, self.get_idempotency_policy(), sender=type(self))
+        unit = RequestUnit(
+            request._request,
+            self.get_idempotency_policy(),
+            sender=type(self),
+            model=_written_model(self),
+        )
         if not unit.covered:
             super().initial(request, *args, **kwargs)  # type: ignore[misc]
             return
@@ -111,6 +116,15 @@ class IdempotencyMixin:
 # the settings".
 for _name in OPTION_NAMES:
     setattr(IdempotencyMixin, f"idempotency_{_name}", None)
+
+
+def _written_model(view: Any) -> Any:
+    """The model a generic view writes (its queryset's), or None."""
+    queryset = getattr(view, "queryset", None)
+    if queryset is not None:
+        return queryset.model
+    serializer_class = getattr(view, "serializer_class", None)
+    return getattr(getattr(serializer_class, "Meta", None), "model", None)
 
 
 def _require_parser(request: Request) -> None:

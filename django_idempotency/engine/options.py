@@ -4,12 +4,13 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, TypedDict
 
 from django.core.signals import setting_changed
+from django.http import HttpRequest
 
 from django_idempotency.conf import PrincipalFunc, conf
 
@@ -27,6 +28,9 @@ class ViewOptions(TypedDict, total=False):
     lookup_first: bool | None
     # The header that carries the key, for a webhook receiver: "X-GitHub-Delivery".
     key_header: str | None
+    # The database of the view's writes (an alias, or a callable of the request), where its
+    # records must live for the one-transaction guarantee; by default the router's.
+    using: str | Callable[[HttpRequest], str] | None
 
 
 OPTION_NAMES: tuple[str, ...] = tuple(ViewOptions.__annotations__)
@@ -44,6 +48,7 @@ class Policy:
     fingerprint_headers: tuple[str, ...]
     principal: PrincipalFunc | None
     lookup_first: bool
+    using: str | Callable[[HttpRequest], str] | None
     # The key's header, and as it appears in request.META.
     header: str
     header_meta: str
@@ -70,6 +75,7 @@ def resolve(options: ViewOptions) -> Policy:
         # A plain function stored on a view class comes back bound to the view.
         principal=getattr(principal, "__func__", principal) or conf.PRINCIPAL,
         lookup_first=conf.LOOKUP_FIRST if lookup_first is None else lookup_first,
+        using=getattr(options.get("using"), "__func__", options.get("using")),
         header=header,
         header_meta="HTTP_" + header.upper().replace("-", "_"),
     )

@@ -503,10 +503,14 @@ class RequestUnit:
     the response and returns what to send, ``fail(exc)`` rolls back.
     """
 
-    def __init__(self, request: HttpRequest, policy: Policy, *, sender: Any) -> None:
+    def __init__(
+        self, request: HttpRequest, policy: Policy, *, sender: Any, model: Any = None
+    ) -> None:
         self.request = request
         self.policy = policy
         self.sender = sender
+        # The model the view writes, if the glue knows it: its records go where it goes.
+        self.model = model
         # A duplicate's wait counts from its arrival, not from the claim.
         self.arrived = time.monotonic()
         self.covered = request.method in policy.methods and (
@@ -580,8 +584,19 @@ class RequestUnit:
             wait=wait,
             sender=self.sender,
             context=request,
+            using=self._database(),
             lookup_first=policy.lookup_first,
         )
+
+    def _database(self) -> str:
+        """Where the records of this request live: the view's write database, so that the
+        claim, the view's writes and the record commit together (per shard)."""
+        using = self.policy.using
+        if callable(using):
+            return using(self.request)
+        if using is not None:
+            return using
+        return router.db_for_write(self.model or IdempotencyRecord)
 
     def close(self, response: HttpResponseBase) -> HttpResponseBase:
         """Store the response and commit; the response to send (a problem when the work
