@@ -380,6 +380,7 @@ def check_consumers(app_configs: Sequence[AppConfig] | None, **kwargs: Any) -> l
     """Exactly-once tasks whose settings break the guarantee: without ``acks_late`` a
     message is acknowledged before it runs, so a worker that dies mid-task loses it; without
     ``reject_on_worker_lost`` Celery acknowledges a killed worker's task anyway."""
+    import contextlib
     import importlib
     import importlib.util
 
@@ -398,8 +399,10 @@ def check_consumers(app_configs: Sequence[AppConfig] | None, **kwargs: Any) -> l
 
     from django_idempotency.messaging.consumers import declared
 
-    # A shared task's class is made when an app is finalized.
-    current_app.finalize(auto=True)
+    # A shared task's class is made when an app is finalized; an app that finalizes only by
+    # hand (autofinalize=False) is left alone.
+    with contextlib.suppress(RuntimeError):
+        current_app.finalize(auto=True)
     messages: list[CheckMessage] = []
     for task in declared:
         off = [name for name in ("acks_late", "reject_on_worker_lost") if not getattr(task, name)]
