@@ -7,13 +7,21 @@ from __future__ import annotations
 import json
 import threading
 import uuid
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
 from django.db import connections
+from django.http import HttpRequest, JsonResponse
 from django.test import Client, override_settings
+from django.urls import path
+from django.views.decorators.csrf import csrf_exempt
+from rest_framework.response import Response
+from rest_framework.views import APIView
 
+from django_idempotency.decorators import idempotent
 from django_idempotency.models import IdempotencyRecord
+from django_idempotency.rest_framework import IdempotencyMixin
 from testproject.payments.chain import signature
 from testproject.payments.models import Charge, Settlement
 
@@ -123,16 +131,92 @@ def test_the_idempotency_key_header_does_not_stand_in_for_the_delivery_id(charge
     assert response.status_code == 400 and not Settlement.objects.exists()
 
 
-def test_delivery_ids_are_scoped_by_sender(charge: Charge) -> None:
-    # The same delivery id from another sender (another principal) is another event: seen
-    # through the engine, as a view with another principal callable would see it.
-    from django_idempotency.engine.options import ViewOptions, resolve
+# Receivers of our own: two senders deduplicated by the same header, and a DRF receiver.
+RECEIVED: list[tuple[str, str]] = []
 
-    options: ViewOptions = {"key_header": "X-GitHub-Delivery"}
-    policy = resolve(options)
-    assert policy.header == "X-GitHub-Delivery"
-    assert policy.header_meta == "HTTP_X_GITHUB_DELIVERY"
-    deliver(event(charge.pk), "shared-id")
-    IdempotencyRecord.objects.update(scope="webhook:someone-else")
-    deliver(event(charge.pk), "shared-id")
-    assert Settlement.objects.count() == 2
+
+def _receiver(sender: str) -> Any:
+    @csrf_exempt
+    @idempotent(key_header="X-GitHub-Delivery", principal=lambda request: sender, required=True)
+    def receive(request: HttpRequest) -> JsonResponse:
+        RECEIVED.append((sender, request.headers["X-GitHub-Delivery"]))
+        return JsonResponse({"sender": sender, "run": len(RECEIVED)})
+
+    return receive
+
+
+class DRFReceiver(IdempotencyMixin, APIView):
+    authentication_classes: list[Any] = []
+    permission_classes: list[Any] = []
+    idempotency_key_header = "X-Shopify-Webhook-Id"
+    idempotency_principal = staticmethod(lambda request: "shopify")
+    idempotency_required = True
+
+    def post(self, request: Any) -> Response:
+        RECEIVED.append(("drf", request.headers["X-Shopify-Webhook-Id"]))
+        return Response({"run": len(RECEIVED)})
+
+
+urlpatterns = [
+    path("github/", _receiver("github")),
+    path("gitlab/", _receiver("gitlab")),
+    path("shopify/", DRFReceiver.as_view()),
+]
+
+
+@pytest.fixture
+def received() -> Iterator[list[tuple[str, str]]]:
+    RECEIVED.clear()
+    yield RECEIVED
+    RECEIVED.clear()
+
+
+@pytest.mark.urls("tests.test_webhooks")
+def test_delivery_ids_are_scoped_by_sender(received: list[tuple[str, str]]) -> None:
+    client = Client()
+    for _ in range(2):
+        for sender in ("github", "gitlab"):
+            client.post(f"/{sender}/", {}, content_type="application/json",
+                        headers={"X-GitHub-Delivery": "same-id"})  # fmt: skip
+    # Once per sender, whatever the number of deliveries.
+    assert received == [("github", "same-id"), ("gitlab", "same-id")]
+    assert set(IdempotencyRecord.objects.values_list("scope", "key")) == {
+        ("github", "same-id"),
+        ("gitlab", "same-id"),
+    }
+
+
+@pytest.mark.urls("tests.test_webhooks")
+def test_the_drf_mixin_takes_the_key_header_as_an_attribute(
+    received: list[tuple[str, str]],
+) -> None:
+    client = Client()
+    answers = [
+        client.post(
+            "/shopify/",
+            {"id": 1},
+            content_type="application/json",
+            headers={"X-Shopify-Webhook-Id": "d-1"},
+        )
+        for _ in range(3)
+    ]
+    assert {a.content for a in answers} == {answers[0].content}
+    assert [a.headers.get("Idempotent-Replayed") for a in answers] == [None, "true", "true"]
+    assert received == [("drf", "d-1")]
+    missing = client.post("/shopify/", {"id": 1}, content_type="application/json")
+    assert missing.status_code == 400 and "X-Shopify-Webhook-Id" in missing.json()["detail"]
+
+
+def test_the_schema_documents_the_receivers_key_header() -> None:
+    pytest.importorskip("drf_spectacular")
+    from drf_spectacular.generators import SchemaGenerator
+
+    import django_idempotency.contrib.spectacular  # noqa: F401  what AppConfig.ready() imports
+
+    schema = SchemaGenerator(patterns=[path("shopify/", DRFReceiver.as_view())]).get_schema(
+        request=None, public=True
+    )
+    parameters = schema["paths"]["/shopify/"]["post"]["parameters"]
+    headers = {p["name"]: p for p in parameters if p["in"] == "header"}
+    assert headers["X-Shopify-Webhook-Id"]["required"] is True
+    assert "Idempotency-Key" not in headers

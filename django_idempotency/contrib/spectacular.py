@@ -151,7 +151,7 @@ class IdempotencySchemaMixin:
         return [
             *parameters,
             OpenApiParameter(
-                conf.HEADER,
+                options.header,  # a webhook receiver's key_header, else IDEMPOTENCY_HEADER
                 type={"type": "string", "minLength": 1, "maxLength": MAX_KEY_LENGTH + 2},
                 location=OpenApiParameter.HEADER,
                 required=options.required,
