@@ -307,6 +307,26 @@ def test_a_message_that_fails_to_publish_is_held_back_with_backoff_and_others_go
     assert pending() == 1
 
 
+def test_a_batch_the_broker_refuses_as_a_whole_counts_as_unpublished(
+    app: Celery, private_redis: RedisServer
+) -> None:
+    relay = Relay(app=app)
+    (warm_up,) = enqueue_many(1)
+    assert relay.drain() == 1  # the queue is declared: what follows is only pushes
+    ids = enqueue_many(3)
+    private_redis.client().config_set("maxmemory", 1)  # every write now answers OOM
+    with pytest.raises(PublishFailed, match="uncertain"):
+        relay.drain()
+    assert [h["id"] for h in private_redis.queued()] == [warm_up] and pending() == 3
+    first, *rest = OutboxMessage.objects.filter(id__in=ids).order_by("created_at")
+    assert first.attempts == 1 and "BatchPublishError" in first.last_error
+    assert all(r.attempts == 0 and r.lease_until is None and r.lease_owner == "" for r in rest)
+    private_redis.client().config_set("maxmemory", 0)
+    OutboxMessage.objects.filter(pk=first.pk).update(lease_until=None)
+    assert relay.drain() == 3
+    assert [h["id"] for h in private_redis.queued()] == [warm_up, *ids]
+
+
 def test_rabbitmq_publishes_in_confirm_mode(django_db_blocker: Any) -> None:
     rabbit = make_app("amqp://guest:guest@127.0.0.1:5672//")
     try:
@@ -418,9 +438,9 @@ def wait_started(process: subprocess.Popen[str]) -> None:
 KILL_AFTER_PUBLISH = """
 import os, signal, django
 django.setup()
-from celery.signals import after_task_publish
-# The broker has the message; the relay dies before it can mark the row.
-after_task_publish.connect(lambda **kw: os.kill(os.getpid(), signal.SIGKILL), weak=False)
+from django_idempotency.messaging.relay import Relay
+# The broker has the batch (publish_all returned); the relay dies before it can mark it.
+Relay.mark = lambda self, batch, messages: os.kill(os.getpid(), signal.SIGKILL)
 from django.core.management import call_command
 call_command("idempotency_relay", "--once")
 """

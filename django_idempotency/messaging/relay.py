@@ -318,7 +318,8 @@ class Relay:
         errors: tuple[type[BaseException], ...] = (OperationalError, OSError)
         if self._connection is not None:
             errors += tuple(self._connection.connection_errors)
-        return isinstance(exc, errors)
+        # A failed Redis pipeline wraps the connection error that failed it.
+        return isinstance(exc, errors) or isinstance(exc.__cause__, errors)
 
     def publish(self, message: Message) -> None:
         options = message.options
@@ -343,6 +344,40 @@ class Relay:
 
     # Passes -------------------------------------------------------------------------
 
+    def publish_all(
+        self, messages: tuple[Message, ...]
+    ) -> tuple[list[Message], Message | None, Exception | None]:
+        """Publish in order until one fails: (published, the one that failed, its error).
+
+        Where the transport can (Redis), the publishes go out as one pipeline when the loop
+        ends; if that fails, whether any arrived is unknown, so none counts as published.
+        """
+        sent: list[Message] = []
+        failed: Message | None = None
+        error: Exception | None = None
+        producer = self.producer()
+        batching = getattr(producer, "batch", None)  # kombu 5.7+
+        # Large enough that the batch is flushed once, at the end.
+        context = (
+            batching(max_size=4 * len(messages) + 16) if batching else contextlib.nullcontext()
+        )
+        try:
+            with context:
+                for message in messages:
+                    if self.stopping.is_set():
+                        break
+                    try:
+                        self.publish(message)
+                    except Exception as exc:
+                        failed, error = message, exc
+                        break
+                    sent.append(message)
+        except Exception as exc:
+            if not sent:
+                raise
+            return [], sent[0], exc
+        return sent, failed, error
+
     def run_pass(self) -> PassResult:
         """Claim one batch, publish it in order, mark what was published."""
         result = PassResult()
@@ -352,21 +387,12 @@ class Relay:
             return result
         published: list[Message] = []
         failed: Message | None = None
-        broker_down = False
+        error: Exception | None = None
         try:
-            for message in batch.messages:
-                if self.stopping.is_set():
-                    break
-                try:
-                    self.publish(message)
-                except Exception as exc:
-                    failed = message
-                    result.error = f"{type(exc).__name__}: {exc}"
-                    broker_down = self._is_connection_error(exc)
-                    break
-                published.append(message)
+            published, failed, error = self.publish_all(batch.messages)
+        except Exception as exc:  # connecting failed: nothing went out
+            failed, error = batch.messages[0], exc
         finally:
-            # Mark what went out even if the loop died; the rest waits for the lease.
             done = tuple(published)
             result.published = len(done)
             result.marked = self.mark(batch, done)
@@ -379,17 +405,19 @@ class Relay:
                 result.published - result.marked,
                 result.published,
             )
-        if failed is not None:
+        done_ids = {m.id for m in done}
+        if failed is not None and error is not None:
             result.failed = 1
+            result.error = f"{type(error).__name__}: {error}"
+            broker_down = self._is_connection_error(error)
             self.close_producer()
             logger.warning("Publishing outbox message %s failed: %s", failed.id, result.error)
             # A broker that is down is no fault of the message: the relay pauses instead,
             # so that every message goes out as soon as the broker is back.
             self.fail(batch, failed, result.error, hold=not broker_down)
-            untried = batch.messages[len(published) + 1 :]
-            self.release(batch, untried)
-        elif len(published) < len(batch.messages):
-            self.release(batch, batch.messages[len(published) :])
+            done_ids.add(failed.id)
+        # Untried, or sent in a batch whose delivery is unknown: back for the next pass.
+        self.release(batch, tuple(m for m in batch.messages if m.id not in done_ids))
         if result.ids:
             signals.outbox_published.send_robust(Relay, ids=result.ids, using=self.using)
         return result
