@@ -37,6 +37,8 @@ class Check:
     target: float
     at_most: bool
     note: str = ""
+    # "x" for a ratio; "ms" for a time.
+    unit: str = "x"
 
     @property
     def passed(self) -> bool:
@@ -46,8 +48,9 @@ class Check:
         sign = "<=" if self.at_most else ">="
         verdict = "PASS" if self.passed else "FAIL"
         note = f"  ({self.note})" if self.note else ""
-        target = f"target {sign} {self.target:.2f}x"
-        return f"{self.name:<44} {self.value:6.2f}x   {target}   {verdict}{note}"
+        unit = self.unit if self.unit == "x" else " " + self.unit
+        target = f"target {sign} {self.target:.2f}{unit}"
+        return f"{self.name:<44} {self.value:6.2f}{unit}   {target}   {verdict}{note}"
 
 
 @dataclass
@@ -61,6 +64,8 @@ class Section:
     notes: list[str] = field(default_factory=list)
     data: dict[str, Any] = field(default_factory=dict)
     errors: list[str] = field(default_factory=list)
+    # More tables from the same run, printed after the first: (title, header, rows).
+    tables: list[tuple[str, list[str], list[list[str]]]] = field(default_factory=list)
 
     @property
     def passed(self) -> bool:
@@ -82,6 +87,10 @@ def table(header: list[str], rows: list[list[str]]) -> str:
 
 def render(section: Section) -> str:
     parts = [f"== {section.title} ==", table(section.header, section.rows)]
+    for title, header, rows in section.tables:
+        parts += ["", f"-- {title} --", table(header, rows)]
+    if section.tables:
+        parts.append("")
     parts += section.notes
     parts += [check.describe() for check in section.checks]
     parts += [f"ERROR: {error}" for error in section.errors]

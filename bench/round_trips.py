@@ -1,0 +1,270 @@
+"""Statements and round trips per request, and the time to store a 1 MB response:
+``python -m bench.round_trips`` (JSON on stdout; ``python -m bench request`` runs it).
+
+Each mode's request goes through Django's WSGI handler in this process, as gunicorn calls
+it (so ``request_started``/``request_finished`` run, with the connection health check they
+schedule), with libpq's trace on the database connection. In the trace, every
+``ReadyForQuery`` the server sends ends one round trip and every ``CommandComplete`` ends
+one statement: a store sent with its ``COMMIT`` is two statements in one round trip. The
+modes with ``lookup_first`` run under ``override_settings(IDEMPOTENCY_LOOKUP_FIRST=True)``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import os
+import re
+import statistics
+import sys
+import tempfile
+import time
+import uuid
+from collections.abc import Callable, Iterable
+from contextlib import AbstractContextManager, nullcontext
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+PLAIN, FRESH, REPLAY = "plain", "fresh key", "replay"
+REPLAY_FIRST, FRESH_FIRST = "replay, lookup_first", "fresh key, lookup_first"
+MODES = (PLAIN, FRESH, REPLAY, REPLAY_FIRST, FRESH_FIRST)
+TOKEN = "a" * 40  # alice's token (seed_demo)
+BODY = json.dumps({"amount": 2499, "currency": "inr"}).encode()
+STORED_BYTES = 1024 * 1024
+# "B   25 CommandComplete	 "INSERT 0 1"" (the timestamps are suppressed).
+TRACE_LINE = re.compile(r"^B\t\d+\t(CommandComplete|ReadyForQuery)\t(.*)$")
+
+
+SENT_LINE = re.compile(r'^F\t\d+\t(?:Query|Parse)\t (?:"[^"]*" )?"(.*)"')
+# What a statement of the request path is, by what it contains; else its first words.
+KNOWN = (
+    ("django_idempotency_store", "store"),
+    ("django_idempotency_claim", "claim"),
+    ("FROM django_idempotency_record", "lookup"),
+    ("authtoken_token", "auth"),
+    ("nextval", "nextval"),
+    ('INSERT INTO "payments_', "INSERT"),
+)
+
+
+def label(sql: str) -> str:
+    name = next((known for needle, known in KNOWN if needle in sql), None)
+    if name is None:
+        name = "health check" if sql.strip() == "SELECT 1" else " ".join(sql.split()[:2])
+    # The store travels with its COMMIT: one round trip.
+    return name + "+COMMIT" if sql.rstrip().endswith("; COMMIT") else name
+
+
+def parse_trace(text: str) -> tuple[list[str], list[str], int]:
+    """From a libpq trace: the command tags of the statements the server ran, what the
+    client sent (one label per message), and the round trips."""
+    tags, sent, trips = [], [], 0
+    for line in text.splitlines():
+        if (query := SENT_LINE.match(line)) is not None:
+            sent.append(label(query.group(1)))
+        match = TRACE_LINE.match(line)
+        if match is None:
+            continue
+        if match.group(1) == "ReadyForQuery":
+            trips += 1
+        else:
+            tags.append(match.group(2).strip().strip('"').split(" ")[0])
+    return tags, sent, trips
+
+
+class Traced:
+    """One request through Django's WSGI handler with libpq tracing the connection."""
+
+    def __init__(self) -> None:
+        from django.core.handlers.wsgi import WSGIHandler
+        from django.test import RequestFactory
+
+        self.handler = WSGIHandler()
+        self.factory = RequestFactory(SERVER_NAME="127.0.0.1")
+
+    def post(
+        self, path: str, body: bytes, headers: dict[str, str], trace: bool = False
+    ) -> tuple[int, dict[str, str], bytes, tuple[list[str], list[str], int]]:
+        from django.db import connection
+        from psycopg.pq import Trace
+
+        request = self.factory.post(
+            path,
+            body,
+            content_type="application/json",
+            headers={"Authorization": f"Token {TOKEN}", **headers},
+        )
+        answer: list[Any] = []
+
+        def start_response(
+            status: str, response_headers: list[tuple[str, str]], exc_info: Any = None
+        ) -> Callable[[bytes], object]:
+            answer[:] = [int(status[:3]), {k.lower(): v for k, v in response_headers}]
+            return lambda data: None
+
+        trace_file = None
+        if trace:
+            # Opened before the request so that the trace sees every statement of it
+            # (a connection opened by the request itself would not be traced).
+            connection.ensure_connection()
+            pgconn = connection.connection.pgconn
+            trace_file = tempfile.NamedTemporaryFile("r", suffix=".trace")  # noqa: SIM115
+            # untrace() closes the descriptor it was given: give it a copy.
+            pgconn.trace(os.dup(trace_file.fileno()))
+            pgconn.set_trace_flags(Trace.SUPPRESS_TIMESTAMPS)
+        try:
+            result = self.handler(request.environ, start_response)
+            try:
+                content = b"".join(result)
+            finally:
+                result.close()  # request_finished, as a WSGI server sends it
+        finally:
+            if trace_file is not None:
+                pgconn.untrace()
+                # psycopg leaves libpq's stdio stream open (and buffered): flush them all.
+                ctypes.CDLL(None).fflush(None)
+        parsed: tuple[list[str], list[str], int] = ([], [], 0)
+        if trace_file is not None:
+            with trace_file, open(trace_file.name) as written:
+                # Not trace_file.read(): the copy shares its offset, now at the end.
+                parsed = parse_trace(written.read())
+        return answer[0], answer[1], content, parsed
+
+
+def count(traced: Traced, samples: int) -> dict[str, Any]:
+    """Statements and round trips of each mode, the same in every sample or flagged."""
+    from django.test import override_settings
+
+    def lookup_first() -> AbstractContextManager[Any]:
+        return override_settings(IDEMPOTENCY_LOOKUP_FIRST=True)
+
+    key = str(uuid.uuid4())
+    modes: dict[str, tuple[str, Callable[[], dict[str, str]], Callable[[], Any]]] = {
+        PLAIN: ("/api/charges-plain/", dict, nullcontext),
+        FRESH: ("/api/charges/", lambda: {"Idempotency-Key": str(uuid.uuid4())}, nullcontext),
+        REPLAY: ("/api/charges/", lambda: {"Idempotency-Key": key}, nullcontext),
+        REPLAY_FIRST: ("/api/charges/", lambda: {"Idempotency-Key": key}, lookup_first),
+        FRESH_FIRST: (
+            "/api/charges/",
+            lambda: {"Idempotency-Key": str(uuid.uuid4())},
+            lookup_first,
+        ),
+    }
+    status, _, content, _ = traced.post("/api/charges/", BODY, {"Idempotency-Key": key})
+    if status != 201:
+        raise SystemExit(f"priming the replay key: {status} {content[:300]!r}")
+    found: dict[str, Any] = {}
+    for mode, (path, headers, context) in modes.items():
+        runs = []
+        for n in range(samples + 2):
+            with context():
+                status, head, content, parsed = traced.post(
+                    path,
+                    BODY,
+                    headers(),
+                    trace=n >= 2,  # two warm-ups: plans, caches
+                )
+            replayed = head.get("idempotent-replayed") == "true"
+            if status != 201 or replayed != (mode in (REPLAY, REPLAY_FIRST)):
+                raise SystemExit(f"{mode}: {status} replayed={replayed} {content[:300]!r}")
+            if n >= 2:
+                runs.append(parsed)
+        tags, sent, trips = runs[-1]
+        found[mode] = {
+            "statements": len(tags),
+            "round_trips": trips,
+            "commands": tags,
+            "sent": sent,
+            "steady": all(run == runs[-1] for run in runs),
+        }
+    return found
+
+
+def store_time(traced: Traced, samples: int) -> dict[str, Any]:
+    """Compressing and storing a 1 MB response with its COMMIT, as the engine does after
+    the claim; the body is a 1 MB receipt of the testproject."""
+    from django.db import transaction
+
+    from django_idempotency.conf import conf
+    from django_idempotency.engine.hashing import lock_id
+    from django_idempotency.storage import records as storage
+
+    body = json.dumps({"amount": 2499, "currency": "inr", "size": STORED_BYTES}).encode()
+    status, _, content, _ = traced.post("/api/receipts-plain/", body, {})
+    if status != 201 or len(content) != STORED_BYTES:
+        raise SystemExit(f"1 MB receipt: {status} {len(content)} bytes {content[:300]!r}")
+    compress, write, total = [], [], []
+    stored_bytes = 0
+    for n in range(samples + 2):
+        principal, key = "bench:store", str(uuid.uuid4())
+        with transaction.atomic():
+            claimed = storage.claim(
+                "default",
+                lock=lock_id(principal, key),
+                principal=principal,
+                key=key,
+                window=conf.MAX_TTL + conf.EXPIRED_WINDOW,
+                gone=conf.EXPIRED_WINDOW,
+                wait=timedelta(0),
+            )
+            assert claimed.created_at is not None
+            started = time.perf_counter()
+            stored, encoding = storage.encode_body(content, conf.COMPRESS_MIN_BYTES)
+            encoded = time.perf_counter()
+            storage.store(
+                "default",
+                storage.Finished(
+                    principal=principal,
+                    key=key,
+                    method="POST",
+                    path="/api/receipts/",
+                    fingerprint={"body": "0" * 64},
+                    created_at=claimed.created_at,
+                    expires_at=claimed.created_at + conf.TTL,
+                    code=201,
+                    headers=[["Content-Type", "application/json"]],
+                    body=stored,
+                    body_encoding=encoding,
+                ),
+                row_id=None,
+                commit=True,
+            )
+            done = time.perf_counter()
+        if n >= 2:
+            compress.append((encoded - started) * 1000)
+            write.append((done - encoded) * 1000)
+            total.append((done - started) * 1000)
+            stored_bytes = len(stored)
+    return {
+        "body_bytes": len(content),
+        "stored_bytes": stored_bytes,
+        "compress_ms": statistics.median(compress),
+        "write_and_commit_ms": statistics.median(write),
+        "total_ms": statistics.median(total),
+        "total_ms_all": total,
+    }
+
+
+def main(argv: Iterable[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench.round_trips", description=__doc__)
+    p.add_argument("--samples", type=int, default=5, help="traced requests per mode")
+    p.add_argument("--stores", type=int, default=20, help="1 MB stores timed")
+    p.add_argument("--database-url", help="as for python -m bench")
+    args = p.parse_args(list(argv) if argv is not None else None)
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    from bench.server import database_url, django_env
+
+    os.environ.update(django_env(database_url(args.database_url)))
+    import django
+
+    django.setup()
+    traced = Traced()
+    result = {"modes": count(traced, args.samples), "store_1mb": store_time(traced, args.stores)}
+    json.dump(result, sys.stdout)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
