@@ -19,11 +19,11 @@ pytest.importorskip("celery")
 from celery import shared_task
 from celery.exceptions import Reject, Retry
 from django.core import checks
-from django.db import transaction
+from django.db import OperationalError, transaction
 from django.test import override_settings
 from django.utils import timezone
 
-from django_idempotency.engine.errors import KeyReused
+from django_idempotency.engine.errors import KeyReused, RolledBack
 from django_idempotency.messaging import consumers
 from django_idempotency.messaging.consumers import ExactlyOnceTask, arguments_digest
 from django_idempotency.messaging.downstream import derive_key
@@ -252,3 +252,62 @@ def test_records_partitions_are_kept_for_the_consumer_ttl_when_it_is_longer() ->
         IDEMPOTENCY_PARTITION_GRACE=timedelta(hours=1),
     ):
         assert RECORDS.keep_for() == timedelta(days=7, hours=1)
+
+
+@shared_task(base=ExactlyOnceTask, bind=True, name="tests.consumers.swallow")
+def swallow(self: ExactlyOnceTask, value: int) -> int:
+    RAN.append(("swallow", self.request.id, value))
+    enqueue_task("tests.consumers.next", (value,))
+    from django.db import DatabaseError, connection
+
+    try:
+        with connection.cursor() as cursor:
+            cursor.execute("SELECT 1/0")
+    except DatabaseError:
+        pass  # caught without a savepoint: the transaction cannot commit
+    return value
+
+
+def test_a_body_that_broke_its_transaction_fails_and_leaves_nothing() -> None:
+    message_id = str(uuid.uuid4())
+    failed = deliver(swallow, message_id, 1)
+    assert failed.state == "FAILURE" and isinstance(failed.result, RolledBack)
+    assert not IdempotencyRecord.objects.exists() and not OutboxMessage.objects.exists()
+
+
+def test_a_store_that_cannot_be_reached_gives_the_message_back(monkeypatch: Any) -> None:
+    def unreachable(*args: Any, **kwargs: Any) -> Any:
+        raise OperationalError("connection refused")
+
+    monkeypatch.setattr(storage, "claim", unreachable)
+    monkeypatch.setattr(consumers, "STORE_DOWN_PAUSE", 0)
+    given_back = deliver(note, str(uuid.uuid4()), 7)
+    assert given_back.state == "REJECTED" and given_back.result.requeue
+    assert RAN == []
+
+
+@override_settings(IDEMPOTENCY_EXPIRED_WINDOW=timedelta(days=1))
+def test_a_message_whose_record_expired_is_acknowledged_without_running_again() -> None:
+    message_id = str(uuid.uuid4())
+    created = timezone.now() - timedelta(hours=2)
+    storage.store(
+        "default",
+        storage.Finished(
+            principal="consumer:tests.consumers.note",
+            key=message_id,
+            method="TASK",
+            path="tests.consumers.note",
+            fingerprint={"arguments": arguments_digest((7,), {})},
+            created_at=created,
+            expires_at=created + timedelta(hours=1),
+            code=200,
+            headers=[],
+            body=b"7",
+            body_encoding="",
+        ),
+        row_id=None,
+        commit=False,
+    )
+    late = deliver(note, message_id, 7)
+    assert late.state == "SUCCESS" and late.result is None
+    assert RAN == []
