@@ -89,12 +89,48 @@ def setup_django(url: str, broker: str) -> None:
     django.setup()
 
 
-def make_app(broker: str) -> Any:
+def make_app(broker: str, queue: str = QUEUE) -> Any:
     from celery import Celery
 
     app = Celery("relay-bench", set_as_current=False)
-    app.conf.update(broker_url=broker, task_ignore_result=True)
+    app.conf.update(broker_url=broker, task_ignore_result=True, task_default_queue=queue)
+    if broker.startswith("amqp"):
+        # The loop publishes as the relay does: with publisher confirms.
+        app.conf.broker_transport_options = {"confirm_publish": True}
     return app
+
+
+RABBITMQ = "amqp://guest:guest@127.0.0.1:5672//"
+
+
+def rabbitmq_cells(count: int, repeats: int) -> tuple[list[float], list[float], list[str]]:
+    """Loop and relay rates on the machine's RabbitMQ (a queue of our own), or nothing."""
+    import socket
+
+    try:
+        socket.create_connection(("127.0.0.1", 5672), timeout=1).close()
+    except OSError:
+        return [], [], []
+    queue = f"relay-bench-{uuid.uuid4().hex[:8]}"
+    app = make_app(RABBITMQ, queue)
+    loop_rates: list[float] = []
+    relay_rates: list[float] = []
+    errors: list[str] = []
+    with app.connection_for_write() as conn:
+        channel = conn.default_channel
+        channel.queue_declare(queue, durable=True, auto_delete=False)
+        try:
+            for repeat in range(repeats):
+                for cell in ["loop", "relay"] if repeat % 2 == 0 else ["relay", "loop"]:
+                    channel.queue_purge(queue)
+                    seconds = direct_loop(app, count) if cell == "loop" else relay_drain(app, count)
+                    queued = channel.queue_declare(queue, passive=True).message_count
+                    if queued != count:
+                        errors.append(f"RabbitMQ {cell}: {queued} messages queued, not {count}")
+                    (loop_rates if cell == "loop" else relay_rates).append(count / seconds)
+        finally:
+            channel.queue_delete(queue)
+    return loop_rates, relay_rates, errors
 
 
 def clear_outbox() -> None:
@@ -252,6 +288,8 @@ def run(options: Options) -> Section:
             loop_rates.append(rates["loop"])
             relay_rates.append(rates["relay"])
             ratios.append(rates["relay"] / rates["loop"])
+        rabbit_loop, rabbit_relay, rabbit_errors = rabbitmq_cells(count // 4, options.repeats)
+        errors += rabbit_errors
         delays = latency(redis_server, options.database_url, samples)
         plain, with_enqueue, call = enqueue_cost(samples * 5)
         clear_outbox()
@@ -264,6 +302,15 @@ def run(options: Options) -> Section:
         ["publish loop, messages/s (median)", f"{median(loop_rates):,.0f}"],
         ["relay, rows/s (median)", f"{median(relay_rates):,.0f}"],
         ["relay / loop, per repeat", ", ".join(f"{r:.2f}" for r in ratios)],
+        *(
+            [
+                ["RabbitMQ with confirms: messages per cell", f"{count // 4:,}"],
+                ["RabbitMQ publish loop, messages/s (median)", f"{median(rabbit_loop):,.0f}"],
+                ["RabbitMQ relay, rows/s (median)", f"{median(rabbit_relay):,.0f}"],
+            ]
+            if rabbit_loop
+            else []
+        ),
         ["commit to publish, p50 ms", f"{p50:.1f}"],
         ["commit to publish, p99 ms", f"{p99:.1f}"],
         ["commit to publish, max ms", f"{max(delays) * ms:.1f}"],
@@ -293,13 +340,17 @@ def run(options: Options) -> Section:
     ]
     notes = [
         "Broker: a private redis-server, nothing consuming. The relay publishes in batches of "
-        "IDEMPOTENCY_OUTBOX_BATCH_SIZE; the loop publishes the same messages on one producer.",
+        "IDEMPOTENCY_OUTBOX_BATCH_SIZE (one Redis pipeline each); the loop publishes the same "
+        "messages one by one on one producer, as task.delay() would. RabbitMQ rows: the "
+        "machine's server, a queue of our own, publisher confirms in both (no target).",
     ]
     data = {
         "count": count,
         "ratios": ratios,
         "loop_rates": loop_rates,
         "relay_rates": relay_rates,
+        "rabbitmq_loop_rates": rabbit_loop,
+        "rabbitmq_relay_rates": rabbit_relay,
         "latency_seconds": delays,
         "plain_transaction_seconds": plain,
         "enqueue_transaction_seconds": with_enqueue,
