@@ -18,6 +18,7 @@ from tests.conftest import ROOT, GunicornServer, run_gunicorn
 from tests.reliability.client import Principal
 from tests.reliability.postgres import APP_NAME, MAINTENANCE_NAME, Database
 from tests.reliability.profiles import Profile, ServerShape
+from tests.servers import run_pgbouncer
 
 # The demo users' public tokens (``manage.py seed_demo``), used as two of the principals.
 DEMO_USERS = {"alice": "a" * 40, "bob": "b" * 40}
@@ -137,7 +138,26 @@ def serve(
 ) -> Iterator[GunicornServer]:
     """gunicorn on the run's database; its log is appended to ``logs`` when it stops."""
     env = {**django_env(database, settings=settings), **(env or {})}
-    with run_gunicorn(env, workers=shape.workers, threads=shape.threads) as server:
+    with contextlib.ExitStack() as stack:
+        if shape.pgbouncer:
+            # Only the app goes through it: maintenance and the checks connect directly
+            # (maintenance holds a session-level advisory lock). While PostgreSQL is down,
+            # PgBouncer holds queries for query_wait_timeout (120 s by default): 2 s makes
+            # an outage a quick 503, and server_login_retry a quick recovery.
+            bouncer = stack.enter_context(
+                run_pgbouncer(
+                    database.server_url,
+                    pool_size=8,
+                    query_wait_timeout=2,
+                    server_login_retry=0.5,
+                    server_connect_timeout=2,
+                )
+            )
+            env["DATABASE_URL"] = bouncer.url(database.name)
+            env["DATABASE_POOLING"] = "transaction"
+        server = stack.enter_context(
+            run_gunicorn(env, workers=shape.workers, threads=shape.threads)
+        )
         try:
             yield server
         finally:

@@ -12,15 +12,18 @@ class ServerShape:
 
     workers: int
     threads: int = 1
+    # The app's connections go through a private PgBouncer in transaction pooling mode.
+    pgbouncer: bool = False
 
     @property
     def concurrency(self) -> int:
         return self.workers * self.threads
 
     def describe(self) -> str:
+        through = " through PgBouncer (transaction pooling)" if self.pgbouncer else ""
         if self.threads == 1:
-            return f"{self.workers} sync workers"
-        return f"{self.workers} gthread workers x {self.threads} threads"
+            return f"{self.workers} sync workers{through}"
+        return f"{self.workers} gthread workers x {self.threads} threads{through}"
 
 
 @dataclass(frozen=True)
@@ -123,6 +126,23 @@ PROFILES = {
         stragglers_seconds=2.0,
         flood_delay_ms=2500,
         slow_extra_seconds=(0.2, 0.5),
+    ),
+    # Several app server processes whose connections share a few server connections
+    # through PgBouncer in transaction pooling mode (a command, like "long").
+    "pgbouncer": Profile(
+        name="pgbouncer",
+        traffic_seconds=120.0,
+        shapes=(
+            ServerShape(workers=4, pgbouncer=True),
+            ServerShape(workers=3, threads=4, pgbouncer=True),
+        ),
+        clients=12,
+        token_principals=6,
+        session_principals=1,
+        fault_every=(1.0, 3.0),
+        fault_weights={"worker-kill": 5, "db-outage": 1, "connection-cut": 3},
+        hot_key_clients=100,
+        maintenance_every=10.0,
     ),
     "long": Profile(
         name="long",
