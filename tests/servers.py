@@ -22,6 +22,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator, Mapping
@@ -133,6 +134,48 @@ def live_uvicorn(subprocess_env: dict[str, str]) -> Iterator[str]:
     """Base URL of ``testproject.asgi`` under uvicorn, 2 worker processes, on the test database."""
     with run_uvicorn(subprocess_env) as server:
         yield server.url
+
+
+@dataclass(frozen=True)
+class InProcessServer:
+    url: str
+
+
+@pytest.fixture(scope="session")
+def asgi_live_server(django_db_setup: None) -> Iterator[InProcessServer]:
+    """Django's ASGI handler under uvicorn in a thread of the test process: pytest-django's
+    ``live_server`` for ASGI, for tests that coordinate with the views in-process (gates,
+    call counters) and change settings with the ``settings`` fixture.
+
+    Like ``live_server``, it reaches the database only while a test that allows it runs.
+    """
+    import uvicorn
+    from django.core.asgi import get_asgi_application
+
+    listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(128)
+    config = uvicorn.Config(
+        get_asgi_application(), lifespan="off", log_level="warning", access_log=False
+    )
+    server = uvicorn.Server(config)
+    # Outside the main thread uvicorn installs no signal handlers.
+    thread = threading.Thread(
+        target=server.run, kwargs={"sockets": [listener]}, name="asgi-live-server", daemon=True
+    )
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        if not thread.is_alive() or time.monotonic() > deadline:
+            raise RuntimeError("the in-process uvicorn did not start")
+        time.sleep(0.05)
+    try:
+        yield InProcessServer(f"http://127.0.0.1:{listener.getsockname()[1]}")
+    finally:
+        server.should_exit = True
+        thread.join(10)
+        listener.close()
 
 
 @pytest.fixture(scope="module")
@@ -252,11 +295,14 @@ class PgBouncer:
 
 
 @contextlib.contextmanager
-def run_pgbouncer(server_url: str, *, pool_size: int = 4) -> Iterator[PgBouncer]:
+def run_pgbouncer(
+    server_url: str, *, pool_size: int = 4, **settings: str | float
+) -> Iterator[PgBouncer]:
     """PgBouncer in transaction pooling mode in front of ``server_url``'s server.
 
     Every database name is passed through (``*``), as user ``postgres``, without a password:
-    the machine's server and the embedded one trust local connections.
+    the machine's server and the embedded one trust local connections. ``settings`` are
+    more lines of the ``[pgbouncer]`` section, such as ``query_wait_timeout=2``.
     """
     binary = find_pgbouncer()
     parts = urlsplit(server_url)
@@ -291,6 +337,7 @@ def run_pgbouncer(server_url: str, *, pool_size: int = 4) -> Iterator[PgBouncer]
                 "ignore_startup_parameters = extra_float_digits,options",
                 f"logfile = {directory / 'pgbouncer.log'}",
                 f"pidfile = {directory / 'pgbouncer.pid'}",
+                *(f"{name} = {value}" for name, value in settings.items()),
                 "",
             ]
         )

@@ -19,9 +19,11 @@ from asgiref.sync import iscoroutinefunction
 
 from testproject.payments import views
 from testproject.payments.models import Charge
+from tests import test_concurrency as concurrency
 from tests import test_e2e_payments as e2e
 from tests.client import replayed
 from tests.conftest import TokenUser
+from tests.servers import InProcessServer
 from tests.test_e2e_payments import CHARGE, counts, post, records, send_at_once
 
 ASYNC = "/api/charges/async/"
@@ -174,3 +176,53 @@ def test_async_view_rolls_back_a_failed_attempt_and_the_retry_executes_once(
     assert (replay.status_code, replayed(replay), replay.content) == (201, True, retry.content)
     assert counts(base_url) - before == (2, 1)
     assert records(key) == 1
+
+
+# The concurrency tests, whose gates and call counters live in the test process, against
+# Django's ASGI handler served in-process (``asgi_live_server``) instead of ``live_server``.
+
+IN_PROCESS_URLS = pytest.mark.urls("tests.urls")
+
+
+@pytest.fixture
+def many_waiters(settings: Any) -> Any:
+    """As in ``test_concurrency``: every duplicate of the one process may wait."""
+    settings.IDEMPOTENCY_MAX_WAITERS = 100
+    return settings
+
+
+VIEWS = pytest.mark.parametrize("path", ["/drf/", "/plain/"])
+
+
+@IN_PROCESS_URLS
+@pytest.mark.django_db(transaction=True)
+@VIEWS
+def test_parallel_duplicates_that_wait_get_the_replay_of_the_one_execution(
+    asgi_live_server: InProcessServer, many_waiters: Any, path: str
+) -> None:
+    concurrency.test_parallel_duplicates_that_wait_get_the_replay_of_the_one_execution(
+        asgi_live_server, many_waiters, path
+    )
+
+
+@IN_PROCESS_URLS
+@pytest.mark.django_db(transaction=True)
+@VIEWS
+def test_waiting_duplicate_executes_when_the_first_rolls_back(
+    asgi_live_server: InProcessServer, many_waiters: Any, path: str
+) -> None:
+    concurrency.test_waiting_duplicate_executes_when_the_first_rolls_back(
+        asgi_live_server, many_waiters, path
+    )
+
+
+@IN_PROCESS_URLS
+@pytest.mark.django_db(transaction=True)
+@VIEWS
+@pytest.mark.parametrize("sleep", [0, 0.5], ids=["fast", "slow"])
+def test_racing_identical_requests_execute_once_and_never_5xx(
+    asgi_live_server: InProcessServer, many_waiters: Any, path: str, sleep: float
+) -> None:
+    concurrency.test_racing_identical_requests_execute_once_and_never_5xx(
+        asgi_live_server, path, 20, sleep
+    )
