@@ -1,11 +1,13 @@
-"""The claim at the database level: ``django_idempotency_claim()`` on the partitioned table
-against a plain ``INSERT … ON CONFLICT DO NOTHING`` on an unpartitioned table with
-UNIQUE (scope, key), each followed by the completing UPDATE in the same transaction.
+"""The claim at the database level: ``django_idempotency_claim()`` and
+``django_idempotency_store()`` on the partitioned table against a plain ``INSERT … ON
+CONFLICT DO NOTHING`` on an unpartitioned table with UNIQUE (scope, key), followed by the
+completing UPDATE in the same transaction.
 
-One transaction is what the engine sends for a fresh key: BEGIN, the claim, the UPDATE that
-stores the response, COMMIT, as four simple-protocol round trips (Django binds parameters
-on the client and prepares nothing). pgbench drives it when one is installed, else Python
-threads with psycopg, which are slower and narrow the gap.
+One transaction is what the engine sends for a fresh key: BEGIN, the claim, then the store
+with the COMMIT in the same message: three simple-protocol round trips (Django binds
+parameters on the client and prepares nothing). The plain insert needs four: BEGIN, INSERT,
+UPDATE, COMMIT. pgbench drives it when one is installed, else Python threads with psycopg,
+which are slower and narrow the gap.
 """
 
 from __future__ import annotations
@@ -44,20 +46,18 @@ CONSTANTS = {
     "body": f"'\\x{_HEX}'::bytea",
 }
 
-# Mirrors storage.py: claim() runs the function, complete() inserts the finished record
-# (Django's create(): the values as literals, RETURNING id). {scope}, {key}, {rec_id} and
-# {rec_created_at} are filled in per driver below.
+# Mirrors storage/records.py: claim() runs the claim function, store() the store function
+# with its COMMIT in the same message (the values as literals). {lock}, {scope}, {key},
+# {rec_id}, {rec_created_at} and {then} (what joins two statements into one message) are
+# filled in per driver below.
 TRANSACTIONS = {
     CLAIM: [
         "BEGIN",
-        "SELECT * FROM django_idempotency_claim({scope}, {key}, interval '24 hours', "
-        "interval '0', 2000, NULL)",
-        f"INSERT INTO {RECORD_TABLE} (scope, key, method, path, fingerprint, status, "
-        "response_code, response_headers, response_body, body_encoding, created_at, "
-        "expires_at) VALUES ({scope}, {key}, 'POST', '/api/charges/', {fingerprint}, 1, 201, "
-        "{headers}, {body}, '', {rec_created_at}, {rec_created_at} + interval '24 hours') "
-        "RETURNING id",
-        "COMMIT",
+        "SELECT outcome, created_at AS rec_created_at FROM django_idempotency_claim({lock}, "
+        "{scope}, {key}, interval '24 hours', interval '0', 2000, NULL)",
+        "SELECT django_idempotency_store({scope}, {key}, 'POST', '/api/charges/', "
+        "{fingerprint}, {rec_created_at}, {rec_created_at} + interval '24 hours', 201, "
+        "{headers}, {body}, ''){then} COMMIT",
     ],
     # A plain table must insert at claim time: the unique index is what arbitrates.
     PLAIN: [
@@ -78,12 +78,16 @@ RETURNS_ROW = 1
 # pgbench substitutes :variables inside quotes too, so keys and scopes arrive as literals,
 # as Django sends them.
 PGBENCH_VARS = {
+    "lock": ":lock",
+    "then": " \\;",
     "scope": "'user-:scope'",
     "key": "'key-:key'",
     "rec_id": ":rec_id",
     "rec_created_at": "':rec_created_at'::timestamptz",
 }
 PSYCOPG_VARS = {
+    "lock": "%(lock)s",
+    "then": ";",
     "scope": "%(scope)s",
     "key": "%(key)s",
     "rec_id": "%(rec_id)s",
@@ -96,7 +100,12 @@ def statements(variant: str, variables: dict[str, str]) -> list[str]:
 
 
 def pgbench_script(variant: str) -> str:
-    lines = [f"\\set scope random(1, {SCOPES})", "\\set key random(1, 9000000000000000000)"]
+    lines = [
+        f"\\set scope random(1, {SCOPES})",
+        "\\set key random(1, 9000000000000000000)",
+        # The engine derives the lock id from (scope, key) with a keyed hash: as random.
+        "\\set lock random(-2147483648, 2147483647)",
+    ]
     for index, sql in enumerate(statements(variant, PGBENCH_VARS)):
         lines.append(sql + (" \\gset" if index == RETURNS_ROW else ";"))
     return "\n".join(lines) + "\n"
@@ -249,6 +258,7 @@ def run_threads(url: str, variant: str, clients: int, duration: float) -> Cell:
                 params: dict[str, object] = {
                     "scope": f"user-{n % SCOPES}",
                     "key": f"key-{uuid.uuid4().int >> 66}",
+                    "lock": (uuid.uuid4().int >> 96) - 2**31,
                 }
                 began = time.perf_counter()
                 try:
@@ -344,7 +354,8 @@ def run(options: Options) -> Section:
     ]
     driver = f"pgbench -M simple ({pgbench})" if pgbench else "Python threads + psycopg"
     notes = [
-        f"BEGIN, claim, completing write, COMMIT per transaction; fresh keys, {SCOPES} "
+        f"per transaction: BEGIN, claim, store+COMMIT (3 round trips) against BEGIN, "
+        f"INSERT, UPDATE, COMMIT (4); fresh keys, {SCOPES} "
         f"scopes, {BODY_BYTES}-byte body; {options.repeats} interleaved repeats x "
         f"{options.duration:g}s; driver: {driver}",
         f"PostgreSQL {version[0] if version else '?'}, synchronous_commit="
