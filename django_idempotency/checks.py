@@ -41,6 +41,8 @@ DURATIONS = (
     ("PARTITION_GRACE", timedelta(0)),
     # 0 would disable PostgreSQL's lock_timeout: DDL could then queue requests behind it.
     ("DDL_LOCK_TIMEOUT", timedelta.resolution),
+    ("CONSUMER_TTL", timedelta.resolution),
+    ("CONSUMER_WAIT", timedelta(0)),
     ("OUTBOX_RETENTION", timedelta.resolution),
     ("OUTBOX_POLL_INTERVAL", timedelta.resolution),
     ("OUTBOX_LEASE", timedelta.resolution),

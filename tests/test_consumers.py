@@ -311,3 +311,13 @@ def test_a_message_whose_record_expired_is_acknowledged_without_running_again() 
     late = deliver(note, message_id, 7)
     assert late.state == "SUCCESS" and late.result is None
     assert RAN == []
+
+
+@pytest.mark.parametrize(
+    ("setting", "value"),
+    [("IDEMPOTENCY_CONSUMER_TTL", timedelta(0)), ("IDEMPOTENCY_CONSUMER_WAIT", 5)],
+)
+def test_consumer_durations_are_checked(setting: str, value: Any) -> None:
+    with override_settings(**{setting: value}):
+        errors = [m for m in checks.run_checks() if m.id == "django_idempotency.E003"]
+    assert [setting in m.msg for m in errors] == [True]
