@@ -561,7 +561,8 @@ def run(options: Options) -> Section:
                 8.0,
                 True,
                 note=f"compress {store['compress_ms']:.2f} ms + write and COMMIT "
-                f"{store['write_and_commit_ms']:.2f} ms, median",
+                f"{store['write_and_commit_ms']:.2f} ms, median; CPU: app "
+                f"{store['app_cpu_ms']:.2f} ms, db {store['db_cpu_ms']:.2f} ms (mean)",
                 unit="ms",
             )
         )
