@@ -22,8 +22,8 @@ import sys
 import tempfile
 import time
 import uuid
-from collections.abc import Callable, Iterable
-from contextlib import AbstractContextManager, nullcontext
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -77,6 +77,48 @@ def parse_trace(text: str) -> tuple[list[str], list[str], int]:
     return tags, sent, trips
 
 
+class TraceResult:
+    """What a libpq trace saw, filled in when it ends."""
+
+    def __init__(self) -> None:
+        self.parsed: tuple[list[str], list[str], int] = ([], [], 0)
+
+    @property
+    def statements(self) -> list[str]:
+        return self.parsed[0]
+
+    @property
+    def sent(self) -> list[str]:
+        return self.parsed[1]
+
+    @property
+    def round_trips(self) -> int:
+        return self.parsed[2]
+
+
+@contextmanager
+def libpq_trace(pgconn: Any) -> Iterator[TraceResult]:
+    """Trace a psycopg connection's protocol messages while the block runs."""
+    from psycopg.pq import Trace
+
+    found = TraceResult()
+    with tempfile.NamedTemporaryFile("r", suffix=".trace") as trace_file:
+        # psycopg opens a stdio stream on the descriptor and never closes it: give it a
+        # copy, closed below once the stream is flushed and libpq has let go of it.
+        copy = os.dup(trace_file.fileno())
+        pgconn.trace(copy)
+        pgconn.set_trace_flags(Trace.SUPPRESS_TIMESTAMPS)
+        try:
+            yield found
+        finally:
+            pgconn.untrace()
+            ctypes.CDLL(None).fflush(None)  # every stdio stream: the one above is buffered
+            os.close(copy)
+        with open(trace_file.name) as written:
+            # Not trace_file.read(): the copy shared its offset, now at the end.
+            found.parsed = parse_trace(written.read())
+
+
 class Traced:
     """One request through Django's WSGI handler with libpq tracing the connection."""
 
@@ -91,7 +133,6 @@ class Traced:
         self, path: str, body: bytes, headers: dict[str, str], trace: bool = False
     ) -> tuple[int, dict[str, str], bytes, tuple[list[str], list[str], int]]:
         from django.db import connection
-        from psycopg.pq import Trace
 
         request = self.factory.post(
             path,
@@ -107,32 +148,17 @@ class Traced:
             answer[:] = [int(status[:3]), {k.lower(): v for k, v in response_headers}]
             return lambda data: None
 
-        trace_file = None
-        if trace:
-            # Opened before the request so that the trace sees every statement of it
-            # (a connection opened by the request itself would not be traced).
-            connection.ensure_connection()
-            pgconn = connection.connection.pgconn
-            trace_file = tempfile.NamedTemporaryFile("r", suffix=".trace")  # noqa: SIM115
-            # untrace() closes the descriptor it was given: give it a copy.
-            pgconn.trace(os.dup(trace_file.fileno()))
-            pgconn.set_trace_flags(Trace.SUPPRESS_TIMESTAMPS)
-        try:
+        # Opened before the request so that the trace sees every statement of it (a
+        # connection opened by the request itself would not be traced).
+        connection.ensure_connection()
+        context = libpq_trace(connection.connection.pgconn) if trace else nullcontext()
+        with context as traced:
             result = self.handler(request.environ, start_response)
             try:
                 content = b"".join(result)
             finally:
                 result.close()  # request_finished, as a WSGI server sends it
-        finally:
-            if trace_file is not None:
-                pgconn.untrace()
-                # psycopg leaves libpq's stdio stream open (and buffered): flush them all.
-                ctypes.CDLL(None).fflush(None)
-        parsed: tuple[list[str], list[str], int] = ([], [], 0)
-        if trace_file is not None:
-            with trace_file, open(trace_file.name) as written:
-                # Not trace_file.read(): the copy shares its offset, now at the end.
-                parsed = parse_trace(written.read())
+        parsed = traced.parsed if traced is not None else ([], [], 0)
         return answer[0], answer[1], content, parsed
 
 
