@@ -11,11 +11,13 @@ Two ways projects write such a router, each served by its own gunicorn:
   sends ``IdempotencyRecord`` to the tenant's database, the engine's
   ``router.db_for_write(IdempotencyRecord)`` picks the shard, and the claim, the view's
   writes and the stored response share one transaction there.
-- ``app-models-only``: ``TENANT_APPS=payments``. The router knows only the project's models;
-  the engine must ask it for the database of the view's model (for a DRF view, its queryset's
-  or serializer's model) and keep the records there. Until it does, records land in
-  ``default`` while the charge is written on the shard outside the claim's transaction: a
-  crash after the write leaves the charge and the retry executes again. Marked xfail.
+- ``app-models-only``: ``TENANT_APPS=payments``. The router knows only the project's models.
+  The engine asks it for the database of the view's model (a DRF view's queryset or
+  serializer model) or takes the view's ``using`` option (the plain views'
+  ``charges_database``), and keeps the records there.
+
+Either way a crash after the write on the second database leaves neither the charge nor the
+record, and the retry executes once.
 """
 
 from __future__ import annotations
@@ -39,12 +41,6 @@ from tests.client import replayed
 from tests.conftest import GunicornServer, TokenUser
 from tests.servers import QUICK_STOP, database_name, migrate, with_database
 from tests.test_e2e_payments import CHARGE, send_at_once
-
-ENGINE_PENDING = pytest.mark.xfail(
-    strict=True,
-    reason="the engine keeps records in router.db_for_write(IdempotencyRecord), not in the "
-    "database the router picks for the view's model",
-)
 
 
 def count(url: str, query: str, *params: Any) -> int:
@@ -108,9 +104,11 @@ class Tenants:
     shard_url: str
     user: Any
 
-    def post(self, tenant: str, key: str, body: dict[str, Any]) -> requests.Response:
+    def post(
+        self, tenant: str, key: str, body: dict[str, Any], path: str = "/api/charges/"
+    ) -> requests.Response:
         return requests.post(
-            self.server.url + "/api/charges/",
+            self.server.url + path,
             json=body,
             headers={**self.user.headers, "Idempotency-Key": key, "X-Tenant": tenant},
             timeout=30,
@@ -137,7 +135,7 @@ class Tenants:
 @pytest.fixture(
     params=[
         "records_follow_tenant",
-        pytest.param("app_models_only", marks=ENGINE_PENDING),
+        "app_models_only",
     ]
 )
 def tenants(
@@ -176,8 +174,9 @@ def test_each_tenant_s_charges_and_records_live_in_its_database(tenants: Tenants
         assert tenants.records(other, keys[tenant]) == 0
 
 
+@pytest.mark.parametrize("path", ["/api/charges/", "/api/charges-django/"])
 def test_a_crash_after_the_write_rolls_back_charge_and_claim_on_the_shard(
-    tenants: Tenants,
+    tenants: Tenants, path: str
 ) -> None:
     key = str(uuid.uuid4())
     body = {**CHARGE, "crash_once": str(uuid.uuid4())}
@@ -186,10 +185,10 @@ def test_a_crash_after_the_write_rolls_back_charge_and_claim_on_the_shard(
     # The worker dies after writing the charge: no reply, no exception handler, no rollback
     # but the server's own when the connection drops.
     with pytest.raises(requests.ConnectionError):
-        tenants.post("b", key, body)
+        tenants.post("b", key, body, path)
     after_failure = (tenants.charges("b"), tenants.records("b", key))
-    retry = tenants.post("b", key, body)
-    replay = tenants.post("b", key, body)
+    retry = tenants.post("b", key, body, path)
+    replay = tenants.post("b", key, body, path)
 
     assert after_failure == (0, 0)
     assert (retry.status_code, replayed(retry)) == (201, False), retry.text

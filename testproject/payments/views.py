@@ -8,6 +8,7 @@ from typing import Any
 from asgiref.sync import iscoroutinefunction, sync_to_async
 from django.contrib.auth.base_user import AbstractBaseUser
 from django.contrib.auth.models import AnonymousUser
+from django.db import router
 from django.http import HttpRequest, HttpResponse, JsonResponse
 from django.views.decorators.csrf import csrf_exempt
 from django.views.decorators.http import require_POST
@@ -181,12 +182,18 @@ def token_required(view: Callable[..., Any]) -> Callable[..., Any]:
     return wrapper
 
 
+def charges_database(request: HttpRequest) -> str:
+    """Where the plain views write charges (a tenant router picks it per request): their
+    records must live there too, to commit with the charge."""
+    return router.db_for_write(Charge)
+
+
 # Authentication wraps @idempotent so that the principal is known and a replay never
 # bypasses it; csrf_exempt because, like DRF's views, this API authenticates by token.
 @csrf_exempt
 @require_POST
 @token_required
-@idempotent(required=True)
+@idempotent(required=True, using=charges_database)
 def charge_without_drf(request: HttpRequest) -> HttpResponse:
     """The charge handler as a plain Django view, protected by ``@idempotent``."""
     try:
@@ -203,7 +210,7 @@ def charge_without_drf(request: HttpRequest) -> HttpResponse:
 @csrf_exempt
 @require_POST
 @token_required
-@idempotent(required=True)
+@idempotent(required=True, using=charges_database)
 async def charge_async(request: HttpRequest) -> HttpResponse:
     """The charge handler as an async Django view, protected by ``@idempotent``."""
     try:
