@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+from importlib.util import find_spec
+
 from django.conf import settings
 from django.contrib import admin
 from django.urls import include, path
@@ -8,6 +10,10 @@ urlpatterns = [
     path("admin/", admin.site.urls),
     path("api/", include("testproject.payments.urls")),
 ]
+if find_spec("ninja"):  # an optional extra, like DRF's
+    from testproject.ninja_api import api
+
+    urlpatterns.append(path("ninja/", api.urls))
 if settings.SPECTACULAR:
     from drf_spectacular.views import SpectacularAPIView
 

@@ -1,0 +1,204 @@
+"""Django Ninja glue: ``idempotent_operation`` for an operation of a ``NinjaAPI`` or ``Router``."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from functools import partial
+from typing import Any, TypeVar, Unpack, overload
+
+from asgiref.sync import sync_to_async
+from django.core.exceptions import ImproperlyConfigured
+from django.http import HttpRequest, HttpResponse
+from django.http.response import HttpResponseBase
+from ninja.operation import AsyncOperation, Operation
+from ninja.utils import contribute_operation_callback
+
+from django_idempotency.engine.errors import IdempotencyError
+from django_idempotency.engine.options import Policy, ViewOptions, policy_for
+from django_idempotency.engine.unit import RequestUnit, Run, failing_closed
+from django_idempotency.problems import problem_response
+
+Func = TypeVar("Func", bound=Callable[..., Any])
+
+# Where run() leaves the request's unit for _run_checks() to open after authentication.
+_CLAIM = "_idempotency_claim"
+
+
+@overload
+def idempotent_operation(func: Func) -> Func: ...
+@overload
+def idempotent_operation(
+    func: None = None, **options: Unpack[ViewOptions]
+) -> Callable[[Func], Func]: ...
+def idempotent_operation(func: Any = None, **options: Unpack[ViewOptions]) -> Any:
+    """Make a Ninja operation exactly-once per ``Idempotency-Key``.
+
+    Put it below ``@api.post(...)`` (or ``@router.post(...)``). The key is claimed after
+    the operation's authentication and throttles, in the same transaction as everything
+    the operation writes; the response Ninja renders, its own 4xx included, is stored
+    before commit. Keyword arguments override the settings for this operation, as for
+    ``@idempotent``. The principal is ``request.user``, else the user that the
+    operation's ``auth`` returned; an ``auth`` that returns anything else needs a
+    ``principal`` callable.
+    """
+
+    def decorate(view_func: Func) -> Func:
+        operation = getattr(view_func, "_ninja_operation", None)
+        if operation is not None:  # placed above @api.post: the operation exists already
+            _protect(operation, options)
+        else:
+            contribute_operation_callback(view_func, partial(_protect, options=options))
+        return view_func
+
+    return decorate(func) if func is not None else decorate
+
+
+class _Claim:
+    """A request's unit of work, and whether its key is held (after ``Run``)."""
+
+    __slots__ = ("claimed", "unit")
+
+    def __init__(self, unit: RequestUnit) -> None:
+        self.unit = unit
+        self.claimed = False
+
+
+class _Identity:
+    """What ``principal_for`` reads by default (``.user``), for a user found in
+    ``request.auth``."""
+
+    def __init__(self, user: Any) -> None:
+        self.user = user
+
+
+class IdempotentOperation(Operation):
+    """Ninja's ``Operation`` with the key claimed between its checks and its view."""
+
+    idempotency_options: ViewOptions
+
+    def clone(self) -> Operation:
+        # Ninja clones each operation per mount of its router: the options go along.
+        cloned = super().clone()
+        cloned.idempotency_options = self.idempotency_options  # type: ignore[attr-defined]
+        return cloned
+
+    def run(self, request: HttpRequest, **kw: Any) -> HttpResponseBase:
+        claim = _claim_for(self, request)
+        if claim is None:
+            return super().run(request, **kw)
+        try:
+            response = super().run(request, **kw)
+        except BaseException as exc:
+            return _failed(claim, exc)
+        return claim.unit.close(response) if claim.claimed else response
+
+    def _run_checks(self, request: HttpRequest) -> HttpResponse | None:
+        claim: _Claim | None = getattr(request, _CLAIM, None)
+        if claim is None:
+            return super()._run_checks(request)
+        with failing_closed():  # authentication usually queries the same database
+            error = super()._run_checks(request)
+        return error or _open(claim, request)
+
+
+class AsyncIdempotentOperation(AsyncOperation):
+    """Ninja's ``AsyncOperation`` with the key claimed between its checks and its view."""
+
+    idempotency_options: ViewOptions
+
+    def clone(self) -> Operation:
+        cloned = super().clone()
+        cloned.idempotency_options = self.idempotency_options  # type: ignore[attr-defined]
+        return cloned
+
+    async def run(self, request: HttpRequest, **kw: Any) -> HttpResponseBase:  # type: ignore[override]
+        claim = _claim_for(self, request)
+        if claim is None:
+            return await super().run(request, **kw)
+        # The unit's transaction lives on the thread that opened it: every
+        # sync_to_async(thread_sensitive=True) call of this request (Django's async ORM)
+        # runs there, so the operation's writes join the claim's transaction.
+        try:
+            response = await super().run(request, **kw)
+        except BaseException as exc:
+            return await sync_to_async(_failed)(claim, exc)
+        return await sync_to_async(claim.unit.close)(response) if claim.claimed else response
+
+    async def _run_checks(self, request: HttpRequest) -> HttpResponse | None:  # type: ignore[override]
+        claim: _Claim | None = getattr(request, _CLAIM, None)
+        if claim is None:
+            return await super()._run_checks(request)
+        with failing_closed():
+            error = await super()._run_checks(request)
+        return error or await sync_to_async(_open)(claim, request)
+
+
+_MIXINS = (IdempotentOperation, AsyncIdempotentOperation)
+_subclasses: dict[type[Operation], type[Operation]] = {}
+
+
+def _protect(operation: Operation, options: ViewOptions) -> None:
+    base = type(operation)
+    if not issubclass(base, _MIXINS):
+        # Ninja picks Operation or AsyncOperation itself, with no hook to choose a class:
+        # the operation becomes the idempotent one of its own class (a subclass stays one).
+        operation.__class__ = _idempotent_class(base)
+    operation.idempotency_options = options  # type: ignore[attr-defined]
+
+
+def _idempotent_class(base: type[Operation]) -> type[Operation]:
+    mixin: type[Operation]
+    mixin = AsyncIdempotentOperation if issubclass(base, AsyncOperation) else IdempotentOperation
+    if base in (Operation, AsyncOperation):
+        return mixin
+    return _subclasses.setdefault(base, type(base.__name__, (mixin, base), {}))
+
+
+def _claim_for(operation: Any, request: HttpRequest) -> _Claim | None:
+    policy = policy_for(operation.view_func, operation.idempotency_options)
+    unit = RequestUnit(request, policy, sender=operation.view_func)
+    if not unit.covered:
+        return None
+    claim = _Claim(unit)
+    setattr(request, _CLAIM, claim)
+    return claim
+
+
+def _open(claim: _Claim, request: HttpRequest) -> HttpResponse | None:
+    """Claim the key now that the client is authenticated: None to run the view, or the
+    replay or refusal to answer with."""
+    decision = claim.unit.open(principal_request=_principal_request(request, claim.unit.policy))
+    if isinstance(decision, Run):
+        claim.claimed = True
+        return None
+    return decision.response()
+
+
+def _failed(claim: _Claim, exc: BaseException) -> HttpResponseBase:
+    """An exception left Ninja (it re-raises what it has no handler for, unless DEBUG):
+    roll back; a store outage becomes its problem response, anything else goes on up."""
+    if claim.claimed:
+        claim.claimed = False
+        claim.unit.fail(exc)
+    if isinstance(exc, IdempotencyError):
+        return problem_response(exc)
+    raise exc
+
+
+def _principal_request(request: HttpRequest, policy: Policy) -> Any:
+    if policy.principal is not None:
+        return request
+    user = getattr(request, "user", None)
+    if user is not None and user.is_authenticated:
+        return request
+    auth = getattr(request, "auth", None)
+    if not auth:  # an operation without auth: one anonymous scope, as for any open view
+        return request
+    if getattr(auth, "is_authenticated", False) is True and getattr(auth, "pk", None) is not None:
+        return _Identity(auth)
+    # Scoping such keys as anonymous would let one client replay another's response.
+    raise ImproperlyConfigured(
+        f"The auth of an idempotent Ninja operation returned a {type(auth).__name__}, not a "
+        "user, so whose key this is cannot be known. Pass principal=<callable> to "
+        "idempotent_operation(), or set IDEMPOTENCY_PRINCIPAL."
+    )

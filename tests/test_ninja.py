@@ -1,0 +1,349 @@
+"""Django Ninja: ``idempotent_operation`` on the testproject's ``POST /ninja/charges/``
+(token authentication, the payments handler), through Django's test client and over HTTP."""
+
+from __future__ import annotations
+
+import uuid
+from collections import Counter
+from typing import Any
+
+import pytest
+import requests
+from asgiref.sync import sync_to_async
+from django.core.exceptions import ImproperlyConfigured
+from django.db import connection
+from django.http import HttpRequest
+from django.test import Client
+from django.urls import path
+
+from django_idempotency.models import IdempotencyRecord
+from testproject.payments import executions
+from testproject.payments.models import Charge
+from tests.client import problem, replayed, send
+from tests.views import CALLS
+
+ninja = pytest.importorskip("ninja")
+from ninja.errors import HttpError  # noqa: E402
+from ninja.security import APIKeyHeader  # noqa: E402
+
+from django_idempotency.ninja import idempotent_operation  # noqa: E402
+from testproject.ninja_api import DRFToken  # noqa: E402
+
+pytestmark = pytest.mark.django_db
+
+URL = "/ninja/charges/"
+CHARGE = {"amount": 2499, "currency": "inr"}
+
+
+def charge(user: Any, key: str | None, body: Any = CHARGE, **headers: str) -> Any:
+    if user is not None:
+        headers["Authorization"] = f"Token {user.token}"
+    client = Client(raise_request_exception=False)
+    return send(client, "POST", URL, body, key=key, headers=headers)
+
+
+def records(key: str) -> list[IdempotencyRecord]:
+    return list(IdempotencyRecord.objects.filter(key=key))
+
+
+def runs() -> int:
+    count = executions.count(Charge)
+    assert count is not None
+    return count
+
+
+def test_fresh_key_runs_once_and_the_retry_is_replayed_byte_for_byte(token_user: Any) -> None:
+    key, before = str(uuid.uuid4()), runs()
+
+    first = charge(token_user, key)
+    retry = charge(token_user, key)
+
+    assert first.status_code == 201, first.content
+    assert not replayed(first)
+    assert first.json()["user"] == token_user.user.username
+    assert (retry.status_code, replayed(retry)) == (201, True)
+    assert retry.content == first.content
+    assert retry["Content-Type"] == first["Content-Type"]
+    assert runs() - before == 1
+    assert Charge.objects.filter(user=token_user.user).count() == 1
+    [record] = records(key)
+    assert record.scope == f"user:{token_user.user.pk}"
+
+
+def test_authentication_runs_before_the_claim_and_before_a_replay(
+    token_user: Any, make_token_user: Any
+) -> None:
+    key = str(uuid.uuid4())
+    refused = charge(None, key)
+    assert refused.status_code == 401
+    assert records(key) == []  # nothing claimed for a client that never authenticated
+
+    assert charge(token_user, key).status_code == 201
+    for credentials in ({}, {"Authorization": "Token wrong"}):
+        retry = send(Client(), "POST", URL, CHARGE, key=key, headers=credentials)
+        assert (retry.status_code, replayed(retry)) == (401, False)
+        assert b"2499" not in retry.content
+
+    # Another client's same key is its own: it runs, and never sees the first answer.
+    other = charge(make_token_user(), key)
+    assert (other.status_code, replayed(other)) == (201, False)
+    assert len(records(key)) == 2
+
+
+def test_a_reused_key_with_another_body_is_refused_with_a_problem(token_user: Any) -> None:
+    key = str(uuid.uuid4())
+    assert charge(token_user, key).status_code == 201
+
+    reused = charge(token_user, key, {**CHARGE, "amount": 100})
+
+    assert reused.status_code == 422
+    assert problem(reused)["type"].endswith("key-reused")
+    assert Charge.objects.filter(user=token_user.user).count() == 1
+
+
+def test_a_missing_key_is_refused_after_authentication(token_user: Any) -> None:
+    assert charge(None, None).status_code == 401
+    missing = charge(token_user, None)
+    assert missing.status_code == 400
+    assert problem(missing)["type"].endswith("missing-key")
+
+
+@pytest.mark.parametrize(
+    ("body", "status"),
+    [
+        # Ninja's own validation of the schema: the operation never runs.
+        ({"amount": "lots", "currency": "inr"}, 422),
+        # The payments serializer's, turned into a 400 by the API's exception handler.
+        ({"amount": 2499, "currency": "12"}, 400),
+    ],
+    ids=["ninja-422", "handler-400"],
+)
+def test_a_4xx_that_ninja_renders_is_stored_and_replayed(
+    token_user: Any, body: dict[str, Any], status: int
+) -> None:
+    key = str(uuid.uuid4())
+
+    first = charge(token_user, key, body)
+    retry = charge(token_user, key, body)
+
+    assert (first.status_code, replayed(first)) == (status, False)
+    assert first["Content-Type"].startswith("application/json")
+    assert (retry.status_code, replayed(retry), retry.content) == (status, True, first.content)
+    [record] = records(key)
+    assert record.response_code == status
+    assert not Charge.objects.filter(user=token_user.user).exists()
+
+
+@pytest.mark.parametrize("debug", [False, True], ids=["raised", "debug-500-page"])
+def test_an_exception_rolls_everything_back_and_the_retry_executes(
+    token_user: Any, settings: Any, debug: bool
+) -> None:
+    # Under DEBUG Ninja answers the exception with a traceback page instead of raising it.
+    settings.DEBUG = debug
+    key, before = str(uuid.uuid4()), runs()
+    body = {**CHARGE, "fail_once": str(uuid.uuid4())}  # raises after writing, once
+
+    failed = charge(token_user, key, body)
+
+    assert failed.status_code == 500
+    assert not Charge.objects.filter(user=token_user.user).exists()
+    assert records(key) == []
+    retry = charge(token_user, key, body)
+    assert (retry.status_code, replayed(retry)) == (201, False)
+    assert runs() - before == 2
+    assert Charge.objects.filter(user=token_user.user).count() == 1
+    assert len(records(key)) == 1
+
+
+@pytest.mark.django_db(transaction=True)
+def test_under_atomic_requests_too(token_user: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(connection.settings_dict, "ATOMIC_REQUESTS", True)
+    key = str(uuid.uuid4())
+    body = {**CHARGE, "fail_once": str(uuid.uuid4())}
+
+    assert charge(token_user, key, body).status_code == 500
+    assert not Charge.objects.filter(user=token_user.user).exists()
+    assert records(key) == []
+    first = charge(token_user, key, body)
+    retry = charge(token_user, key, body)
+    assert (first.status_code, retry.status_code, replayed(retry)) == (201, 201, True)
+    assert retry.content == first.content
+    assert Charge.objects.filter(user=token_user.user).count() == 1
+    invalid = {"amount": "lots", "currency": "inr"}
+    key = str(uuid.uuid4())
+    assert charge(token_user, key, invalid).status_code == 422
+    assert replayed(charge(token_user, key, invalid))
+
+
+@pytest.mark.django_db(transaction=True)
+def test_parallel_identical_requests_over_http_execute_once(
+    live_gunicorn: str, make_token_user: Any
+) -> None:
+    from tests.test_e2e_payments import counts, send_at_once
+
+    user, key = make_token_user(), str(uuid.uuid4())
+    # Long enough for all ten to arrive while the first holds the key; the default wait
+    # (2 s) lets the duplicates wait for it and replay its answer.
+    body = {**CHARGE, "delay_ms": 500}
+    before = counts(live_gunicorn)
+
+    def post() -> requests.Response:
+        return requests.post(
+            live_gunicorn + URL, json=body, timeout=30,
+            headers={**user.headers, "Idempotency-Key": key},
+        )  # fmt: skip
+
+    answers = send_at_once([post] * 10)
+
+    statuses = Counter((a.status_code, replayed(a)) for a in answers)
+    assert set(statuses) <= {(201, False), (201, True), (409, False)}, statuses
+    assert statuses[(201, False)] == 1, statuses
+    assert len({a.content for a in answers if a.status_code == 201}) == 1
+    assert counts(live_gunicorn) - before == (1, 1)
+    assert Charge.objects.filter(user=user.user).count() == 1
+    assert len(records(key)) == 1
+
+
+# The other ways to write and mount an operation, on an API of this module's own.
+
+
+class ClientName(APIKeyHeader):
+    """An auth that returns a name, not a user."""
+
+    param_name = "X-Client"
+
+    def authenticate(self, request: HttpRequest, key: str | None) -> str | None:
+        return key or None
+
+
+tests_api = ninja.NinjaAPI(urls_namespace="ninja-tests", auth=DRFToken(), docs_url=None)
+reused_router = ninja.Router()
+
+
+def counted(request: HttpRequest, tag: str) -> dict[str, int]:
+    return {"execution": CALLS.hit(tag)}
+
+
+@idempotent_operation  # above the operation's decorator: the operation exists already
+@tests_api.post("/above/", response={201: dict[str, int]})
+def above(request: HttpRequest, tag: str) -> Any:
+    return ninja.Status(201, counted(request, tag))
+
+
+@tests_api.post("/refused/", response={402: dict[str, str]})
+@idempotent_operation
+def refused(request: HttpRequest, tag: str) -> Any:
+    CALLS.hit(tag)
+    raise HttpError(402, "Payment required.")
+
+
+@tests_api.post("/async/", response={201: dict[str, Any]})
+@idempotent_operation
+async def charge_async(request: HttpRequest, amount: int, fail: str = "") -> Any:
+    charge = await Charge.objects.acreate(amount=amount, currency="inr", user=request.auth)
+    await sync_to_async(CALLS.hit)(f"async:{amount}")
+    if fail:
+        raise RuntimeError("failed after writing")
+    return ninja.Status(201, {"id": charge.pk})
+
+
+@tests_api.post("/by-name/", auth=ClientName())
+@idempotent_operation
+def by_name(request: HttpRequest, tag: str) -> Any:
+    return counted(request, tag)
+
+
+@tests_api.post("/by-name-scoped/", auth=ClientName())
+@idempotent_operation(principal=lambda request: request.auth)
+def by_name_scoped(request: HttpRequest, tag: str) -> Any:
+    return counted(request, tag)
+
+
+@reused_router.post("/reused/")
+@idempotent_operation
+def reused(request: HttpRequest, tag: str) -> Any:
+    return counted(request, tag)
+
+
+tests_api.add_router("/a/", reused_router, url_name_prefix="a")
+tests_api.add_router("/b/", reused_router, url_name_prefix="b")
+urlpatterns = [path("t/", tests_api.urls)]
+on_tests_api = pytest.mark.urls(__name__)
+
+
+def post(path: str, key: str | None, user: Any = None, **headers: str) -> Any:
+    if user is not None:
+        headers["Authorization"] = f"Token {user.token}"
+    return send(Client(raise_request_exception=False), "POST", path, key=key, headers=headers)
+
+
+@on_tests_api
+def test_the_decorator_works_above_the_operations_decorator_too(token_user: Any) -> None:
+    key, tag = str(uuid.uuid4()), str(uuid.uuid4())
+    first = post(f"/t/above/?tag={tag}", key, token_user)
+    retry = post(f"/t/above/?tag={tag}", key, token_user)
+    assert (first.status_code, retry.status_code, replayed(retry)) == (201, 201, True)
+    assert retry.content == first.content
+    assert post(f"/t/above/?tag={tag}", key).status_code == 401
+    assert CALLS[tag] == 1
+
+
+@on_tests_api
+def test_an_http_error_is_stored_and_replayed(token_user: Any) -> None:
+    key, tag = str(uuid.uuid4()), str(uuid.uuid4())
+    first = post(f"/t/refused/?tag={tag}", key, token_user)
+    retry = post(f"/t/refused/?tag={tag}", key, token_user)
+    assert (first.status_code, replayed(first)) == (402, False)
+    assert (retry.status_code, replayed(retry), retry.content) == (402, True, first.content)
+    assert CALLS[tag] == 1
+
+
+@on_tests_api
+def test_a_router_mounted_twice_is_protected_at_each_mount(token_user: Any) -> None:
+    key, tag = str(uuid.uuid4()), str(uuid.uuid4())
+    assert post(f"/t/a/reused/?tag={tag}", key, token_user).status_code == 200
+    assert replayed(post(f"/t/a/reused/?tag={tag}", key, token_user))
+    # The same key on the other mount is another request: the key is bound to its first.
+    other = post(f"/t/b/reused/?tag={tag}", key, token_user)
+    assert other.status_code == 422
+    assert problem(other)["differing"] == ["path"]
+    assert CALLS[tag] == 1
+
+
+@on_tests_api
+def test_an_async_operation_writes_in_the_claims_transaction(token_user: Any) -> None:
+    amount = 1000 + CALLS.hit("async-amount")
+    key = str(uuid.uuid4())
+    failed = post(f"/t/async/?amount={amount}&fail=1", key, token_user)
+    assert failed.status_code == 500
+    assert not Charge.objects.filter(amount=amount).exists()
+    assert records(key) == []
+
+    key = str(uuid.uuid4())
+    first = post(f"/t/async/?amount={amount}", key, token_user)
+    retry = post(f"/t/async/?amount={amount}", key, token_user)
+    assert (first.status_code, retry.status_code, replayed(retry)) == (201, 201, True)
+    assert retry.content == first.content
+    assert Charge.objects.filter(amount=amount).count() == 1
+    assert CALLS[f"async:{amount}"] == 2  # the failed run and the first; not the replay
+
+
+@on_tests_api
+def test_an_auth_that_returns_no_user_needs_a_principal(caplog: Any) -> None:
+    key, tag = str(uuid.uuid4()), str(uuid.uuid4())
+    with pytest.raises(ImproperlyConfigured, match="principal="):
+        send(Client(), "POST", f"/t/by-name/?tag={tag}", key=key, headers={"X-Client": "a"})
+    assert CALLS[tag] == 0
+    assert records(key) == []
+
+    answers = [
+        post(f"/t/by-name-scoped/?tag={tag}", key, **{"X-Client": name})
+        for name in ("alice", "bob", "alice")
+    ]
+    assert [(a.status_code, replayed(a)) for a in answers] == [
+        (200, False),
+        (200, False),
+        (200, True),
+    ]
+    assert {record.scope for record in records(key)} == {"alice", "bob"}
+    assert CALLS[tag] == 2
