@@ -62,6 +62,13 @@ class Mode:
     size: int | None = None
 
 
+# The same charges on a second gunicorn whose settings turn IDEMPOTENCY_LOOKUP_FIRST on.
+FRESH_FIRST, REPLAY_FIRST = "fresh key, lookup_first", "replay, lookup_first"
+FIRST_MODES = (
+    Mode(FRESH_FIRST, PATHS[FRESH], BODY, NEW_KEY, "charges"),
+    Mode(REPLAY_FIRST, PATHS[REPLAY], BODY, STORED_KEY, "charges"),
+)
+SEQUENTIAL_MODES = (*MODES, FRESH_FIRST, REPLAY_FIRST)
 CHARGE_MODES = (
     Mode(PLAIN, PATHS[PLAIN], BODY),
     Mode(FRESH, PATHS[FRESH], BODY, NEW_KEY, "charges"),
@@ -293,12 +300,20 @@ def sequential(
     client: Client, rounds: int, rng: random.Random, modes: Sequence[str] = MODES
 ) -> Tally:
     """Each round sends one request per mode, in a shuffled order."""
+    return interleaved([(client, modes)], rounds, rng)
+
+
+def interleaved(
+    clients: Sequence[tuple[Client, Sequence[str]]], rounds: int, rng: random.Random
+) -> Tally:
+    """Each round sends one request per mode of every client, all in a shuffled order."""
     tally = Tally()
-    client.prime()
+    for client, _ in clients:
+        client.prime()
+    pairs = [(client, mode) for client, modes in clients for mode in modes]
     for _ in range(rounds):
-        order = list(modes)
-        rng.shuffle(order)
-        for mode in order:
+        rng.shuffle(pairs)
+        for client, mode in pairs:
             tally.send(client, mode)
     return tally
 
@@ -424,13 +439,22 @@ def run(options: Options) -> Section:
         errors.append(failed)
     body_rounds = max(20, options.requests // 5)
     with Gunicorn(options.database_url, options.workers, RESULTS_DIR / "gunicorn.log") as server:
-        # Sequential latency: one connection, so one worker.
-        client = Client(server.address)
-        sequential(client, options.warmup, rng)
-        cpu = time.process_time()
-        seq = sequential(client, options.requests, rng)
-        seq_cpu = (time.process_time() - cpu) / sum(len(v) for v in seq.latencies.values())
-        client.close()
+        with Gunicorn(
+            options.database_url,
+            options.workers,
+            RESULTS_DIR / "gunicorn-lookup-first.log",
+            settings="bench.settings_lookup_first",
+        ) as first:
+            # Sequential latency: one connection per server, so one worker of each.
+            client = Client(server.address)
+            first_client = Client(first.address, FIRST_MODES)
+            pairs = [(client, MODES), (first_client, (FRESH_FIRST, REPLAY_FIRST))]
+            interleaved(pairs, options.warmup, rng)
+            cpu = time.process_time()
+            seq = interleaved(pairs, options.requests, rng)
+            seq_cpu = (time.process_time() - cpu) / sum(len(v) for v in seq.latencies.values())
+            client.close()
+            first_client.close()
 
         bodies, body_client, identical = large_bodies(server, body_rounds, rng)
         body_client.close()
@@ -462,9 +486,9 @@ def run(options: Options) -> Section:
     if "DIFFERENT" in identical:
         errors.append(f"a replay with deflate decoded to other bytes: {identical}")
 
-    lat = {m: [x * 1000 for x in seq.latencies[m]] for m in MODES}
-    p50 = {m: median(lat[m]) for m in MODES}
-    p99 = {m: percentile(lat[m], 99) for m in MODES}
+    lat = {m: [x * 1000 for x in seq.latencies[m]] for m in SEQUENTIAL_MODES}
+    p50 = {m: median(lat[m]) for m in SEQUENTIAL_MODES}
+    p99 = {m: percentile(lat[m], 99) for m in SEQUENTIAL_MODES}
     mine = {m: [s for s in segments if s.mode == m] for m in MODES}
     tput = {m: [s.throughput for s in mine[m]] for m in MODES}
     tput_median = {m: median(tput[m]) for m in MODES}
@@ -485,12 +509,14 @@ def run(options: Options) -> Section:
             f"{p99[m]:.2f}",
             f"{p50[m] / p50[PLAIN]:.2f}x",
             f"{p99[m] / p99[PLAIN]:.2f}x",
-            f"{tput_median[m]:.0f}",
-            f"{median(paired[m]):.2f}x",
-            us(app_us[m]),
-            us(db_us[m]),
+            *(
+                [f"{tput_median[m]:.0f}", f"{median(paired[m]):.2f}x", us(app_us[m])]
+                if m in MODES
+                else ["-", "-", "-"]
+            ),
+            us(db_us[m]) if m in MODES else "-",
         ]
-        for m in MODES
+        for m in SEQUENTIAL_MODES
     ]
     header = [
         "mode",
@@ -568,7 +594,9 @@ def run(options: Options) -> Section:
         )
     notes = [
         f"sequential: {options.requests} requests per mode after {options.warmup} warm-up "
-        f"rounds, modes shuffled in each round, one keep-alive connection; parallel: "
+        f"rounds, modes shuffled in each round, one keep-alive connection per server (the "
+        f"lookup_first modes: a second gunicorn with IDEMPOTENCY_LOOKUP_FIRST = True, "
+        f"bench/settings_lookup_first.py); parallel: "
         f"{options.clients} clients x {options.repeats} repeats x {options.duration:g}s per "
         f"mode, connections per worker {spread}; gunicorn {options.workers} gthread workers "
         f"x 1 thread; PostgreSQL {server_version(options.database_url)}",
@@ -593,7 +621,7 @@ def run(options: Options) -> Section:
         )
     data = {
         "sequential_ms": lat,
-        "sequential_summary": {m: {"p50": p50[m], "p99": p99[m]} for m in MODES},
+        "sequential_summary": {m: {"p50": p50[m], "p99": p99[m]} for m in SEQUENTIAL_MODES},
         "parallel": [
             {
                 "mode": s.mode,

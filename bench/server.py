@@ -85,8 +85,11 @@ class Gunicorn:
     response, and reconnecting would put a TCP handshake into every measured request.
     """
 
-    def __init__(self, url: str, workers: int, log: Path) -> None:
+    def __init__(
+        self, url: str, workers: int, log: Path, settings: str = "testproject.settings"
+    ) -> None:
         self.url = url
+        self.settings = settings
         self.log = log
         self.workers = workers
         self.host = "127.0.0.1"
@@ -126,7 +129,7 @@ class Gunicorn:
                 "warning",
             ],
             cwd=ROOT,
-            env=django_env(self.url),
+            env={**django_env(self.url), "DJANGO_SETTINGS_MODULE": self.settings},
             stdout=log,
             stderr=subprocess.STDOUT,
         )
