@@ -180,6 +180,10 @@ class Settings:
         return value
 
     @property
+    def OUTBOX_NOTIFY(self) -> bool:
+        return bool(_setting("IDEMPOTENCY_OUTBOX_NOTIFY", True))
+
+    @property
     def CONSUMER_TTL(self) -> timedelta:
         value: timedelta = _setting("IDEMPOTENCY_CONSUMER_TTL", timedelta(days=7))
         return value

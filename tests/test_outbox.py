@@ -311,3 +311,19 @@ def test_maintenance_drops_published_days_of_the_outbox_and_keeps_a_day_with_a_p
     with override_settings(IDEMPOTENCY_OUTBOX_RETENTION=timedelta(hours=1)):
         report = maintain(now=later, tables=[outbox.OUTBOX], drop=True, dry_run=True)
     assert name(today) in [p.name for p in report.plan.tables[0].drop]  # all published: may go
+
+
+@pytest.mark.django_db(transaction=True)
+def test_without_notify_the_row_is_written_and_no_relay_is_woken() -> None:
+    from django.test import override_settings
+
+    listener = connection.get_new_connection(connection.get_connection_params())
+    listener.autocommit = True
+    try:
+        listener.execute(f"LISTEN {outbox.CHANNEL}")
+        with override_settings(IDEMPOTENCY_OUTBOX_NOTIFY=False), transaction.atomic():
+            message_id = enqueue_task("tests.noop")
+        assert list(listener.notifies(timeout=0.3)) == []
+        assert OutboxMessage.objects.filter(id=message_id).exists()
+    finally:
+        listener.close()

@@ -23,13 +23,13 @@ TABLE = "django_idempotency_outbox"
 # The relay LISTENs here; a NOTIFY is delivered only when the sending transaction commits.
 CHANNEL = "django_idempotency_outbox"
 
+INSERT_ONLY = f"""
+INSERT INTO {TABLE} (id, created_at, kind, name, args, kwargs, payload, options)
+VALUES (%s, %s, %s, %s, %s::jsonb, %s::jsonb, %s::jsonb, %s::jsonb)
+"""
 # One statement, one round trip: the row and the wake-up call for the relays.
 INSERT = f"""
-WITH message AS (
-    INSERT INTO {TABLE} (id, created_at, kind, name, args, kwargs, payload, options)
-    VALUES (%s, %s, %s, %s, %s::jsonb, %s::jsonb, %s::jsonb, %s::jsonb)
-    RETURNING 1
-)
+WITH message AS ({INSERT_ONLY} RETURNING 1)
 SELECT pg_notify('{CHANNEL}', '') FROM message
 """
 
@@ -125,7 +125,7 @@ def _insert(
         _dumps(options, "publish options"),
     ]
     with connection.cursor() as cursor:
-        cursor.execute(INSERT, row)
+        cursor.execute(INSERT if conf.OUTBOX_NOTIFY else INSERT_ONLY, row)
     return str(message_id)
 
 
