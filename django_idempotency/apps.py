@@ -10,11 +10,12 @@ class IdempotencyConfig(AppConfig):
     default_auto_field = "django.db.models.BigAutoField"
 
     def ready(self) -> None:
-        from django_idempotency import beat, checks  # noqa: F401  checks register themselves
+        from django_idempotency import beat, checks, telemetry  # noqa: F401  checks self-register
         from django_idempotency.engine import options
 
         beat.connect_signals()
         options.connect_signals()
+        telemetry.connect()
         if apps.is_installed("drf_spectacular"):
             # Importing the extension is how drf-spectacular learns about it.
             import django_idempotency.contrib.spectacular  # noqa: F401

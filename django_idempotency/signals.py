@@ -1,5 +1,5 @@
-"""Signals. The library connects no receivers of its own; they are sent with send_robust,
-so a failing receiver never fails a request."""
+"""Signals. The library connects no receivers of its own (but telemetry's, from ready()); they
+are sent with send_robust, so a failing receiver never fails a request."""
 
 from __future__ import annotations
 

@@ -25,7 +25,7 @@ from django.http import HttpRequest, HttpResponse
 from django.http.response import HttpResponseBase
 from django.utils.cache import patch_vary_headers
 
-from django_idempotency import signals
+from django_idempotency import signals, telemetry
 from django_idempotency.conf import conf
 from django_idempotency.engine.errors import (
     IdempotencyError,
@@ -144,6 +144,7 @@ class Replay:
     # The client accepts the "deflate" coding: a compressed body goes out as stored.
     deflate: bool = False
 
+    @telemetry.traced_replay
     def response(self) -> HttpResponse:
         """The stored response, byte for byte (after decoding), marked as a replay."""
         record = self.record
@@ -235,11 +236,13 @@ class UnitOfWork:
         self._thread = 0
         self._thrown: BaseException | None = None
 
+    @telemetry.traced_open
     def open(self) -> Decision:
         self._thread = threading.get_ident()
         self._steps = self._transaction()
         return next(self._steps)
 
+    @telemetry.counted_close
     def close(self, outcome: Outcome) -> bool:
         """Store the outcome (when it is one we keep) and commit with the work's writes;
         an outcome not kept rolls everything back. Returns whether it was stored.
@@ -247,6 +250,7 @@ class UnitOfWork:
         commit fails."""
         return bool(self._finish(outcome))
 
+    @telemetry.counted_fail
     def fail(self, exc: BaseException) -> None:
         """Roll back the claim and everything the work wrote (the work raised)."""
         self._finish(exc)
@@ -526,6 +530,7 @@ class RequestUnit:
         try:
             unit = self._unit = self._prepare(principal_request or self.request, media_type)
         except IdempotencyError as error:
+            telemetry.refused(self.sender, self.request, error)
             return self._refuse(error)
         try:
             decision = unit.open()
