@@ -17,6 +17,7 @@ from typing import Any
 
 import pytest
 
+from tests import servers
 from tests import test_e2e_payments as e2e
 from tests.conftest import TokenUser
 from tests.servers import PgBouncer
@@ -88,3 +89,13 @@ def test_duplicate_waiting_on_a_first_attempt_that_rolls_back_executes_itself(
     e2e.test_duplicate_waiting_on_a_first_attempt_that_rolls_back_executes_itself(
         live_pgbouncer, alice
     )
+
+
+def test_without_pgbouncer_and_without_root_the_reason_is_given(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(servers.shutil, "which", lambda *args, **kwargs: None)
+    monkeypatch.setattr(servers.os, "geteuid", lambda: 1000)
+
+    with pytest.raises(LookupError, match=r"pgbouncer is not installed \(Debian: apt-get"):
+        servers.find_pgbouncer()
