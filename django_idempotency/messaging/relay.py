@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import math
 import os
 import socket
 import threading
@@ -40,7 +41,8 @@ FENCE_SEQUENCE = "django_idempotency_outbox_fence"
 MAX_BACKOFF = timedelta(minutes=5)
 # The relay's own pause after a failed pass (broker or database down), doubling up to the poll.
 FIRST_PAUSE = 0.1
-# How often the relay says that the backlog is old, while it is.
+# How often the relay looks at its backlog's age, and says that it is old, while it is.
+BACKLOG_CHECK_EVERY = 10.0
 BACKLOG_LOG_EVERY = 60.0
 
 CLAIM = f"""
@@ -176,7 +178,7 @@ class Relay:
         self._connection: Any = None
         self._producer: Any = None
         self._listener: Any = None
-        self._backlog_logged = 0.0
+        self._backlog_checked = self._backlog_logged = -math.inf
 
     # Database -----------------------------------------------------------------------
 
@@ -480,10 +482,14 @@ class Relay:
         return False
 
     def warn_if_backlog_is_old(self) -> None:
-        if time.monotonic() - self._backlog_logged < BACKLOG_LOG_EVERY:
+        # Not on every wake-up: a busy relay passes many times a second.
+        if time.monotonic() - self._backlog_checked < BACKLOG_CHECK_EVERY:
             return
+        self._backlog_checked = time.monotonic()
         oldest = self.oldest_pending()
-        if oldest is not None and timezone.now() - oldest > conf.OUTBOX_MAX_AGE:
+        if oldest is None or timezone.now() - oldest <= conf.OUTBOX_MAX_AGE:
+            return
+        if time.monotonic() - self._backlog_logged >= BACKLOG_LOG_EVERY:
             self._backlog_logged = time.monotonic()
             logger.warning(
                 "The oldest unpublished outbox message was written at %s, more than %s ago.",
