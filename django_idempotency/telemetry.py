@@ -191,6 +191,12 @@ def _instruments() -> _Instruments:
     )
 
 
+@functools.cache
+def _tracer() -> Any:
+    # Like the instruments: a proxy until the application sets its tracer provider.
+    return trace.get_tracer(SCOPE)
+
+
 def _count(instruments: _Instruments, attributes: dict[str, str], outcome: str) -> None:
     attributes = {**attributes, OUTCOME: outcome}
     instruments.requests.add(1, attributes)
@@ -229,7 +235,7 @@ def traced_open(method: Callable[[UnitOfWork], Decision]) -> Callable[[UnitOfWor
     def wrapper(unit: UnitOfWork) -> Decision:
         instruments = _instruments()
         attributes = _attributes(unit.sender, unit.context)
-        tracer = trace.get_tracer(SCOPE)
+        tracer = _tracer()
         started = time.perf_counter()
         with tracer.start_as_current_span(
             CLAIM_SPAN, attributes=attributes, record_exception=False, set_status_on_exception=False
@@ -316,7 +322,7 @@ def traced_replay(method: Callable[[Replay], Any]) -> Callable[[Replay], Any]:
 
     @functools.wraps(method)
     def wrapper(replay: Replay) -> Any:
-        tracer = trace.get_tracer(SCOPE)
+        tracer = _tracer()
         with tracer.start_as_current_span(
             REPLAY_SPAN,
             attributes={STATUS_CODE: replay.record.response_code},
