@@ -32,14 +32,16 @@ from testproject.ninja_api import DRFToken  # noqa: E402
 pytestmark = pytest.mark.django_db
 
 URL = "/ninja/charges/"
+# The same charge as a sync and as an async operation.
+BOTH = pytest.mark.parametrize("url", [URL, "/ninja/charges/async/"], ids=["sync", "async"])
 CHARGE = {"amount": 2499, "currency": "inr"}
 
 
-def charge(user: Any, key: str | None, body: Any = CHARGE, **headers: str) -> Any:
+def charge(user: Any, key: str | None, body: Any = CHARGE, url: str = URL, **headers: str) -> Any:
     if user is not None:
         headers["Authorization"] = f"Token {user.token}"
     client = Client(raise_request_exception=False)
-    return send(client, "POST", URL, body, key=key, headers=headers)
+    return send(client, "POST", url, body, key=key, headers=headers)
 
 
 def records(key: str) -> list[IdempotencyRecord]:
@@ -52,11 +54,14 @@ def runs() -> int:
     return count
 
 
-def test_fresh_key_runs_once_and_the_retry_is_replayed_byte_for_byte(token_user: Any) -> None:
+@BOTH
+def test_fresh_key_runs_once_and_the_retry_is_replayed_byte_for_byte(
+    token_user: Any, url: str
+) -> None:
     key, before = str(uuid.uuid4()), runs()
 
-    first = charge(token_user, key)
-    retry = charge(token_user, key)
+    first = charge(token_user, key, url=url)
+    retry = charge(token_user, key, url=url)
 
     assert first.status_code == 201, first.content
     assert not replayed(first)
@@ -134,21 +139,22 @@ def test_a_4xx_that_ninja_renders_is_stored_and_replayed(
     assert not Charge.objects.filter(user=token_user.user).exists()
 
 
+@BOTH
 @pytest.mark.parametrize("debug", [False, True], ids=["raised", "debug-500-page"])
 def test_an_exception_rolls_everything_back_and_the_retry_executes(
-    token_user: Any, settings: Any, debug: bool
+    token_user: Any, settings: Any, debug: bool, url: str
 ) -> None:
     # Under DEBUG Ninja answers the exception with a traceback page instead of raising it.
     settings.DEBUG = debug
     key, before = str(uuid.uuid4()), runs()
     body = {**CHARGE, "fail_once": str(uuid.uuid4())}  # raises after writing, once
 
-    failed = charge(token_user, key, body)
+    failed = charge(token_user, key, body, url)
 
     assert failed.status_code == 500
     assert not Charge.objects.filter(user=token_user.user).exists()
     assert records(key) == []
-    retry = charge(token_user, key, body)
+    retry = charge(token_user, key, body, url)
     assert (retry.status_code, replayed(retry)) == (201, False)
     assert runs() - before == 2
     assert Charge.objects.filter(user=token_user.user).count() == 1
@@ -175,21 +181,24 @@ def test_under_atomic_requests_too(token_user: Any, monkeypatch: pytest.MonkeyPa
     assert replayed(charge(token_user, key, invalid))
 
 
+@BOTH
+@pytest.mark.parametrize("server", ["live_gunicorn", "live_uvicorn"])
 @pytest.mark.django_db(transaction=True)
 def test_parallel_identical_requests_over_http_execute_once(
-    live_gunicorn: str, make_token_user: Any
+    request: pytest.FixtureRequest, make_token_user: Any, server: str, url: str
 ) -> None:
     from tests.test_e2e_payments import counts, send_at_once
 
+    base_url = request.getfixturevalue(server)
     user, key = make_token_user(), str(uuid.uuid4())
     # Long enough for all ten to arrive while the first holds the key; the default wait
     # (2 s) lets the duplicates wait for it and replay its answer.
     body = {**CHARGE, "delay_ms": 500}
-    before = counts(live_gunicorn)
+    before = counts(base_url)
 
     def post() -> requests.Response:
         return requests.post(
-            live_gunicorn + URL, json=body, timeout=30,
+            base_url + url, json=body, timeout=30,
             headers={**user.headers, "Idempotency-Key": key},
         )  # fmt: skip
 
@@ -199,7 +208,7 @@ def test_parallel_identical_requests_over_http_execute_once(
     assert set(statuses) <= {(201, False), (201, True), (409, False)}, statuses
     assert statuses[(201, False)] == 1, statuses
     assert len({a.content for a in answers if a.status_code == 201}) == 1
-    assert counts(live_gunicorn) - before == (1, 1)
+    assert counts(base_url) - before == (1, 1)
     assert Charge.objects.filter(user=user.user).count() == 1
     assert len(records(key)) == 1
 
