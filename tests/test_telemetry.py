@@ -12,7 +12,11 @@ from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import pytest
+from django.contrib.auth.models import Group
 from django.db import connection, transaction
+from django.http import HttpRequest, JsonResponse
+from django.urls import path
+from django.views.decorators.csrf import csrf_exempt
 
 pytest.importorskip("opentelemetry.sdk")
 from opentelemetry import metrics, trace
@@ -29,6 +33,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from opentelemetry.trace import StatusCode
 
 from django_idempotency import telemetry
+from django_idempotency.decorators import idempotent
 from django_idempotency.messaging.outbox import enqueue_task
 from django_idempotency.partitions import catalog
 from django_idempotency.partitions.tables import RECORDS
@@ -406,6 +411,41 @@ def test_a_redelivered_message_answered_from_the_store_is_counted(collect: Any) 
     assert got.count(telemetry.REPLAYS, view=view, kind="task") == 1
     spans = got.named(telemetry.CLAIM_SPAN)
     assert [span.attributes[telemetry.OUTCOME] for span in spans] == ["won", "replayed"]
+
+
+@csrf_exempt
+@idempotent
+async def async_charge(request: HttpRequest) -> JsonResponse:
+    group = await Group.objects.acreate(name=f"async:{uuid.uuid4().hex}")
+    return JsonResponse({"group": group.pk}, status=201)
+
+
+urlpatterns = [path("async/", async_charge)]
+ASYNC_VIEW = "tests.test_telemetry.async_charge"
+
+
+@pytest.mark.django_db(transaction=True)
+@pytest.mark.urls("tests.test_telemetry")
+def test_an_async_views_claim_is_a_child_of_the_request_span(client, collect: Any) -> None:
+    key = new_key()
+    tracer = trace.get_tracer("tests")
+    with tracer.start_as_current_span("POST /async/") as server:
+        assert send(client, "POST", "/async/", {}, key=key).status_code == 201
+    with tracer.start_as_current_span("POST /async/ again") as retry:
+        again = send(client, "POST", "/async/", {}, key=key)
+    assert replayed(again)
+    got = collect()
+    claims = got.named(telemetry.CLAIM_SPAN)
+    assert [span.attributes[telemetry.OUTCOME] for span in claims] == ["won", "replayed"]
+    assert {span.attributes[telemetry.VIEW] for span in claims} == {ASYNC_VIEW}
+    first = claims[0]
+    assert first.parent is not None
+    assert first.parent.span_id == server.get_span_context().span_id
+    (replay,) = got.named(telemetry.REPLAY_SPAN)
+    assert claims[1].parent is not None and replay.parent is not None
+    assert claims[1].parent.span_id == replay.parent.span_id == retry.get_span_context().span_id
+    assert got.count(telemetry.REQUESTS, view=ASYNC_VIEW, outcome="won") == 1
+    assert got.count(telemetry.REPLAYS, view=ASYNC_VIEW) == 1
 
 
 PROBE = """
