@@ -83,8 +83,10 @@ settings.configure(
 import django
 django.setup()
 import django_idempotency
+# The Celery glue: the task module and the exactly-once consumers' base class.
+celery_only = {"django_idempotency.tasks", "django_idempotency.messaging.consumers"}
 for module in pkgutil.walk_packages(django_idempotency.__path__, "django_idempotency."):
-    if module.name != "django_idempotency.tasks":
+    if module.name not in celery_only:
         importlib.import_module(module.name)
 assert "django_idempotency.tasks" not in sys.modules
 from django.core.management import call_command, CommandError
