@@ -5,6 +5,9 @@
 commits, all in one transaction. A redelivery of a committed message returns the stored
 result without running the body; one that raised, retried or died before the commit left
 nothing, so the redelivery runs it.
+
+Celery glue, like ``django_idempotency.tasks``: only the system check imports it, and only
+when Celery is installed.
 """
 
 from __future__ import annotations
