@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 from django.contrib.auth.models import Group
+from django.core.exceptions import ImproperlyConfigured
 from django.db import connection, transaction
 from django.http import HttpRequest, JsonResponse
 from django.urls import path
@@ -32,9 +33,10 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import StatusCode
 
-from django_idempotency import telemetry
+from django_idempotency import signals, telemetry
 from django_idempotency.decorators import idempotent
 from django_idempotency.messaging.outbox import enqueue_task
+from django_idempotency.models import IdempotencyRecord
 from django_idempotency.partitions import catalog
 from django_idempotency.partitions.tables import RECORDS
 from tests.claims import held_claim, unreachable_store
@@ -252,6 +254,30 @@ def test_a_503_store_unavailable_is_counted_and_its_span_is_an_error(
 
 
 @pytest.mark.django_db
+def test_a_410_expired_key_is_counted(client, settings, collect: Any) -> None:
+    settings.IDEMPOTENCY_EXPIRED_WINDOW = timedelta(hours=1)
+    key, script = new_key(), ScriptFactory()
+    send(client, "POST", "/drf/", script, key=key)
+    # Before its creation: the claim compares with the transaction's clock, which stands still.
+    record = IdempotencyRecord.objects.get(key=key)
+    record.expires_at = record.created_at - timedelta(minutes=1)
+    record.save(update_fields=["expires_at"])
+    assert send(client, "POST", "/drf/", script, key=key).status_code == 410
+    got = collect()
+    assert got.count(telemetry.REQUESTS, view=SCRIPTED, outcome="expired") == 1
+    assert len(got.recorded(telemetry.WAIT_DURATION, outcome="expired")) == 1
+
+
+@pytest.mark.django_db
+def test_an_engine_error_at_the_close_is_counted_as_error(client, settings, collect: Any) -> None:
+    settings.IDEMPOTENCY_MAX_RESPONSE_BYTES = 10
+    with pytest.raises(ImproperlyConfigured):
+        send(client, "POST", "/plain/", ScriptFactory(), key=new_key())
+    got = collect()
+    assert got.count(telemetry.REQUESTS, view=PLAIN, outcome="error") == 1
+
+
+@pytest.mark.django_db
 def test_a_request_refused_before_its_claim_is_counted_without_a_claim_span(
     client, collect: Any
 ) -> None:
@@ -334,6 +360,31 @@ def test_partition_headroom_is_the_time_until_the_first_day_without_a_partition(
     assert 2 < days <= 3
     (outbox_days,) = got.gauge(telemetry.PARTITION_HEADROOM, table="django_idempotency_outbox")
     assert outbox_days > 5
+
+
+@pytest.mark.django_db
+def test_a_database_that_cannot_be_read_gives_no_gauge_and_the_others_still_do(
+    settings, collect: Any, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    with unreachable_store(settings) as alias:
+        monkeypatch.setattr(telemetry, "_aliases", lambda model: iter(["default", alias]))
+        telemetry.forget_readings()
+        got = collect()
+    assert got.gauge(telemetry.OUTBOX_BACKLOG, database=alias) == []
+    assert got.gauge(telemetry.PARTITION_HEADROOM, database=alias) == []
+    assert got.gauge(telemetry.OUTBOX_BACKLOG, database="default") == [0]
+    assert len(got.gauge(telemetry.PARTITION_HEADROOM, database="default")) == 2
+    assert f"could not read database '{alias}'" in caplog.text
+
+
+@pytest.mark.django_db
+def test_connecting_twice_registers_each_gauge_and_receiver_once(collect: Any) -> None:
+    telemetry.connect()
+    telemetry.connect()
+    got = collect()
+    assert len(got.gauge(telemetry.OUTBOX_BACKLOG, database="default")) == 1
+    receivers = [r for r in signals.outbox_published.receivers if "telemetry" in str(r[0])]
+    assert len(receivers) == 1
 
 
 def test_covered_until_stops_at_a_gap_and_at_now_when_nothing_holds_now() -> None:
