@@ -34,6 +34,7 @@ from django_idempotency.engine.errors import (
 
 try:
     from opentelemetry import metrics, trace
+    from opentelemetry.metrics import Observation
     from opentelemetry.trace import Status, StatusCode
 except ImportError:  # pragma: no cover  (tests/test_telemetry.py proves it in a subprocess)
     ENABLED = False
@@ -41,7 +42,7 @@ else:
     ENABLED = True
 
 if TYPE_CHECKING:
-    from opentelemetry.metrics import CallbackOptions, Observation
+    from opentelemetry.metrics import CallbackOptions
 
     from django_idempotency.engine.unit import Decision, Outcome, Replay, UnitOfWork
 
@@ -338,7 +339,7 @@ def traced_replay(method: Callable[[Replay], Any]) -> Callable[[Replay], Any]:
 
 # Receivers and gauges, set up from AppConfig.ready().
 
-_connected = threading.Lock()
+_connecting = threading.Lock()
 _gauges_made = False
 
 
@@ -351,7 +352,7 @@ def connect() -> None:
     signals.outbox_published.connect(
         _record_relay_lag, dispatch_uid="django_idempotency.telemetry.relay_lag"
     )
-    with _connected:
+    with _connecting:
         if _gauges_made:
             return
         _gauges_made = True
@@ -391,6 +392,9 @@ def _record_relay_lag(sender: Any, ids: list[str], using: str, **kwargs: Any) ->
 
 # Gauges: a cheap read per database, at most once a GAUGE_CACHE_SECONDS per process.
 
+RECORDS_MODEL = "django_idempotency.IdempotencyRecord"
+OUTBOX_MODEL = "django_idempotency.OutboxMessage"
+
 
 @dataclass(frozen=True)
 class _Reading:
@@ -429,21 +433,14 @@ def _aliases(model_label: str) -> Iterator[str]:
             yield alias
 
 
-@functools.cache
-def _observation_class() -> Any:
-    from opentelemetry.metrics import Observation
-
-    return Observation
-
-
 def _observe(readings: list[tuple[float, dict[str, str]]]) -> Iterable[Observation]:
-    observation = _observation_class()
-    return [observation(value, attributes) for value, attributes in readings]
+    return [Observation(value, attributes) for value, attributes in readings]
 
 
 def _on(alias: str, read: Callable[[Any], list[T]]) -> list[T]:
-    """``read(connection)`` on ``alias``, leaving the connection as it was found: the
-    reader's own thread closes what it opened; a failure is logged, and no value is given."""
+    # The reader's thread closes the connection it opened (nothing else would), and leaves
+    # one it found open as it was. A database that cannot be read gives no value: an alert
+    # on the gauge being absent catches it.
     connection = connections[alias]
     opened = connection.connection is None
     try:
@@ -499,10 +496,6 @@ def _observe_headroom(options: CallbackOptions) -> Iterable[Observation]:
         return [found for alias in _aliases(RECORDS_MODEL) for found in _headroom(alias)]
 
     return _observe(_cached(PARTITION_HEADROOM, read))
-
-
-RECORDS_MODEL = "django_idempotency.IdempotencyRecord"
-OUTBOX_MODEL = "django_idempotency.OutboxMessage"
 
 
 def _backlog() -> list[tuple[float, float, str]]:
