@@ -25,6 +25,7 @@ from tests.views import CALLS
 ninja = pytest.importorskip("ninja")
 from ninja.errors import HttpError  # noqa: E402
 from ninja.security import APIKeyHeader  # noqa: E402
+from ninja.throttling import AuthRateThrottle  # noqa: E402
 
 from django_idempotency.ninja import idempotent_operation  # noqa: E402
 from testproject.ninja_api import DRFToken  # noqa: E402
@@ -239,6 +240,12 @@ def above(request: HttpRequest, tag: str) -> Any:
     return ninja.Status(201, counted(request, tag))
 
 
+@tests_api.post("/throttled/", throttle=AuthRateThrottle("1/h"))
+@idempotent_operation
+def throttled(request: HttpRequest, tag: str) -> Any:
+    return counted(request, tag)
+
+
 @tests_api.post("/refused/", response={402: dict[str, str]})
 @idempotent_operation
 def refused(request: HttpRequest, tag: str) -> Any:
@@ -295,6 +302,17 @@ def test_the_decorator_works_above_the_operations_decorator_too(token_user: Any)
     assert retry.content == first.content
     assert post(f"/t/above/?tag={tag}", key).status_code == 401
     assert CALLS[tag] == 1
+
+
+@on_tests_api
+def test_throttles_run_before_a_replay(token_user: Any) -> None:
+    key, tag = str(uuid.uuid4()), str(uuid.uuid4())
+    first = post(f"/t/throttled/?tag={tag}", key, token_user)
+    retry = post(f"/t/throttled/?tag={tag}", key, token_user)
+    assert (first.status_code, replayed(first)) == (200, False)
+    assert (retry.status_code, replayed(retry)) == (429, False)
+    assert CALLS[tag] == 1
+    assert len(records(key)) == 1
 
 
 @on_tests_api
