@@ -58,10 +58,11 @@ def idempotent(view: Any = None, **options: Unpack[ViewOptions]) -> Any:
                 try:
                     response = _answer(request, await func(request, *args, **kwargs))
                 except BaseException as exc:
-                    response = _client_error(request, exc)
-                    if response is None:
+                    answered = _client_error(request, exc)
+                    if answered is None:
                         await sync_to_async(unit.fail)(exc)
                         raise
+                    response = answered
                 return await sync_to_async(unit.close)(response)
 
             wrapper: Any = async_wrapper
@@ -78,10 +79,11 @@ def idempotent(view: Any = None, **options: Unpack[ViewOptions]) -> Any:
                 try:
                     response = _answer(request, func(request, *args, **kwargs))
                 except BaseException as exc:
-                    response = _client_error(request, exc)
-                    if response is None:
+                    answered = _client_error(request, exc)
+                    if answered is None:
                         unit.fail(exc)
                         raise
+                    response = answered
                 return unit.close(response)
 
             wrapper = sync_wrapper
@@ -103,7 +105,7 @@ def _answer(request: Any, response: HttpResponseBase) -> HttpResponseBase:
     # Under @api_view, DRF renders the response only after we return: render it now, as
     # DRF would, so that what is stored is what the client gets.
     view = _drf_view(request)
-    return response if view is None else view.finalize_response(request, response)  # type: ignore[no-any-return]
+    return response if view is None else view.finalize_response(request, response)
 
 
 def _client_error(request: Any, exc: BaseException) -> HttpResponseBase | None:

@@ -133,5 +133,6 @@ def _require_parser(request: Request) -> None:
     meta = request.META
     if meta.get("CONTENT_LENGTH", "0") in ("", "0") and "HTTP_TRANSFER_ENCODING" not in meta:
         return
-    if request.negotiator.select_parser(request, request.parsers) is None:
+    negotiator, parsers = request.negotiator, request.parsers or ()
+    if negotiator is not None and negotiator.select_parser(request, parsers) is None:
         raise UnsupportedMediaType(request.content_type)

@@ -232,7 +232,7 @@ class UnitOfWork:
         self.using = using or router.db_for_write(IdempotencyRecord)
         self.lookup_first = lookup_first
         self.now = now
-        self._steps: Generator[Decision, Outcome | BaseException, HttpResponseBase | None]
+        self._steps: Generator[Decision, Outcome | BaseException, bool]
         self._thread = 0
         self._thrown: BaseException | None = None
 

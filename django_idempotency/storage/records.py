@@ -124,7 +124,7 @@ def claim(
     params: list[Any] = [lock, principal, key, window, gone, wait_ms, now]
     with connection.cursor() as cursor:
         cursor.execute(_CLAIM, params)
-        row = ClaimRow._make(cursor.fetchone())  # type: ignore[arg-type]
+        row = ClaimRow._make(cursor.fetchone())
     outcome = Outcome(row.outcome)
     if outcome is Outcome.WON:
         return Claimed(outcome, created_at=row.created_at)
