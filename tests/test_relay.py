@@ -627,3 +627,16 @@ def test_on_sqlite_the_outbox_is_a_plain_table_and_the_relay_publishes_it(
     assert result["published"] == 5 and result["pending"] == 0
     assert result["stale_marked"] == 0  # its fence moved on when the other relay took over
     assert [h["id"] for h in private_redis.queued()] == result["ids"]
+
+
+def test_once_with_the_broker_down_exits_with_an_error_and_publishes_nothing(
+    relay_env: Callable[..., dict[str, str]],
+) -> None:
+    enqueue_many(2)
+    env = {**relay_env(), "CELERY_BROKER_URL": f"redis://127.0.0.1:{free_port()}/0"}
+    done = subprocess.run(
+        [sys.executable, "manage.py", "idempotency_relay", "--once"], cwd=ROOT, env=env,
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert done.returncode == 1 and "Publishing failed" in done.stderr
+    assert pending() == 2

@@ -513,7 +513,7 @@ class Relay:
                 # listener, which Django does not wrap), a bug in a receiver. Keep going.
                 except Exception as exc:
                     self._recover(exc)
-                    if once and isinstance(exc, PublishFailed):
+                    if once:  # a one-off run (cron, a deploy step) reports and exits
                         raise
                     self.stopping.wait(pause)
                     pause = min(pause * 2, conf.OUTBOX_POLL_INTERVAL.total_seconds())
