@@ -27,7 +27,15 @@ from typing import Any
 
 from bench.report import RESULTS_DIR, Check, Section, median, percentile
 from bench.run import Options
-from bench.server import ROOT, CpuMeter, Gunicorn, django_env, server_version
+from bench.server import (
+    ROOT,
+    CpuMeter,
+    Gunicorn,
+    SchedClock,
+    backend_pids,
+    django_env,
+    server_version,
+)
 
 TOKEN = "a" * 40  # the demo user alice's public token (seed_demo)
 BODY = json.dumps({"amount": 2499, "currency": "inr"}).encode()
@@ -409,9 +417,22 @@ def count_round_trips(options: Options) -> tuple[dict[str, Any], str | None]:
     return json.loads(done.stdout), None
 
 
-def large_bodies(server: Gunicorn, rounds: int, rng: random.Random) -> tuple[Tally, Client, str]:
-    """Receipts of each size in every mode, interleaved on one connection; and whether
-    a replay to a client accepting deflate decodes to the same bytes as a plain replay."""
+@dataclass
+class Bodies:
+    tally: Tally
+    client: Client
+    # Per mode: CPU seconds of the gunicorn workers and of the database backends, summed
+    # over the mode's requests.
+    app_cpu: defaultdict[str, float]
+    db_cpu: defaultdict[str, float]
+    # Whether a replay with deflate decoded to the bytes of one without, per size.
+    identical: str
+
+
+def large_bodies(server: Gunicorn, url: str, rounds: int, rng: random.Random) -> Bodies:
+    """Receipts of each size in every mode, interleaved on one connection, with the CPU
+    time each request took in gunicorn and in PostgreSQL; and whether a replay to a client
+    accepting deflate decodes to the same bytes as a plain replay."""
     client = Client(server.address, body_modes())
     client.prime()  # one key per size: the two replays below use the same one
     same = []
@@ -426,7 +447,20 @@ def large_bodies(server: Gunicorn, rounds: int, rng: random.Random) -> tuple[Tal
         )
     names = [m.name for m in body_modes()]
     sequential(client, max(2, rounds // 10), rng, names)  # warm-up
-    return sequential(client, rounds, rng, names), client, "; ".join(same)
+    workers = server.worker_pids()
+    clock = SchedClock(workers + backend_pids(url))
+    app_cpu: defaultdict[str, float] = defaultdict(float)
+    db_cpu: defaultdict[str, float] = defaultdict(float)
+    tally = Tally()
+    for _ in range(rounds):
+        rng.shuffle(names)
+        for name in names:
+            before = clock.read()
+            tally.send(client, name)
+            used = [b - a for a, b in zip(before, clock.read(), strict=True)]
+            app_cpu[name] += sum(used[: len(workers)]) / 1e9
+            db_cpu[name] += sum(used[len(workers) :]) / 1e9
+    return Bodies(tally, client, app_cpu, db_cpu, "; ".join(same))
 
 
 def run(options: Options) -> Section:
@@ -456,7 +490,8 @@ def run(options: Options) -> Section:
             client.close()
             first_client.close()
 
-        bodies, body_client, identical = large_bodies(server, body_rounds, rng)
+        found = large_bodies(server, options.database_url, body_rounds, rng)
+        bodies, body_client, identical = found.tally, found.client, found.identical
         body_client.close()
 
         clients = balanced_clients(server, options.clients)
@@ -552,6 +587,15 @@ def run(options: Options) -> Section:
             row += [f"{value:.2f}", f"{value / base:.2f}x"]
         row.append(f"{body_client.wire_bytes.get(body_mode(DEFLATE, label), 0):,}")
         body_rows.append(row)
+    cpu_rows = []
+    for label in SIZES:
+        row = [label]
+        for kind in BODY_KINDS:
+            name = body_mode(kind, label)
+            ms = 1000 / len(bodies.latencies[name])
+            row.append(f"{found.app_cpu[name] * ms:.2f} + {found.db_cpu[name] * ms:.2f}")
+        cpu_rows.append(row)
+    cpu_header = ["body", *(f"{kind} ms" for kind in BODY_KINDS)]
     body_header = ["body", "plain ms", "fresh ms", "ratio", "replay ms", "ratio"]
     body_header += ["deflate ms", "ratio", "deflate bytes"]
     store: dict[str, Any] = trips.get("store_1mb", {})
@@ -645,6 +689,7 @@ def run(options: Options) -> Section:
         "large_bodies_ms": body_ms,
         "large_bodies_p50_ms": body_p50,
         "large_bodies_wire_bytes": body_client.wire_bytes,
+        "large_bodies_cpu_seconds": {"app": dict(found.app_cpu), "db": dict(found.db_cpu)},
         "large_bodies_deflated_answers": dict(body_client.deflated),
         "deflate_identical": identical,
     }
@@ -659,5 +704,6 @@ def run(options: Options) -> Section:
         tables=[
             ("Round trips per request (libpq trace)", trip_header, trip_rows),
             ("Large bodies: receipts, sequential medians", body_header, body_rows),
+            ("Large bodies: CPU per request, gunicorn + PostgreSQL, mean", cpu_header, cpu_rows),
         ],
     )
