@@ -8,7 +8,14 @@ was captured once. State is in memory, behind a lock.
     python -m testproject.processor --port 8010
 
 ``POST /v1/captures`` ``{"amount", "currency", "reference"}`` with an ``Idempotency-Key``
-captures; ``GET /v1/stats`` counts captures, keys, requests and replayed answers.
+captures; ``GET /v1/stats`` counts captures, keys, requests, replayed answers and webhook
+deliveries.
+
+With ``--webhook-url`` and ``--webhook-secret`` it then tells the shop, like a real processor:
+a ``charge.settled`` event per capture, signed with HMAC-SHA256 of the body
+(``X-Processor-Signature: sha256=<hex>``) and identified by ``X-Processor-Delivery``, delivered
+until it is answered 2xx, and then once more (``--extra-deliveries``), as real senders do now
+and then. ``POST /v1/webhook`` ``{"url", "secret"}`` sets both after the start.
 
 The module also holds the payments API's client: ``capture()``.
 """
@@ -16,8 +23,11 @@ The module also holds the payments API's client: ``capture()``.
 from __future__ import annotations
 
 import argparse
+import hashlib
+import hmac
 import json
 import threading
+import time
 import urllib.error
 import urllib.request
 import uuid
@@ -39,6 +49,8 @@ class Ledger:
     answers: dict[str, tuple[dict[str, Any], int, dict[str, Any]]] = field(default_factory=dict)
     requests: int = 0
     replays: int = 0
+    deliveries: int = 0
+    acknowledged: int = 0
 
     def capture(self, key: str, body: dict[str, Any]) -> tuple[int, dict[str, Any], bool]:
         """(status, answer, replayed) for a capture request."""
@@ -68,6 +80,8 @@ class Ledger:
                 "keys": len(self.answers),
                 "requests": self.requests,
                 "replays": self.replays,
+                "webhook_deliveries": self.deliveries,
+                "webhooks_acknowledged": self.acknowledged,
             }
 
 
@@ -97,6 +111,13 @@ class Handler(BaseHTTPRequestHandler):
     def do_POST(self) -> None:
         length = int(self.headers.get("Content-Length") or 0)
         raw = self.rfile.read(length)
+        if self.path == "/v1/webhook":
+            # Where to send events, set after start (a test learns its server's port late).
+            config = json.loads(raw)
+            self.server.webhook_url = str(config["url"])
+            self.server.webhook_secret = str(config["secret"])
+            self._send(200, {"url": self.server.webhook_url})
+            return
         if self.path != "/v1/captures":
             self._send(404, {"error": "not found"})
             return
@@ -111,15 +132,58 @@ class Handler(BaseHTTPRequestHandler):
             return
         status, answer, replayed = self.server.ledger.capture(key, body)
         self._send(status, answer, replayed)
+        if status == 201 and not replayed and self.server.webhook_url:
+            threading.Thread(target=self.server.settle, args=(answer["id"],), daemon=True).start()
 
 
 class ProcessorServer(ThreadingHTTPServer):
     daemon_threads = True
 
-    def __init__(self, address: tuple[str, int], *, verbose: bool = False) -> None:
+    def __init__(
+        self,
+        address: tuple[str, int],
+        *,
+        verbose: bool = False,
+        webhook_url: str = "",
+        webhook_secret: str = "",
+        extra_deliveries: int = 1,
+    ) -> None:
         super().__init__(address, Handler)
         self.ledger = Ledger()
         self.verbose = verbose
+        self.webhook_url = webhook_url
+        self.webhook_secret = webhook_secret
+        self.extra_deliveries = extra_deliveries
+
+    def settle(self, capture_id: str) -> None:
+        """Deliver ``charge.settled`` until it is answered 2xx (the shop may not have
+        committed the charge yet), then ``extra_deliveries`` times more."""
+        body = json.dumps({"type": "charge.settled", "data": {"capture": capture_id}}).encode()
+        digest = hmac.new(self.webhook_secret.encode(), body, hashlib.sha256).hexdigest()
+        headers = {
+            "Content-Type": "application/json",
+            "X-Processor-Delivery": str(uuid.uuid4()),
+            "X-Processor-Signature": f"sha256={digest}",
+        }
+        pause, extra = 0.2, self.extra_deliveries
+        for _ in range(30):
+            with self.ledger.lock:
+                self.ledger.deliveries += 1
+            request = urllib.request.Request(
+                self.webhook_url, data=body, method="POST", headers=headers
+            )
+            try:
+                with urllib.request.urlopen(request, timeout=10):
+                    pass
+            except (urllib.error.URLError, OSError):
+                time.sleep(pause)
+                pause = min(pause * 2, 2.0)
+                continue
+            with self.ledger.lock:
+                self.ledger.acknowledged += 1
+            if extra <= 0:
+                return
+            extra -= 1
 
 
 class ProcessorError(Exception):
@@ -150,8 +214,17 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8010)
     parser.add_argument("--verbose", action="store_true")
+    parser.add_argument("--webhook-url", default="", help="where to send charge.settled")
+    parser.add_argument("--webhook-secret", default="", help="the shared signing secret")
+    parser.add_argument("--extra-deliveries", type=int, default=1)
     options = parser.parse_args(argv)
-    server = ProcessorServer((options.host, options.port), verbose=options.verbose)
+    server = ProcessorServer(
+        (options.host, options.port),
+        verbose=options.verbose,
+        webhook_url=options.webhook_url,
+        webhook_secret=options.webhook_secret,
+        extra_deliveries=options.extra_deliveries,
+    )
     print(f"processor listening on http://{options.host}:{server.server_port}", flush=True)
     try:
         server.serve_forever()

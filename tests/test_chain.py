@@ -307,6 +307,29 @@ def test_a_crash_after_the_processor_call_sends_the_same_key_on_retry_and_captur
     assert ledger_rows() == 1 and Charge.objects.count() == 1
 
 
+def test_the_processors_webhook_settles_the_charge_once_however_often_it_is_delivered(
+    web: GunicornServer, processor: str, token_user: Any
+) -> None:
+    from django.conf import settings
+
+    from django_idempotency.models import IdempotencyRecord
+    from testproject.payments.models import Settlement
+
+    hook = {"url": f"{web.url}/api/webhooks/processor/", "secret": settings.PAYMENTS_WEBHOOK_SECRET}
+    requests.post(f"{processor}/v1/webhook", json=hook, timeout=5).raise_for_status()
+    try:
+        before = captures(processor)["webhooks_acknowledged"]
+        charge = post_charge(web, token_user, str(uuid.uuid4()))
+        assert charge.status_code == 201, charge.text
+        # Delivered until answered (perhaps before the charge committed: a 503, not stored),
+        # then once more: the same delivery id, answered with the first answer.
+        wait_for(lambda: captures(processor)["webhooks_acknowledged"] >= before + 2, timeout=30)
+        assert Settlement.objects.filter(charge_id=charge.json()["id"]).count() == 1
+        assert IdempotencyRecord.objects.filter(scope="webhook:processor").count() == 1
+    finally:
+        requests.post(f"{processor}/v1/webhook", json={"url": "", "secret": ""}, timeout=5)
+
+
 def test_a_charge_without_a_key_is_refused_rather_than_captured_unprotected(
     web: GunicornServer, processor: str, token_user: Any
 ) -> None:

@@ -28,7 +28,7 @@ from django_idempotency.messaging.downstream import derive_key
 from django_idempotency.messaging.outbox import enqueue_task
 from django_idempotency.models import OutboxMessage
 from testproject import processor
-from testproject.payments.models import Charge, LedgerEntry, Payment, Settlement
+from testproject.payments.models import Capture, Charge, LedgerEntry, Payment, Settlement
 from testproject.payments.serializers import ChainCountSerializer
 from testproject.payments.tasks import POST_LEDGER_ENTRY
 
@@ -55,9 +55,10 @@ def capture(data: Mapping[str, Any]) -> str | None:
     return str(captured["id"])
 
 
-def post_to_ledger(payment: Payment) -> str:
-    """Put the charge's ledger posting in the outbox: published by the relay if and only if
-    this request commits, and posted once by the exactly-once task."""
+def post_to_ledger(payment: Payment, capture_id: str) -> str:
+    """Record the capture, and put the charge's ledger posting in the outbox: published by the
+    relay if and only if this request commits, and posted once by the exactly-once task."""
+    Capture.objects.create(charge_id=payment.pk, capture_id=capture_id)
     return enqueue_task(POST_LEDGER_ENTRY, (payment.pk, payment.amount, payment.currency))
 
 
@@ -97,12 +98,20 @@ def processor_webhook(request: HttpRequest) -> HttpResponse:
     delivery id however often the processor delivers it."""
     try:
         event = json.loads(request.body)
-        kind, charge_id = event["type"], int(event["data"]["charge"])
+        kind, data = event["type"], event["data"]
+        # The processor names its capture; a charge id is accepted too.
+        found = (
+            Charge.objects.filter(pk=int(data["charge"]))
+            if "charge" in data
+            else Charge.objects.filter(
+                pk__in=Capture.objects.filter(capture_id=str(data["capture"])).values("charge_id")
+            )
+        )
     except (ValueError, KeyError, TypeError):
         return JsonResponse({"detail": "Not an event."}, status=400)
     if kind != "charge.settled":
         return JsonResponse({"ignored": kind})
-    charge = Charge.objects.filter(pk=charge_id).first()
+    charge = found.first()
     if charge is None:
         # Perhaps captured by a request that has not committed yet: not stored (5xx), so
         # the processor's next delivery tries again.

@@ -109,7 +109,7 @@ def _wait(url: str, process: subprocess.Popen[bytes]) -> None:
     raise RuntimeError(f"{url} did not answer within {STARTUP_TIMEOUT:.0f} s")
 
 
-def start(*, quiet: bool) -> Chain:
+def start(*, quiet: bool, webhook_url: str = "") -> Chain:
     """Start the processor, a broker, the worker and the relay; without Celery nothing
     starts, ``note`` says so, and charges are not captured."""
     chain = Chain()
@@ -119,8 +119,13 @@ def start(*, quiet: bool) -> Chain:
     broker = _broker(chain)
     output = subprocess.DEVNULL if quiet else None
     port = free_port()
+    from django.conf import settings
+
+    # The processor signs its charge.settled webhooks with the secret the receiver checks.
+    secret = getattr(settings, "PAYMENTS_WEBHOOK_SECRET", "")
     processor = subprocess.Popen(
-        [sys.executable, "-m", "testproject.processor", "--port", str(port)],
+        [sys.executable, "-m", "testproject.processor", "--port", str(port),
+         "--webhook-url", webhook_url, "--webhook-secret", secret],
         cwd=REPO_ROOT, stdout=output, stderr=output,
     )  # fmt: skip
     chain.processes.append(processor)
@@ -169,12 +174,16 @@ def start(*, quiet: bool) -> Chain:
     return chain
 
 
-def wait_for_ledger(base_url: str, rows: int, timeout: float = STARTUP_TIMEOUT) -> dict[str, Any]:
-    """The chain's counts once the ledger has ``rows`` rows (or the last counts seen)."""
+def wait_for_chain(
+    base_url: str, ledger_rows: int = 0, settlements: int = 0, timeout: float = STARTUP_TIMEOUT
+) -> dict[str, Any]:
+    """The chain's counts once there are that many ledger rows and settlements (or the last
+    counts seen)."""
     deadline = time.monotonic() + timeout
     while True:
         with urllib.request.urlopen(f"{base_url}/api/charges/chain/", timeout=5) as response:
             counts: dict[str, Any] = json.loads(response.read())
-        if counts["ledger_rows"] >= rows or time.monotonic() > deadline:
+        done = counts["ledger_rows"] >= ledger_rows and counts["settlements"] >= settlements
+        if done or time.monotonic() > deadline:
             return counts
         time.sleep(0.2)

@@ -55,6 +55,17 @@ class LedgerEntry(models.Model):
         return f"ledger {self.amount} {self.currency.upper()} for charge {self.charge_id}"
 
 
+class Capture(models.Model):
+    """The processor's capture of a charge, written in the charge's own transaction."""
+
+    charge = models.OneToOneField(Charge, on_delete=models.PROTECT, related_name="+")
+    # The processor's id, which its webhooks name.
+    capture_id = models.CharField(max_length=64, unique=True)
+
+    def __str__(self) -> str:
+        return f"{self.capture_id} for charge {self.charge_id}"
+
+
 class Settlement(models.Model):
     """A charge marked settled by the processor's webhook; no unique constraint either."""
 

@@ -53,7 +53,7 @@ def create_payment(
     captured = chain.capture(serializer.validated_data) if capture else None
     payment = serializer.save(user=user)
     if captured is not None:
-        chain.post_to_ledger(payment)
+        chain.post_to_ledger(payment, captured)
     if faults.responds_with_error:
         return 500, {"detail": "fail=500r: answered 500 after writing"}
     faults.after_write()

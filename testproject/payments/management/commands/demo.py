@@ -153,7 +153,9 @@ class Command(BaseCommand):
             call_command("seed_demo", stdout=self.stdout)
             self.show_partitions()
             # The processor, a broker, a Celery worker and the relay, for the chain.
-            chain = demo_chain.start(quiet=options["smoke"])
+            chain = demo_chain.start(
+                quiet=options["smoke"], webhook_url=f"{base_url}/api/webhooks/processor/"
+            )
             os.environ.update(chain.env)
             self.stdout.write(chain.note)
             server = self.start_gunicorn(listener, options["workers"], quiet=options["smoke"])
@@ -261,7 +263,7 @@ class Command(BaseCommand):
     def smoke(self, calls: list[Call], base_url: str, chain: demo_chain.Chain) -> None:
         count = calls[-1]
         before = json.loads(count.send(base_url).body)
-        ledger = demo_chain.wait_for_ledger(base_url, 0)["ledger_rows"] if chain.running else 0
+        start = demo_chain.wait_for_chain(base_url) if chain.running else {}
         answers = []
         for call in calls:
             self.stdout.write(f"\n# {call.title}\n{call.curl(base_url)}")
@@ -287,14 +289,18 @@ class Command(BaseCommand):
         }
         if chain.running:
             # The charge was captured at the processor once (with a key derived from the
-            # request's), and the relay and the exactly-once task posted it to the ledger once.
-            counts = demo_chain.wait_for_ledger(base_url, ledger + 1)
+            # request's), the relay and the exactly-once task posted it to the ledger once, and
+            # the processor's webhook, delivered twice, settled it once.
+            ledger, settled = start["ledger_rows"], start["settlements"]
+            counts = demo_chain.wait_for_chain(base_url, ledger + 1, settled + 1)
             self.stdout.write(
-                "\n# The chain: captures at the processor, ledger rows, outbox backlog\n"
+                "\n# The chain: captures at the processor, ledger rows, settlements by the "
+                "processor's webhook, outbox backlog\n"
                 f"curl -i {base_url}/api/charges/chain/\n  {json.dumps(counts)}"
             )
             checks["the processor did not capture exactly once"] = counts["captures"] == 1
             checks["not exactly one ledger row was posted"] = counts["ledger_rows"] == ledger + 1
+            checks["the charge was not settled exactly once"] = counts["settlements"] == settled + 1
         problems = [problem for problem, passed in checks.items() if not passed]
         if problems:
             raise CommandError("Smoke test failed: " + "; ".join(problems))
