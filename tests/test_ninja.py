@@ -11,7 +11,7 @@ import pytest
 import requests
 from asgiref.sync import sync_to_async
 from django.core.exceptions import ImproperlyConfigured
-from django.db import connection
+from django.db import OperationalError, connection
 from django.http import HttpRequest
 from django.test import Client
 from django.urls import path
@@ -24,10 +24,15 @@ from tests.views import CALLS
 
 ninja = pytest.importorskip("ninja")
 from ninja.errors import HttpError  # noqa: E402
-from ninja.security import APIKeyHeader  # noqa: E402
+from ninja.operation import AsyncOperation, Operation  # noqa: E402
+from ninja.security import APIKeyHeader, django_auth  # noqa: E402
 from ninja.throttling import AuthRateThrottle  # noqa: E402
 
-from django_idempotency.ninja import idempotent_operation  # noqa: E402
+from django_idempotency.ninja import (  # noqa: E402
+    AsyncIdempotentOperation,
+    IdempotentOperation,
+    idempotent_operation,
+)
 from testproject.ninja_api import DRFToken  # noqa: E402
 
 pytestmark = pytest.mark.django_db
@@ -226,6 +231,15 @@ class ClientName(APIKeyHeader):
         return key or None
 
 
+class StoreDown(APIKeyHeader):
+    """An auth whose database query fails, as when the database is unreachable."""
+
+    param_name = "X-Client"
+
+    def authenticate(self, request: HttpRequest, key: str | None) -> Any:
+        raise OperationalError("connection to server was lost")
+
+
 tests_api = ninja.NinjaAPI(urls_namespace="ninja-tests", auth=DRFToken(), docs_url=None)
 reused_router = ninja.Router()
 
@@ -272,6 +286,24 @@ def by_name(request: HttpRequest, tag: str) -> Any:
 @tests_api.post("/by-name-scoped/", auth=ClientName())
 @idempotent_operation(principal=lambda request: request.auth)
 def by_name_scoped(request: HttpRequest, tag: str) -> Any:
+    return counted(request, tag)
+
+
+@tests_api.post("/open/", auth=None)
+@idempotent_operation
+def open_to_all(request: HttpRequest, tag: str) -> Any:
+    return counted(request, tag)
+
+
+@tests_api.post("/session/", auth=django_auth)
+@idempotent_operation
+def by_session(request: HttpRequest, tag: str) -> Any:
+    return counted(request, tag)
+
+
+@tests_api.post("/store-down/", auth=StoreDown())
+@idempotent_operation
+def store_down(request: HttpRequest, tag: str) -> Any:
     return counted(request, tag)
 
 
@@ -374,3 +406,59 @@ def test_an_auth_that_returns_no_user_needs_a_principal(caplog: Any) -> None:
     ]
     assert {record.scope for record in records(key)} == {"alice", "bob"}
     assert CALLS[tag] == 2
+
+
+@on_tests_api
+def test_a_request_without_a_key_passes_through_when_none_is_required(token_user: Any) -> None:
+    tag = str(uuid.uuid4())
+    assert post(f"/t/open/?tag={tag}", None).status_code == 200
+    assert post(f"/t/open/?tag={tag}", None).status_code == 200
+    amount = 2000 + CALLS.hit("async-amount")
+    assert post(f"/t/async/?amount={amount}", None, token_user).status_code == 201
+    assert post(f"/t/async/?amount={amount}", None, token_user).status_code == 201
+    assert (CALLS[tag], Charge.objects.filter(amount=amount).count()) == (2, 2)
+    assert not IdempotencyRecord.objects.filter(path__in=["/t/open/", "/t/async/"]).exists()
+
+
+@on_tests_api
+def test_whose_key_it_is(client: Client, token_user: Any) -> None:
+    key, tag = str(uuid.uuid4()), str(uuid.uuid4())
+    assert post(f"/t/open/?tag={tag}", key).status_code == 200
+    client.force_login(token_user.user)
+    assert send(client, "POST", f"/t/session/?tag={tag}", key=key).status_code == 200
+    assert {r.path: r.scope for r in records(key)} == {
+        "/t/open/": "anonymous",
+        "/t/session/": f"user:{token_user.user.pk}",
+    }
+
+
+@on_tests_api
+def test_an_unreachable_store_during_authentication_is_a_503() -> None:
+    key, tag = str(uuid.uuid4()), str(uuid.uuid4())
+    answer = post(f"/t/store-down/?tag={tag}", key, **{"X-Client": "a"})
+    assert answer.status_code == 503
+    assert problem(answer)["type"].endswith("store-unavailable")
+    assert answer["Retry-After"]
+    assert CALLS[tag] == 0
+
+
+def test_an_operation_of_another_class_stays_one() -> None:
+    class Custom(Operation):
+        pass
+
+    class CustomAsync(AsyncOperation):
+        pass
+
+    async def handler(request: HttpRequest) -> None: ...
+
+    for base, mixin in ((Custom, IdempotentOperation), (CustomAsync, AsyncIdempotentOperation)):
+        handler.__dict__.pop("_ninja_operation", None)
+        operation = base("/x/", ["POST"], handler)
+        handler._ninja_operation = operation  # type: ignore[attr-defined]
+        idempotent_operation(handler)
+        assert isinstance(operation, base) and isinstance(operation, mixin)
+        first = type(operation)
+        idempotent_operation(required=True)(handler)  # again: the class stays, options change
+        assert type(operation) is first
+        assert operation.idempotency_options == {"required": True}  # type: ignore[attr-defined]
+        assert isinstance(operation.clone(), first)
