@@ -1,6 +1,10 @@
 """Private servers for the deployment-shape tests, and the fixtures that start them.
 
 - ``live_uvicorn``: ``testproject.asgi`` under uvicorn (2 worker processes) on the test database.
+- ``asgi_live_server``: Django's ASGI handler under uvicorn in a thread of the test process,
+  the ASGI counterpart of pytest-django's ``live_server``.
+- ``live_user``: a committed user with a token, for tests that only talk to live servers;
+  their module's database is flushed once at its end (``flush_after_module``).
 - ``pgbouncer`` / ``live_pgbouncer``: a private PgBouncer in transaction pooling mode in front
   of the test database's server, and gunicorn whose ``DATABASE_URL`` goes through it.
 - ``PostgresCluster``: a throw-away PostgreSQL cluster (Debian's binaries) and its streaming
@@ -16,6 +20,7 @@ import contextlib
 import glob
 import os
 import pwd
+import secrets
 import shutil
 import signal
 import socket
@@ -199,7 +204,7 @@ def live_user(db: None, flush_after_module: None, test_database_url: str) -> Tok
     """
     from django.contrib.auth.models import User
 
-    token = uuid.uuid4().hex[:20] + uuid.uuid4().hex[:20]
+    token = secrets.token_hex(20)
     # Its own connection: the test's transaction would hide the user from the servers.
     with psycopg.connect(test_database_url, autocommit=True) as conn:
         row = conn.execute(
