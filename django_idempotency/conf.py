@@ -71,6 +71,18 @@ class Settings:
         return value
 
     @property
+    def MAX_WAITERS(self) -> int:
+        return int(_setting("IDEMPOTENCY_MAX_WAITERS", 4))
+
+    @property
+    def LOOKUP_FIRST(self) -> bool:
+        return bool(_setting("IDEMPOTENCY_LOOKUP_FIRST", False))
+
+    @property
+    def SECRET_KEY(self) -> str:
+        return str(_setting("IDEMPOTENCY_SECRET_KEY", None) or _setting("SECRET_KEY", ""))
+
+    @property
     def UNSTORED_STATUSES(self) -> frozenset[int]:
         return frozenset(_setting("IDEMPOTENCY_UNSTORED_STATUSES", (408, 409, 425, 429)))
 
@@ -115,6 +127,10 @@ class Settings:
     @property
     def MAX_RESPONSE_BYTES(self) -> int:
         return int(_setting("IDEMPOTENCY_MAX_RESPONSE_BYTES", 16 * 1024 * 1024))
+
+    @property
+    def MAX_STORED_ERROR_BYTES(self) -> int:
+        return int(_setting("IDEMPOTENCY_MAX_STORED_ERROR_BYTES", 64 * 1024))
 
     @property
     def PARTITIONS_AHEAD(self) -> int:
@@ -192,7 +208,6 @@ class Settings:
     def CONSUMER_WAIT(self) -> timedelta:
         value: timedelta = _setting("IDEMPOTENCY_CONSUMER_WAIT", timedelta(seconds=10))
         return value
-
 
 
 conf = Settings()
