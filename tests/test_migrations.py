@@ -10,13 +10,13 @@ from pathlib import Path
 import pytest
 from django.apps import apps
 from django.core.management import call_command
-from django.db import DEFAULT_DB_ALIAS, connection, transaction
+from django.db import connection, transaction
 
 from django_idempotency.models import IdempotencyRecord
 from django_idempotency.partitions import catalog
 from django_idempotency.partitions.tables import RECORDS
-from django_idempotency.storage import records as storage
-from tests.claims import claim
+from django_idempotency.storage.records import Outcome
+from tests.claims import claim, store_first
 from tests.factories import IdempotencyRecordFactory, new_key
 
 
@@ -107,11 +107,9 @@ def assert_migrated_schema_works() -> None:
         )
     key = new_key()
     with transaction.atomic():
-        claimed = claim("anonymous", key)
-        assert claimed.pending is not None
-        storage.complete(DEFAULT_DB_ALIAS, claimed.pending, code=201, headers=[], body=b"ok")
+        store_first("anonymous", key, claim("anonymous", key), ttl=timedelta(hours=1))
     with transaction.atomic():
-        assert claim("anonymous", key).outcome == storage.FOUND
+        assert claim("anonymous", key).outcome == Outcome.FOUND
 
 
 @pytest.mark.django_db(transaction=True)
