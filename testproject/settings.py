@@ -161,7 +161,12 @@ if CELERY_BROKER_URL.startswith("filesystem://"):
     # kombu's broker in a directory, shared by processes on one machine: the demo's fallback
     # where no Redis is installed.
     _folder = os.environ.get("CELERY_BROKER_FOLDER", str(BASE_DIR / ".broker"))
-    CELERY_BROKER_TRANSPORT_OPTIONS = {"data_folder_in": _folder, "data_folder_out": _folder}
+    # The control folder too: kombu's default is "control" in the working directory.
+    CELERY_BROKER_TRANSPORT_OPTIONS = {
+        "data_folder_in": _folder,
+        "data_folder_out": _folder,
+        "control_folder": os.path.join(_folder, "control"),
+    }
 CELERY_BROKER_CONNECTION_RETRY_ON_STARTUP = True
 CELERY_TIMEZONE = "UTC"
 CELERY_TASK_IGNORE_RESULT = True
