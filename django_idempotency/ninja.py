@@ -13,10 +13,20 @@ from django.http.response import HttpResponseBase
 from ninja.operation import AsyncOperation, Operation
 from ninja.utils import contribute_operation_callback
 
-from django_idempotency.engine.errors import IdempotencyError
+from django_idempotency.conf import conf
+from django_idempotency.engine.errors import (
+    IdempotencyError,
+    InProgress,
+    InvalidKey,
+    KeyExpired,
+    KeyReused,
+    MissingKey,
+    StoreUnavailable,
+)
+from django_idempotency.engine.identity import MAX_KEY_LENGTH
 from django_idempotency.engine.options import Policy, ViewOptions, policy_for
 from django_idempotency.engine.unit import RequestUnit, Run, failing_closed
-from django_idempotency.problems import problem_response
+from django_idempotency.problems import PROBLEM_CONTENT_TYPE, problem_response
 
 Func = TypeVar("Func", bound=Callable[..., Any])
 
@@ -71,16 +81,34 @@ class _Identity:
         self.user = user
 
 
-class IdempotentOperation(Operation):
-    """Ninja's ``Operation`` with the key claimed between its checks and its view."""
+class _Idempotent(Operation):
+    """What both idempotent operation classes add to Ninja's: options that survive a clone,
+    and the key header and the app's errors in the OpenAPI schema."""
 
     idempotency_options: ViewOptions
 
     def clone(self) -> Operation:
-        # Ninja clones each operation per mount of its router: the options go along.
+        # Ninja clones each operation per mount of its router: the options go along, and
+        # the operation's own OpenAPI additions without ours (added again when read).
         cloned = super().clone()
         cloned.idempotency_options = self.idempotency_options  # type: ignore[attr-defined]
+        cloned.__dict__["openapi_extra"] = self.__dict__.get("openapi_extra")
         return cloned
+
+    @property
+    def openapi_extra(self) -> dict[str, Any] | None:
+        """Read by Ninja's schema: the settings of the moment decide what it says."""
+        own: dict[str, Any] | None = self.__dict__.get("openapi_extra")
+        policy = policy_for(self.view_func, self.idempotency_options)
+        return _documented(own, policy) if policy.methods.intersection(self.methods) else own
+
+    @openapi_extra.setter
+    def openapi_extra(self, value: dict[str, Any] | None) -> None:
+        self.__dict__["openapi_extra"] = value
+
+
+class IdempotentOperation(_Idempotent):
+    """Ninja's ``Operation`` with the key claimed between its checks and its view."""
 
     def run(self, request: HttpRequest, **kw: Any) -> HttpResponseBase:
         claim = _claim_for(self, request)
@@ -101,15 +129,8 @@ class IdempotentOperation(Operation):
         return error or _open(claim, request)
 
 
-class AsyncIdempotentOperation(AsyncOperation):
+class AsyncIdempotentOperation(_Idempotent, AsyncOperation):
     """Ninja's ``AsyncOperation`` with the key claimed between its checks and its view."""
-
-    idempotency_options: ViewOptions
-
-    def clone(self) -> Operation:
-        cloned = super().clone()
-        cloned.idempotency_options = self.idempotency_options  # type: ignore[attr-defined]
-        return cloned
 
     async def run(self, request: HttpRequest, **kw: Any) -> HttpResponseBase:  # type: ignore[override]
         claim = _claim_for(self, request)
@@ -133,13 +154,12 @@ class AsyncIdempotentOperation(AsyncOperation):
         return error or await sync_to_async(_open)(claim, request)
 
 
-_MIXINS = (IdempotentOperation, AsyncIdempotentOperation)
 _subclasses: dict[type[Operation], type[Operation]] = {}
 
 
 def _protect(operation: Operation, options: ViewOptions) -> None:
     base = type(operation)
-    if not issubclass(base, _MIXINS):
+    if not issubclass(base, _Idempotent):
         # Ninja picks Operation or AsyncOperation itself, with no hook to choose a class:
         # the operation becomes the idempotent one of its own class (a subclass stays one).
         operation.__class__ = _idempotent_class(base)
@@ -202,3 +222,43 @@ def _principal_request(request: HttpRequest, policy: Policy) -> Any:
         "user, so whose key this is cannot be known. Pass principal=<callable> to "
         "idempotent_operation(), or set IDEMPOTENCY_PRINCIPAL."
     )
+
+
+def _documented(extra: dict[str, Any] | None, policy: Policy) -> dict[str, Any]:
+    """The operation's own OpenAPI additions, and the key header and the errors the app may
+    answer instead of running it."""
+    stripe = conf.ERROR_FORMAT == "stripe"
+    errors: list[type[IdempotencyError]] = [InvalidKey, KeyReused, InProgress, StoreUnavailable]
+    if policy.required:
+        errors.append(MissingKey)
+    if conf.EXPIRED_WINDOW:
+        errors.append(KeyExpired)
+    responses: dict[int, Any] = {}
+    for error in errors:
+        status = error.stripe_status if stripe else error.status
+        titles = responses.setdefault(status, [])
+        titles.append(f"{error.name}: {error.title}")
+    media_type = "application/json" if stripe else PROBLEM_CONTENT_TYPE
+    header = {
+        "in": "header",
+        "name": policy.header,
+        "required": policy.required,
+        "schema": {"type": "string", "minLength": 1, "maxLength": MAX_KEY_LENGTH + 2},
+        "description": "Makes this request safe to retry: a retry with the same key and the "
+        "same request gets the first response back, with `Idempotent-Replayed: true`.",
+    }
+    own = dict(extra or {})
+    return {
+        **own,
+        "parameters": [header, *own.get("parameters", [])],
+        "responses": {
+            **{
+                status: {
+                    "description": "; ".join(titles),
+                    "content": {media_type: {"schema": {"type": "object"}}},
+                }
+                for status, titles in sorted(responses.items())
+            },
+            **own.get("responses", {}),
+        },
+    }

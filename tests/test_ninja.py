@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import uuid
 from collections import Counter
+from datetime import timedelta
 from typing import Any
 
 import pytest
@@ -307,6 +308,24 @@ def store_down(request: HttpRequest, tag: str) -> Any:
     return counted(request, tag)
 
 
+@tests_api.post(
+    "/extra/",
+    openapi_extra={
+        "parameters": [{"in": "header", "name": "X-Trace", "schema": {"type": "string"}}],
+        "responses": {418: {"description": "A teapot."}},
+    },
+)
+@idempotent_operation
+def with_extra(request: HttpRequest, tag: str) -> Any:
+    return counted(request, tag)
+
+
+@tests_api.get("/read/")
+@idempotent_operation  # GET is not covered by default: nothing to document
+def read(request: HttpRequest) -> Any:
+    return {}
+
+
 @reused_router.post("/reused/")
 @idempotent_operation
 def reused(request: HttpRequest, tag: str) -> Any:
@@ -462,3 +481,43 @@ def test_an_operation_of_another_class_stays_one() -> None:
         assert type(operation) is first
         assert operation.idempotency_options == {"required": True}  # type: ignore[attr-defined]
         assert isinstance(operation.clone(), first)
+
+
+@on_tests_api
+def test_the_openapi_schema_documents_the_key_and_the_errors(settings: Any) -> None:
+    paths = Client().get("/t/openapi.json").json()["paths"]
+    for route in ("/t/a/reused/", "/t/b/reused/", "/t/above/"):
+        operation = paths[route]["post"]
+        [header] = [p for p in operation["parameters"] if p["in"] == "header"]
+        assert (header["name"], header["required"]) == ("Idempotency-Key", False)
+        for status in ("400", "409", "422", "503"):
+            assert "application/problem+json" in operation["responses"][status]["content"]
+    assert "key-reused" in paths["/t/above/"]["post"]["responses"]["422"]["description"]
+    assert "tag" in {p["name"] for p in paths["/t/above/"]["post"]["parameters"]}
+
+    extra = paths["/t/extra/"]["post"]
+    assert [p["name"] for p in extra["parameters"]] == ["tag", "Idempotency-Key", "X-Trace"]
+    assert extra["responses"]["418"] == {"description": "A teapot."}
+    assert not [p for p in paths["/t/read/"]["get"].get("parameters", []) if p["in"] == "header"]
+
+    # Read when the schema is built, from the settings of the moment.
+    settings.IDEMPOTENCY_ERROR_FORMAT = "stripe"
+    operation = Client().get("/t/openapi.json").json()["paths"]["/t/open/"]["post"]
+    assert "422" not in operation["responses"]
+    assert "key-reused" in operation["responses"]["400"]["description"]
+    assert set(operation["responses"]["400"]["content"]) == {"application/json"}
+    settings.IDEMPOTENCY_HEADER = "X-Request-Key"
+    settings.IDEMPOTENCY_REQUIRED = True
+    settings.IDEMPOTENCY_EXPIRED_WINDOW = timedelta(hours=1)
+    operation = Client().get("/t/openapi.json").json()["paths"]["/t/open/"]["post"]
+    [header] = [p for p in operation["parameters"] if p["in"] == "header"]
+    assert (header["name"], header["required"]) == ("X-Request-Key", True)
+    assert "missing-key" in operation["responses"]["400"]["description"]
+    assert "key-expired" in operation["responses"]["410"]["description"]
+
+
+def test_the_testproject_schema_documents_its_charge() -> None:
+    operation = Client().get("/ninja/openapi.json").json()["paths"]["/ninja/charges/"]["post"]
+    [header] = [p for p in operation["parameters"] if p["in"] == "header"]
+    assert (header["name"], header["required"]) == ("Idempotency-Key", True)
+    assert {"201", "400", "409", "422", "503"} <= set(operation["responses"])
