@@ -426,7 +426,8 @@ def check_consumers(app_configs: Sequence[AppConfig] | None, **kwargs: Any) -> l
 def check_views(app_configs: Sequence[AppConfig] | None, **kwargs: Any) -> list[CheckMessage]:
     """What each idempotent view of the URLconf risks: a shared anonymous scope, a durable
     block that cannot run in the claim's transaction."""
-    if not _ours(app_configs):
+    # Like Django's own URL checks: no URLconf, nothing to judge.
+    if not _ours(app_configs) or not getattr(settings, "ROOT_URLCONF", None):
         return []
     from django_idempotency.endpoints import idempotent_endpoints
 
