@@ -119,10 +119,17 @@ def _principal_label(principal: str, labels: Mapping[str, str]) -> str:
     return principal if label is None else f"{label} ({principal})"
 
 
-class RecordChangeList(ChangeList):
-    def get_queryset(self, request: HttpRequest, exclude_parameters: Any = None) -> QuerySet[Any]:
-        return super().get_queryset(request, exclude_parameters).defer(*DETAIL_ONLY_FIELDS)
+class DetailDeferringChangeList(ChangeList):
+    """A list that never loads the columns only the detail page shows
+    (the model admin's ``detail_only_fields``)."""
 
+    def get_queryset(self, request: HttpRequest, exclude_parameters: Any = None) -> QuerySet[Any]:
+        queryset = super().get_queryset(request, exclude_parameters)
+        detail_only: tuple[str, ...] = getattr(self.model_admin, "detail_only_fields", ())
+        return queryset.defer(*detail_only)
+
+
+class RecordChangeList(DetailDeferringChangeList):
     def get_results(self, request: HttpRequest) -> None:
         super().get_results(request)
         # One call to the display hook for the whole page, not one per row.
@@ -251,6 +258,7 @@ def body_text(record: IdempotencyRecord) -> str:
 
 @admin.register(IdempotencyRecord)
 class IdempotencyRecordAdmin(RecordModelAdmin):
+    detail_only_fields = DETAIL_ONLY_FIELDS
     list_display = (
         "key",
         "principal",
@@ -367,11 +375,6 @@ else:
 OUTBOX_DETAIL_ONLY_FIELDS = ("args", "kwargs", "payload", "options", "last_error")
 
 
-class OutboxChangeList(ChangeList):
-    def get_queryset(self, request: HttpRequest, exclude_parameters: Any = None) -> QuerySet[Any]:
-        return super().get_queryset(request, exclude_parameters).defer(*OUTBOX_DETAIL_ONLY_FIELDS)
-
-
 class OutboxStateFilter(admin.SimpleListFilter):
     # "pending" and "failing" read the partial index of unpublished rows only.
     title = _("state")
@@ -422,6 +425,7 @@ class OutboxCreatedFilter(admin.SimpleListFilter):
 
 @admin.register(OutboxMessage)
 class OutboxMessageAdmin(OutboxModelAdmin):
+    detail_only_fields = OUTBOX_DETAIL_ONLY_FIELDS
     list_display = ("id", "kind", "name", "created_at", "published_at", "attempts", "lease_owner")
     list_filter = (OutboxStateFilter, OutboxCreatedFilter, "kind")
     search_fields = ("id",)
@@ -457,7 +461,7 @@ class OutboxMessageAdmin(OutboxModelAdmin):
     )
 
     def get_changelist(self, request: HttpRequest, **kwargs: Any) -> type[ChangeList]:
-        return OutboxChangeList
+        return DetailDeferringChangeList
 
     def get_search_results(
         self, request: HttpRequest, queryset: QuerySet[OutboxMessage], search_term: str
