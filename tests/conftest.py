@@ -136,37 +136,20 @@ class GunicornServer:
 
 
 @contextlib.contextmanager
-def run_gunicorn(
-    env: Mapping[str, str],
-    *,
-    workers: int = 4,
-    threads: int = 1,
-    startup_timeout: float = 30.0,
-    extra_args: tuple[str, ...] = (),
+def serve(
+    what: str, command: Callable[[int], list[str]], env: Mapping[str, str], startup_timeout: float
 ) -> Iterator[GunicornServer]:
-    """Serve ``testproject.wsgi`` on a free 127.0.0.1 port until the block ends."""
-    # The parent binds the socket and hands gunicorn the descriptor: no window in which
+    """Run the server ``command(fd)`` on a free 127.0.0.1 port until the block ends."""
+    # The parent binds the socket and hands the server the descriptor: no window in which
     # another process can take the port, and requests queue until a worker accepts.
     listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     listener.bind(("127.0.0.1", 0))
     listener.listen(128)
     port = listener.getsockname()[1]
-    log_fd, log_name = tempfile.mkstemp(prefix="gunicorn-", suffix=".log")
-    command = [
-        sys.executable, "-m", "gunicorn", "testproject.wsgi",
-        "--bind", f"fd://{listener.fileno()}",
-        "--workers", str(workers),
-        "--worker-class", "gthread" if threads > 1 else "sync",
-        "--threads", str(threads),
-        # Workers are forked from a master that already imported Django: all of them are
-        # ready at once, and one killed by a test is replaced at once.
-        "--preload",
-        "--timeout", "60",
-        *extra_args,
-    ]  # fmt: skip
+    log_fd, log_name = tempfile.mkstemp(prefix=f"{what}-", suffix=".log")
     process = subprocess.Popen(
-        command,
+        command(listener.fileno()),
         cwd=ROOT,
         env=dict(env),
         stdin=subprocess.DEVNULL,
@@ -179,17 +162,54 @@ def run_gunicorn(
     listener.close()
     server = GunicornServer(f"http://127.0.0.1:{port}", process, Path(log_name))
     try:
-        _wait_until_serving(server, deadline=time.monotonic() + startup_timeout)
+        wait_until_serving(server, what, deadline=time.monotonic() + startup_timeout)
         yield server
     finally:
         # Quick shutdown: the test is over, nothing in flight matters any more.
-        process.send_signal(signal.SIGINT)
-        try:
-            process.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
+        stop(process)
         server.log.unlink(missing_ok=True)
+
+
+@contextlib.contextmanager
+def run_gunicorn(
+    env: Mapping[str, str],
+    *,
+    workers: int = 4,
+    threads: int = 1,
+    startup_timeout: float = 30.0,
+    extra_args: tuple[str, ...] = (),
+) -> Iterator[GunicornServer]:
+    """Serve ``testproject.wsgi`` on a free 127.0.0.1 port until the block ends."""
+
+    def command(fd: int) -> list[str]:
+        return [
+            sys.executable, "-m", "gunicorn", "testproject.wsgi",
+            "--bind", f"fd://{fd}",
+            "--workers", str(workers),
+            "--worker-class", "gthread" if threads > 1 else "sync",
+            "--threads", str(threads),
+            # Workers are forked from a master that already imported Django: all of them
+            # are ready at once, and one killed by a test is replaced at once.
+            "--preload",
+            "--timeout", "60",
+            # No graceful period on SIGINT: a stopping test server has nothing in flight
+            # worth waiting for (otherwise 2 s or more per server).
+            "--graceful-timeout", "0",
+            *extra_args,
+        ]  # fmt: skip
+
+    with serve("gunicorn", command, env, startup_timeout) as server:
+        yield server
+
+
+def stop(process: subprocess.Popen[bytes], sig: int = signal.SIGINT) -> None:
+    if process.poll() is None:
+        process.send_signal(sig)
+    try:
+        process.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
 
 
 def die_with_parent() -> None:
@@ -200,11 +220,11 @@ def die_with_parent() -> None:
         ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
-def _wait_until_serving(server: GunicornServer, deadline: float) -> None:
+def wait_until_serving(server: GunicornServer, what: str, deadline: float) -> None:
     while True:
         if server.process.poll() is not None:
             raise RuntimeError(
-                f"gunicorn exited with {server.process.returncode}:\n{server.log_text()}"
+                f"{what} exited with {server.process.returncode}:\n{server.log_text()}"
             )
         try:
             # Any answer will do: it proves a worker loaded Django and took the request.
@@ -213,7 +233,7 @@ def _wait_until_serving(server: GunicornServer, deadline: float) -> None:
         except requests.RequestException:
             if time.monotonic() > deadline:
                 raise RuntimeError(
-                    f"gunicorn did not answer at {server.url}:\n{server.log_text()}"
+                    f"{what} did not answer at {server.url}:\n{server.log_text()}"
                 ) from None
             time.sleep(0.1)
 

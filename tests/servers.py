@@ -38,14 +38,9 @@ from urllib.parse import quote, unquote, urlsplit, urlunsplit
 
 import psycopg
 import pytest
-import requests
 
-from tests.conftest import ROOT, GunicornServer, TokenUser, die_with_parent
+from tests.conftest import ROOT, GunicornServer, TokenUser, die_with_parent, serve, stop
 
-# After a SIGINT gunicorn's master waits for its workers' interpreters to finish (2 s or
-# more); with no graceful period it kills them at once. A test server that is being stopped
-# has nothing in flight worth waiting for.
-QUICK_STOP = ("--graceful-timeout", "0")
 # apt-get may wait for the package lists and a mirror; a test session must not hang on it.
 APT_TIMEOUT = 180
 
@@ -65,73 +60,22 @@ def database_name(url: str) -> str:
     return unquote(urlsplit(url).path.lstrip("/"))
 
 
-def wait_until_serving(server: GunicornServer, what: str, deadline: float) -> None:
-    while True:
-        if server.process.poll() is not None:
-            raise RuntimeError(
-                f"{what} exited with {server.process.returncode}:\n{server.log_text()}"
-            )
-        try:
-            # Any answer will do: it proves a worker loaded Django and took the request.
-            requests.get(f"{server.url}/admin/login/", timeout=1)
-            return
-        except requests.RequestException:
-            if time.monotonic() > deadline:
-                raise RuntimeError(
-                    f"{what} did not answer at {server.url}:\n{server.log_text()}"
-                ) from None
-            time.sleep(0.1)
-
-
-@contextlib.contextmanager
 def run_uvicorn(
     env: Mapping[str, str], *, workers: int = 2, startup_timeout: float = 60.0
-) -> Iterator[GunicornServer]:
-    """Serve ``testproject.asgi`` with uvicorn's own process manager until the block ends."""
-    # As for gunicorn: the parent binds and hands over the descriptor, so there is no window
-    # in which another process takes the port. uvicorn restarts a worker that dies.
-    listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    listener.bind(("127.0.0.1", 0))
-    listener.listen(128)
-    port = listener.getsockname()[1]
-    log_fd, log_name = tempfile.mkstemp(prefix="uvicorn-", suffix=".log")
-    command = [
-        sys.executable, "-m", "uvicorn", "testproject.asgi:application",
-        "--fd", str(listener.fileno()),
-        "--workers", str(workers),
-        "--no-access-log",
-        "--timeout-graceful-shutdown", "2",
-    ]  # fmt: skip
-    process = subprocess.Popen(
-        command,
-        cwd=ROOT,
-        env=dict(env),
-        stdin=subprocess.DEVNULL,
-        stdout=log_fd,
-        stderr=log_fd,
-        pass_fds=(listener.fileno(),),
-        preexec_fn=die_with_parent,
-    )
-    os.close(log_fd)
-    listener.close()
-    server = GunicornServer(f"http://127.0.0.1:{port}", process, Path(log_name))
-    try:
-        wait_until_serving(server, "uvicorn", time.monotonic() + startup_timeout)
-        yield server
-    finally:
-        stop(process)
-        server.log.unlink(missing_ok=True)
+) -> contextlib.AbstractContextManager[GunicornServer]:
+    """Serve ``testproject.asgi`` with uvicorn's own process manager until the block ends
+    (uvicorn restarts a worker that dies)."""
 
+    def command(fd: int) -> list[str]:
+        return [
+            sys.executable, "-m", "uvicorn", "testproject.asgi:application",
+            "--fd", str(fd),
+            "--workers", str(workers),
+            "--no-access-log",
+            "--timeout-graceful-shutdown", "2",
+        ]  # fmt: skip
 
-def stop(process: subprocess.Popen[bytes], sig: int = signal.SIGINT) -> None:
-    if process.poll() is None:
-        process.send_signal(sig)
-    try:
-        process.wait(timeout=10)
-    except subprocess.TimeoutExpired:
-        process.kill()
-        process.wait()
+    return serve("uvicorn", command, env, startup_timeout)
 
 
 @pytest.fixture(scope="session")
@@ -403,7 +347,7 @@ def live_pgbouncer(
         "DATABASE_URL": pgbouncer.url(database_name(test_database_url)),
         "DATABASE_POOLING": "transaction",
     }
-    with gunicorn_server(workers=2, threads=4, env=env, extra_args=QUICK_STOP) as server:
+    with gunicorn_server(workers=2, threads=4, env=env) as server:
         yield server.url
 
 

@@ -39,7 +39,7 @@ from testproject.payments import executions
 from testproject.payments.models import Charge
 from tests.client import replayed
 from tests.conftest import GunicornServer, TokenUser
-from tests.servers import QUICK_STOP, database_name, migrate, with_database
+from tests.servers import database_name, migrate, with_database
 from tests.test_e2e_payments import CHARGE, send_at_once
 
 
@@ -74,7 +74,7 @@ def serve(
     tenant_apps: str,
 ) -> contextlib.AbstractContextManager[GunicornServer]:
     env = {"SHARD_DATABASE_URL": shard_url, "TENANT_APPS": tenant_apps}
-    return gunicorn_server(workers=2, threads=2, env=env, extra_args=QUICK_STOP)
+    return gunicorn_server(workers=2, threads=2, env=env)
 
 
 @pytest.fixture(scope="module")

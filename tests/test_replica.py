@@ -26,7 +26,7 @@ import requests
 
 from tests.client import replayed
 from tests.conftest import GunicornServer
-from tests.servers import QUICK_STOP, PostgresCluster, migrate, postgres_bin, primary_and_replica
+from tests.servers import PostgresCluster, migrate, postgres_bin, primary_and_replica
 from tests.test_e2e_payments import CHARGE, send_at_once
 
 DATABASE = "payments"
@@ -137,7 +137,7 @@ def app(
             "DATABASE_URL": primary.url(DATABASE),
             "REPLICA_DATABASE_URL": replica.url(DATABASE),
         }
-        with gunicorn_server(workers=2, threads=4, env=env, extra_args=QUICK_STOP) as server:
+        with gunicorn_server(workers=2, threads=4, env=env) as server:
             app = ReplicatedApp(
                 server.url, primary, replica, {"Authorization": f"Token {token}"}, row[0]
             )
