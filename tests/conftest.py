@@ -113,11 +113,27 @@ def test_database_url(django_db_setup: None) -> str:
     return urlunsplit(parts._replace(path="/" + quote(connection.settings_dict["NAME"])))
 
 
+@pytest.fixture(scope="session", autouse=True)
+def broker_from_settings_only() -> Iterator[None]:
+    """Celery lets ``CELERY_BROKER_URL`` in the environment override the broker of every
+    app, the private ones of the tests that start their own Redis included, whose messages
+    would then land on the shared broker (and run, crash switches and all, in a later
+    test's worker). The settings have read it; this process's Celery apps must not."""
+    url = os.environ.pop("CELERY_BROKER_URL", None)
+    yield
+    if url is not None:
+        os.environ["CELERY_BROKER_URL"] = url
+
+
 @pytest.fixture(scope="session")
 def subprocess_env(test_database_url: str) -> dict[str, str]:
     """Environment for a child process that must use the test project and test database."""
+    from django.conf import settings
+
     return {
         **os.environ,
+        # Taken out of this process's environment (below): children get it back.
+        "CELERY_BROKER_URL": settings.CELERY_BROKER_URL,
         "DATABASE_URL": test_database_url,
         "DJANGO_SETTINGS_MODULE": "tests.settings",
         "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
