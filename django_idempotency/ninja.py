@@ -16,17 +16,11 @@ from ninja.utils import contribute_operation_callback
 from django_idempotency.conf import conf
 from django_idempotency.engine.errors import (
     IdempotencyError,
-    InProgress,
-    InvalidKey,
-    KeyExpired,
-    KeyReused,
-    MissingKey,
-    StoreUnavailable,
 )
 from django_idempotency.engine.identity import MAX_KEY_LENGTH
 from django_idempotency.engine.options import Policy, ViewOptions, policy_for
 from django_idempotency.engine.unit import RequestUnit, Run, failing_closed
-from django_idempotency.problems import PROBLEM_CONTENT_TYPE, problem_response
+from django_idempotency.problems import PROBLEM_CONTENT_TYPE, possible_errors, problem_response
 
 Func = TypeVar("Func", bound=Callable[..., Any])
 
@@ -228,13 +222,8 @@ def _documented(extra: dict[str, Any] | None, policy: Policy) -> dict[str, Any]:
     """The operation's own OpenAPI additions, and the key header and the errors the app may
     answer instead of running it."""
     stripe = conf.ERROR_FORMAT == "stripe"
-    errors: list[type[IdempotencyError]] = [InvalidKey, KeyReused, InProgress, StoreUnavailable]
-    if policy.required:
-        errors.append(MissingKey)
-    if conf.EXPIRED_WINDOW:
-        errors.append(KeyExpired)
     responses: dict[int, Any] = {}
-    for error in errors:
+    for error in possible_errors(policy):
         status = error.stripe_status if stripe else error.status
         titles = responses.setdefault(status, [])
         titles.append(f"{error.name}: {error.title}")

@@ -3,12 +3,23 @@
 from __future__ import annotations
 
 import json
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from django.http import HttpResponse
 
 from django_idempotency.conf import conf
-from django_idempotency.engine.errors import IdempotencyError
+from django_idempotency.engine.errors import (
+    IdempotencyError,
+    InProgress,
+    InvalidKey,
+    KeyExpired,
+    KeyReused,
+    MissingKey,
+    StoreUnavailable,
+)
+
+if TYPE_CHECKING:
+    from django_idempotency.engine.options import Policy
 
 PROBLEM_CONTENT_TYPE = "application/problem+json"
 # IDEMPOTENCY_ERROR_FORMAT: RFC 9457 problems, or Stripe's error object.
@@ -38,3 +49,14 @@ def problem_response(exc: IdempotencyError) -> HttpResponse:
     for name, value in exc.headers.items():
         response[name] = value
     return response
+
+
+def possible_errors(policy: Policy) -> list[type[IdempotencyError]]:
+    """The errors a covered request may get instead of its view's answer, given the view's
+    policy and the settings: what API schemas document."""
+    errors: list[type[IdempotencyError]] = [InvalidKey, KeyReused, InProgress, StoreUnavailable]
+    if policy.required:
+        errors.insert(0, MissingKey)
+    if conf.EXPIRED_WINDOW:
+        errors.append(KeyExpired)
+    return errors

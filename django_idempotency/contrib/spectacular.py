@@ -20,16 +20,12 @@ from django_idempotency.conf import conf
 from django_idempotency.engine.errors import (
     IdempotencyError,
     InProgress,
-    InvalidKey,
-    KeyExpired,
-    KeyReused,
-    MissingKey,
     StoreUnavailable,
 )
 from django_idempotency.engine.identity import MAX_KEY_LENGTH, PARTS
 from django_idempotency.engine.options import Policy
 from django_idempotency.engine.unit import REPLAYED_HEADER, RETRY_AFTER_SECONDS
-from django_idempotency.problems import PROBLEM_CONTENT_TYPE
+from django_idempotency.problems import PROBLEM_CONTENT_TYPE, possible_errors
 
 
 class IdempotencyProblemSerializer(serializers.Serializer[Any]):
@@ -64,16 +60,6 @@ class IdempotencyStripeErrorSerializer(serializers.Serializer[Any]):
 
 # Answered with Retry-After.
 RETRIED_ERRORS = (InProgress, StoreUnavailable)
-
-
-def possible_errors(options: Policy) -> list[type[IdempotencyError]]:
-    """The errors a covered request may get, given the view's options and the settings."""
-    errors: list[type[IdempotencyError]] = [InvalidKey, KeyReused, InProgress, StoreUnavailable]
-    if options.required:
-        errors.insert(0, MissingKey)
-    if conf.EXPIRED_WINDOW:
-        errors.append(KeyExpired)
-    return errors
 
 
 def error_responses(errors: list[type[IdempotencyError]]) -> dict[tuple[int, str], OpenApiResponse]:
