@@ -4,15 +4,14 @@ from django.db import migrations, models
 
 
 class Migration(migrations.Migration):
-
     dependencies = [
-        ('payments', '0003_fault_tags'),
+        ("payments", "0003_fault_tags"),
     ]
 
     operations = [
         migrations.AddField(
-            model_name='charge',
-            name='description',
-            field=models.CharField(blank=True, default='', max_length=255),
+            model_name="charge",
+            name="description",
+            field=models.CharField(blank=True, default="", max_length=255),
         ),
     ]
