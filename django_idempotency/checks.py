@@ -485,3 +485,39 @@ def _opens_durable_block(view: Any) -> bool:
     except (OSError, TypeError):
         return False
     return re.search(r"atomic\([^)]*durable\s*=\s*True", source) is not None
+
+
+@register(Tags.database)
+def check_records_follow_writes(
+    app_configs: Sequence[AppConfig] | None,
+    databases: Sequence[str] | None = None,
+    **kwargs: Any,
+) -> list[CheckMessage]:
+    """A generic view's records go to the database of its model's writes: the records'
+    table must be migrated there, or every request of that view fails."""
+    if not _ours(app_configs) or not databases or not getattr(settings, "ROOT_URLCONF", None):
+        return []
+    try:
+        from django_idempotency.rest_framework import written_model
+    except ImportError:  # without DRF, no view has a model to follow
+        return []
+    from django_idempotency.endpoints import idempotent_endpoints
+
+    messages: list[CheckMessage] = []
+    for endpoint in idempotent_endpoints():
+        model = written_model(endpoint.view) if endpoint.policy.using is None else None
+        if model is None:
+            continue
+        alias = router.db_for_write(model)
+        if alias in databases and not router.allow_migrate_model(alias, IdempotencyRecord):
+            messages.append(
+                Error(
+                    f"The idempotent view {endpoint.route} writes {model._meta.label} to "
+                    f"database {alias!r}, where its records must live to commit with those "
+                    "writes, but the routers do not migrate IdempotencyRecord there.",
+                    hint=f"Let allow_migrate() accept django_idempotency on {alias!r} and "
+                    "migrate it, or give the view idempotency_using.",
+                    id="django_idempotency.E012",
+                )
+            )
+    return messages

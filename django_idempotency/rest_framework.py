@@ -60,7 +60,7 @@ class IdempotencyMixin:
             request._request,
             self.get_idempotency_policy(),
             sender=type(self),
-            model=_written_model(self),
+            model=written_model(self),
         )
         if not unit.covered:
             super().initial(request, *args, **kwargs)  # type: ignore[misc]
@@ -118,7 +118,7 @@ for _name in OPTION_NAMES:
     setattr(IdempotencyMixin, f"idempotency_{_name}", None)
 
 
-def _written_model(view: Any) -> Any:
+def written_model(view: Any) -> Any:
     """The model a generic view writes (its queryset's), or None."""
     queryset = getattr(view, "queryset", None)
     if queryset is not None:

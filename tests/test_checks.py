@@ -166,6 +166,7 @@ def test_check_ids_are_unique() -> None:
         "django_idempotency.E008",
         "django_idempotency.E009",
         "django_idempotency.E010",
+        "django_idempotency.E012",
         "django_idempotency.E011",
         "django_idempotency.W001",
         "django_idempotency.W002",
@@ -456,3 +457,19 @@ def test_w005_an_idempotent_view_that_opens_a_durable_block() -> None:
     durable = [m for m in checks.check_views(None) if m.id == "django_idempotency.W005"]
     assert len(durable) == 1
     assert "/drf/durable/ (tests.views.DurableView)" in durable[0].msg
+
+
+class RecordsNowhere:
+    """Migrates nothing of django_idempotency: the records have no table anywhere."""
+
+    def allow_migrate(self, db: str, app_label: str, **hints: object) -> bool | None:
+        return False if app_label == "django_idempotency" else None
+
+
+@pytest.mark.urls("tests.urls")
+def test_e012_a_view_whose_writes_go_where_the_records_table_is_not_migrated() -> None:
+    assert not [m for m in checks.check_records_follow_writes(None, databases=["default"])]
+    with override_settings(DATABASE_ROUTERS=[RecordsNowhere()]):
+        errors = checks.check_records_follow_writes(None, databases=["default"])
+    assert {m.id for m in errors} == {"django_idempotency.E012"}
+    assert any("/drf/groups/" in m.msg and "auth.Group" in m.msg for m in errors)
