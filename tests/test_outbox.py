@@ -17,6 +17,7 @@ from django_idempotency.messaging.outbox import (
     new_message_id,
 )
 from django_idempotency.models import OutboxMessage
+from django_idempotency.partitions import apply
 
 
 def test_message_ids_are_uuid7_growing_and_carry_their_time() -> None:
@@ -155,11 +156,11 @@ def test_the_table_is_partitioned_by_created_at_with_first_partitions_marked_our
         cursor.execute("SELECT pg_get_indexdef(%s::regclass)", ["idempotency_outbox_pending"])
         (index,) = cursor.fetchone()
     today = datetime.now(UTC).date()
-    expected = [
-        (f"{outbox.TABLE}_p{today + timedelta(days=n):%Y%m%d}", "django_idempotency:auto")
-        for n in range(-1, 8)
-    ]
-    assert found == expected
+    # The migration's first partitions: today and a week ahead (maintenance runs of other
+    # tests may have added later days, or dropped yesterday's), every one marked ours.
+    expected = {f"{outbox.TABLE}_p{today + timedelta(days=n):%Y%m%d}" for n in range(8)}
+    assert expected <= {name for name, _ in found}
+    assert {comment for _, comment in found} == {"django_idempotency:auto"}
     assert index.endswith("(created_at) WHERE (published_at IS NULL)")
 
 
@@ -238,6 +239,8 @@ def test_admin_is_read_only_and_shows_the_last_error(superuser_client) -> None:
 def test_a_partition_holding_an_unpublished_message_is_never_dropped_however_old() -> None:
     old_day = datetime.now(UTC).date() - timedelta(days=1)
     partition = f"{outbox.TABLE}_p{old_day:%Y%m%d}"
+    # Another test's maintenance run may have dropped it: yesterday's rows need it.
+    apply.create_partition(connection, outbox.OUTBOX, old_day, retry_for=timedelta(seconds=5))
     assert outbox.keep_partition(connection, partition) is None  # empty: may go
     with transaction.atomic():
         ids = [enqueue_task("tests.noop") for _ in range(3)]
