@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import threading
 import time
+import uuid
 from collections.abc import Iterator
 from datetime import timedelta
 from typing import Any
@@ -50,7 +51,13 @@ def celery_app() -> Celery:
     that keeps results: the project ignores them, and these tests read them back."""
     test_app = Celery("partitions-tests", set_as_current=False)
     test_app.config_from_object("django.conf:settings", namespace="CELERY")
-    test_app.conf.update(result_backend="cache+memory://", task_ignore_result=False)
+    test_app.conf.update(
+        result_backend="cache+memory://",
+        task_ignore_result=False,
+        # A queue of this session's own: the broker may be shared (CI's Redis), and a
+        # message another run left behind (kombu restores unacked ones) is not ours to run.
+        task_default_queue=f"idempotency-tests-{uuid.uuid4().hex}",
+    )
     test_app.finalize()  # binds the shared tasks, ours among them
     return test_app
 
