@@ -100,7 +100,14 @@ def asgi_live_server(django_db_setup: None) -> Iterator[InProcessServer]:
     """
     import uvicorn
     from django.core.asgi import get_asgi_application
+    from django.db import connections
 
+    # Each request runs its sync parts on a thread of its own, whose connection a
+    # CONN_MAX_AGE would keep open after the thread is gone: 20 racing requests a test
+    # then exhaust the server's max_connections (and get 503). Close them at request end.
+    database = connections.settings["default"]
+    kept_for = database.get("CONN_MAX_AGE")
+    database["CONN_MAX_AGE"] = 0
     listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     listener.bind(("127.0.0.1", 0))
@@ -125,6 +132,7 @@ def asgi_live_server(django_db_setup: None) -> Iterator[InProcessServer]:
         server.should_exit = True
         thread.join(10)
         listener.close()
+        database["CONN_MAX_AGE"] = kept_for
 
 
 @pytest.fixture(scope="module")
