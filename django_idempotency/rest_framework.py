@@ -1,9 +1,13 @@
-"""Django REST framework glue: ``IdempotencyMixin`` for APIView, GenericAPIView and viewsets."""
+"""Django REST framework glue: ``IdempotencyMixin`` for APIView, GenericAPIView and viewsets,
+and for adrf's async views."""
 
 from __future__ import annotations
 
+from collections.abc import Awaitable
+from inspect import isawaitable
 from typing import Any
 
+from asgiref.sync import sync_to_async
 from django.http.response import HttpResponseBase
 from rest_framework.exceptions import NotAcceptable, UnsupportedMediaType
 from rest_framework.renderers import BaseRenderer
@@ -31,10 +35,12 @@ class IdempotencyMixin:
     Set ``idempotency_<option>`` attributes (the keyword arguments of ``@idempotent``:
     ``methods``, ``required``, ``ttl``, ``wait``, ``exclude_fields``,
     ``fingerprint_headers``, ``principal``, ``lookup_first``); those left at ``None`` take
-    the ``IDEMPOTENCY_*`` settings. Options are resolved once per view class.
+    the ``IDEMPOTENCY_*`` settings. Options are resolved once per view class. It protects
+    adrf's async views too, with the same guarantee.
     """
 
     _idempotency: RequestUnit | None = None
+    _closes_after_dispatch = False
 
     def get_idempotency_options(self) -> ViewOptions:
         options: Any = {name: getattr(self, f"idempotency_{name}", None) for name in OPTION_NAMES}
@@ -97,19 +103,45 @@ class IdempotencyMixin:
         self, request: Request, response: HttpResponseBase, *args: Any, **kwargs: Any
     ) -> HttpResponseBase:
         response = super().finalize_response(request, response, *args, **kwargs)  # type: ignore[misc]
-        unit, self._idempotency = self._idempotency, None
+        if self._closes_after_dispatch:
+            return response
+        unit = self._take_unit()
         return response if unit is None else unit.close(response)
 
-    def dispatch(self, request: Any, *args: Any, **kwargs: Any) -> HttpResponseBase:
+    def dispatch(self, request: Any, *args: Any, **kwargs: Any) -> Any:
         try:
-            return super().dispatch(request, *args, **kwargs)  # type: ignore[misc, no-any-return]
+            response = super().dispatch(request, *args, **kwargs)  # type: ignore[misc]
         except BaseException as exc:
             # An exception escaped the view (DRF re-raises what it cannot handle), so
             # finalize_response never ran: roll the claim back with everything else.
-            unit, self._idempotency = self._idempotency, None
+            unit = self._take_unit()
             if unit is not None:
                 unit.fail(exc)
             raise
+        if isawaitable(response):
+            # adrf's async dispatch, not started yet. Its finalize_response will run on the
+            # event loop, where the ORM may not: close the unit after it instead.
+            self._closes_after_dispatch = True
+            return self._close_after(response)
+        return response
+
+    async def _close_after(self, dispatching: Awaitable[HttpResponseBase]) -> HttpResponseBase:
+        # adrf runs initial() through sync_to_async (thread-sensitive), so the claim's
+        # transaction opened on the request's one sync thread; the handler's async ORM calls
+        # and these close/fail calls run there too, so they all share that transaction.
+        try:
+            response = await dispatching
+        except BaseException as exc:
+            unit = self._take_unit()
+            if unit is not None:
+                await sync_to_async(unit.fail)(exc)
+            raise
+        unit = self._take_unit()
+        return response if unit is None else await sync_to_async(unit.close)(response)
+
+    def _take_unit(self) -> RequestUnit | None:
+        unit, self._idempotency = self._idempotency, None
+        return unit
 
 
 # One attribute per option (as_view() accepts only existing attributes); None means "ask

@@ -27,7 +27,10 @@ from tests.servers import InProcessServer
 from tests.test_e2e_payments import CHARGE, counts, post, records, send_at_once
 
 ASYNC = "/api/charges/async/"
+ADRF = "/api/charges/adrf/"
 SERVERS = pytest.mark.parametrize("server", ["live_uvicorn", "live_gunicorn"])
+# The async Django view under @idempotent, and the async DRF view (adrf) under the mixin.
+ASYNC_VIEWS = pytest.mark.parametrize("path", [ASYNC, ADRF], ids=["decorator", "adrf"])
 
 
 @pytest.fixture
@@ -86,14 +89,16 @@ def test_the_async_view_stays_async_under_its_decorators() -> None:
     # function; otherwise the tests below would exercise a sync view.
     assert iscoroutinefunction(views.charge_async)
     assert iscoroutinefunction(inspect.unwrap(views.charge_async))
+    assert iscoroutinefunction(views.AsyncChargeCreateView.as_view())
 
 
+@ASYNC_VIEWS
 def test_async_view_refuses_a_request_without_a_key_or_credentials(
-    live_uvicorn: str, alice: Any
+    live_uvicorn: str, alice: Any, path: str
 ) -> None:
-    missing = post(live_uvicorn, alice, None, CHARGE, ASYNC)
+    missing = post(live_uvicorn, alice, None, CHARGE, path)
     anonymous = requests.post(
-        live_uvicorn + ASYNC, json=CHARGE, headers={"Idempotency-Key": "k"}, timeout=10
+        live_uvicorn + path, json=CHARGE, headers={"Idempotency-Key": "k"}, timeout=10
     )
 
     assert missing.status_code == 400
@@ -101,17 +106,18 @@ def test_async_view_refuses_a_request_without_a_key_or_credentials(
     assert anonymous.status_code == 401
 
 
+@ASYNC_VIEWS
 @SERVERS
 def test_async_view_executes_once_and_replays(
-    request: pytest.FixtureRequest, alice: Any, server: str
+    request: pytest.FixtureRequest, alice: Any, server: str, path: str
 ) -> None:
     base_url = request.getfixturevalue(server)
     key = str(uuid.uuid4())
     before = counts(base_url)
 
-    first = post(base_url, alice, key, CHARGE, ASYNC)
-    retries = [post(base_url, alice, key, CHARGE, ASYNC) for _ in range(5)]
-    other = post(base_url, alice, key, {**CHARGE, "amount": 1}, ASYNC)
+    first = post(base_url, alice, key, CHARGE, path)
+    retries = [post(base_url, alice, key, CHARGE, path) for _ in range(5)]
+    other = post(base_url, alice, key, {**CHARGE, "amount": 1}, path)
 
     assert (first.status_code, replayed(first)) == (201, False), first.text
     assert first.json()["user"] == alice.user.username
@@ -123,20 +129,21 @@ def test_async_view_executes_once_and_replays(
     assert records(key) == 1
 
 
+@ASYNC_VIEWS
 @pytest.mark.parametrize(
     ("server", "delay_ms"),
     [("live_uvicorn", 0), ("live_uvicorn", 2500)],
     ids=["uvicorn-fast", "uvicorn-slow"],
 )
 def test_async_view_parallel_identical_requests_execute_once(
-    request: pytest.FixtureRequest, alice: Any, server: str, delay_ms: int
+    request: pytest.FixtureRequest, alice: Any, server: str, delay_ms: int, path: str
 ) -> None:
     base_url = request.getfixturevalue(server)
     key = str(uuid.uuid4())
     body = {**CHARGE, "delay_ms": delay_ms}
     before = counts(base_url)
 
-    answers = send_at_once([partial(post, base_url, alice, key, body, ASYNC)] * 20)
+    answers = send_at_once([partial(post, base_url, alice, key, body, path)] * 20)
 
     statuses = Counter((a.status_code, replayed(a)) for a in answers)
     assert set(statuses) <= {(201, False), (201, True), (409, False)}, statuses
@@ -147,12 +154,13 @@ def test_async_view_parallel_identical_requests_execute_once(
     assert records(key) == 1
 
 
+@ASYNC_VIEWS
 @pytest.mark.parametrize(
     ("server", "fault"),
     [("live_uvicorn", "crash_once"), ("live_gunicorn", "fail_once")],
 )
 def test_async_view_rolls_back_a_failed_attempt_and_the_retry_executes_once(
-    request: pytest.FixtureRequest, alice: Any, server: str, fault: str
+    request: pytest.FixtureRequest, alice: Any, server: str, fault: str, path: str
 ) -> None:
     base_url = request.getfixturevalue(server)
     key = str(uuid.uuid4())
@@ -161,13 +169,13 @@ def test_async_view_rolls_back_a_failed_attempt_and_the_retry_executes_once(
     before = counts(base_url)
 
     try:
-        failed: int | None = post(base_url, alice, key, body, ASYNC).status_code
+        failed: int | None = post(base_url, alice, key, body, path).status_code
     except requests.ConnectionError:  # crash_once: the worker died mid-request
         failed = None
     after_failure = counts(base_url)
     records_after_failure = records(key)
-    retry = post(base_url, alice, key, body, ASYNC)
-    replay = post(base_url, alice, key, body, ASYNC)
+    retry = post(base_url, alice, key, body, path)
+    replay = post(base_url, alice, key, body, path)
 
     assert failed == (500 if fault == "fail_once" else None)
     assert after_failure - before == (1, 0)
@@ -191,7 +199,7 @@ def many_waiters(settings: Any) -> Any:
     return settings
 
 
-VIEWS = pytest.mark.parametrize("path", ["/drf/", "/plain/"])
+VIEWS = pytest.mark.parametrize("path", ["/drf/", "/plain/", "/adrf/"])
 
 
 @IN_PROCESS_URLS

@@ -38,6 +38,7 @@ urlpatterns = [
     path("drf/durable/", views.DurableView.as_view()),
     path("drf/api-view/", views.api_view_charge),
     path("drf/", include(router.urls)),
+    path("adrf/", views.AsyncScriptedView.as_view()),
     path("plain/", views.plain),
     path("plain/other/", views.plain),
     path("plain/required/", views.plain_required),

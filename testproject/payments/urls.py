@@ -16,6 +16,7 @@ urlpatterns = [
     path("charges-plain/", views.PaymentCreateView.as_view(), name="charges-plain"),
     path("charges-django/", views.charge_without_drf, name="charges-django"),
     path("charges/async/", views.charge_async, name="charges-async"),
+    path("charges/adrf/", views.AsyncChargeCreateView.as_view(), name="charges-adrf"),
     path("receipts/", views.ReceiptCreateView.as_view(), name="receipts"),
     path("receipts-plain/", views.ReceiptPlainView.as_view(), name="receipts-plain"),
     path("refunds/", views.RefundCreateView.as_view(), name="refunds"),

@@ -5,6 +5,7 @@ from collections.abc import Callable
 from functools import wraps
 from typing import Any
 
+from adrf.views import APIView as AsyncAPIView
 from asgiref.sync import iscoroutinefunction, sync_to_async
 from django.contrib.auth.base_user import AbstractBaseUser
 from django.contrib.auth.models import AnonymousUser
@@ -81,6 +82,23 @@ class ChargeCreateView(IdempotencyMixin, PaymentCreateView):
     """Create a charge; a retry with the same ``Idempotency-Key`` gets the first answer."""
 
     captures = True
+
+
+class AsyncChargeCreateView(IdempotencyMixin, AsyncAPIView):
+    """The charge handler as an async DRF view (adrf), protected by the same mixin."""
+
+    authentication_classes = [TokenAuthentication]
+    permission_classes = [IsAuthenticated]
+    parser_classes = [JSONParser]
+    idempotency_required = True
+
+    async def post(self, request: Request) -> Response:
+        # DRF's serializers are sync; thread_sensitive (the default) runs them on the
+        # request's one sync thread, so on the connection that holds the claim.
+        status, body = await sync_to_async(create_payment)(
+            ChargeSerializer(data=request.data), request.user
+        )
+        return with_cookie(Response(body, status=status), request.data)
 
 
 class ReceiptPlainView(GenericAPIView[Charge]):
