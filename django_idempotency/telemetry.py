@@ -1,6 +1,7 @@
 """What operators watch, through OpenTelemetry (the ``otel`` extra): spans on the claim and
 the replay, counters and histograms of outcomes, gauges of partition headroom and outbox
-backlog. Without ``opentelemetry-api`` installed every hook here is a no-op.
+backlog. Without ``opentelemetry-api`` installed every hook here is a no-op; with it, until
+the application sets a provider, the unit of work's hooks skip their spans and measurements.
 
 Attributes are of low cardinality (the view, the outcome): never a key, a principal or a
 body, which are bearer-like, personal, and would make one time series per request.
@@ -40,6 +41,16 @@ except ImportError:  # pragma: no cover  (tests/test_telemetry.py proves it in a
     ENABLED = False
 else:
     ENABLED = True
+    # What the API hands out until the application sets a provider: proxies whose spans and
+    # instruments record nothing. The meter's proxy has no public name.
+    from opentelemetry.metrics._internal import _ProxyMeterProvider
+
+    SILENT_PROVIDERS: tuple[type, ...] = (
+        trace.ProxyTracerProvider,
+        trace.NoOpTracerProvider,
+        _ProxyMeterProvider,
+        metrics.NoOpMeterProvider,
+    )
 
 if TYPE_CHECKING:
     from opentelemetry.metrics import CallbackOptions
@@ -198,6 +209,23 @@ def _tracer() -> Any:
     return trace.get_tracer(SCOPE)
 
 
+# Whether a provider was seen set: OpenTelemetry sets each at most once per process, so
+# once heard, always heard.
+_heard = False
+
+
+def listening() -> bool:
+    """Whether the application set a tracer or a meter provider. Until it does, the hooks
+    skip their spans and measurements, which would record nothing and cost a claim tens
+    of microseconds."""
+    global _heard
+    if not _heard:
+        _heard = not isinstance(trace.get_tracer_provider(), SILENT_PROVIDERS) or not (
+            isinstance(metrics.get_meter_provider(), SILENT_PROVIDERS)
+        )
+    return _heard
+
+
 def _count(instruments: _Instruments, attributes: dict[str, str], outcome: str) -> None:
     attributes = {**attributes, OUTCOME: outcome}
     instruments.requests.add(1, attributes)
@@ -234,6 +262,8 @@ def traced_open(method: Callable[[UnitOfWork], Decision]) -> Callable[[UnitOfWor
 
     @functools.wraps(method)
     def wrapper(unit: UnitOfWork) -> Decision:
+        if not listening():
+            return method(unit)
         instruments = _instruments()
         attributes = _attributes(unit.sender, unit.context)
         tracer = _tracer()
@@ -273,6 +303,8 @@ def counted_close(
 
     @functools.wraps(method)
     def wrapper(unit: UnitOfWork, outcome: Outcome) -> bool:
+        if not listening():
+            return method(unit, outcome)
         ended = ERROR
         try:
             stored = method(unit, outcome)
@@ -296,6 +328,8 @@ def counted_fail(
 
     @functools.wraps(method)
     def wrapper(unit: UnitOfWork, exc: BaseException) -> None:
+        if not listening():
+            return method(unit, exc)
         ended = ERROR
         try:
             method(unit, exc)
@@ -312,7 +346,7 @@ def counted_fail(
 def refused(sender: Any, context: Any, error: IdempotencyError) -> None:
     """A request refused before its claim (no key, a malformed key, no principal, or the
     store lost while the principal was loaded)."""
-    if ENABLED:
+    if ENABLED and listening():
         _count(_instruments(), _attributes(sender, context), outcome_of(error))
 
 
@@ -323,6 +357,8 @@ def traced_replay(method: Callable[[Replay], Any]) -> Callable[[Replay], Any]:
 
     @functools.wraps(method)
     def wrapper(replay: Replay) -> Any:
+        if not listening():
+            return method(replay)
         tracer = _tracer()
         with tracer.start_as_current_span(
             REPLAY_SPAN,

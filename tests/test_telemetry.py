@@ -21,6 +21,7 @@ from django.views.decorators.csrf import csrf_exempt
 
 pytest.importorskip("opentelemetry.sdk")
 from opentelemetry import metrics, trace
+from opentelemetry.metrics._internal import _ProxyMeterProvider
 from opentelemetry.sdk.metrics import (
     Counter,
     Histogram,
@@ -444,6 +445,36 @@ def test_a_message_id_tells_when_it_was_enqueued() -> None:
 
     message_id, created_at = new_message_id()
     assert telemetry.message_time(str(message_id)) == created_at.timestamp()
+
+
+@pytest.mark.django_db
+@pytest.mark.parametrize(
+    ("tracer_provider", "meter_provider"),
+    [
+        (trace.ProxyTracerProvider, _ProxyMeterProvider),  # the API before any setup
+        (trace.NoOpTracerProvider, metrics.NoOpMeterProvider),
+    ],
+)
+def test_without_a_provider_set_the_hooks_record_nothing_and_keys_still_work(
+    client, collect: Any, monkeypatch: pytest.MonkeyPatch, tracer_provider: Any, meter_provider: Any
+) -> None:
+    # As in a process whose application set no provider (this session's are set for good).
+    monkeypatch.setattr(telemetry, "_heard", False)
+    monkeypatch.setattr(trace, "get_tracer_provider", tracer_provider)
+    monkeypatch.setattr(metrics, "get_meter_provider", meter_provider)
+    key, script = new_key(), ScriptFactory()
+    assert send(client, "POST", "/drf/", script, key=key).status_code == 201
+    assert replayed(send(client, "POST", "/drf/", script, key=key))
+    assert send(client, "POST", "/drf/required/", ScriptFactory()).status_code == 400
+    with pytest.raises(Boom):
+        send(client, "POST", "/plain/", ScriptFactory(fail="raise"), key=new_key())
+    assert not telemetry.listening()
+    got = collect()
+    assert got.spans == [] and got.count(telemetry.REQUESTS) == 0
+    assert got.recorded(telemetry.CLAIM_DURATION) == []
+    monkeypatch.undo()
+    # The SDK's providers are set: heard from now on.
+    assert telemetry.listening()
 
 
 @pytest.mark.django_db(transaction=True)
