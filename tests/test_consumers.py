@@ -19,7 +19,7 @@ pytest.importorskip("celery")
 from celery import shared_task
 from celery.exceptions import Reject, Retry
 from django.core import checks
-from django.db import OperationalError, transaction
+from django.db import OperationalError, connection, transaction
 from django.test import override_settings
 from django.utils import timezone
 
@@ -284,6 +284,28 @@ def test_a_store_that_cannot_be_reached_gives_the_message_back(monkeypatch: Any)
     given_back = deliver(note, str(uuid.uuid4()), 7)
     assert given_back.state == "REJECTED" and given_back.result.requeue
     assert RAN == []
+
+
+@shared_task(base=ExactlyOnceTask, bind=True, name="tests.consumers.lose_database")
+def lose_database(self: ExactlyOnceTask, value: int) -> int:
+    RAN.append(("lose_database", self.request.id, value))
+    if len(RAN) == 1:
+        with connection.cursor() as cursor:
+            # The server ends the connection mid-body, as a restart or a cut connection does.
+            cursor.execute("SELECT pg_terminate_backend(pg_backend_pid())")
+    return value
+
+
+def test_a_body_that_loses_the_database_gives_the_message_back(monkeypatch: Any) -> None:
+    # Acknowledged as failed, the message would be gone: nothing would ever run it again.
+    monkeypatch.setattr(consumers, "STORE_DOWN_PAUSE", 0)
+    message_id = str(uuid.uuid4())
+    given_back = deliver(lose_database, message_id, 7)
+    assert given_back.state == "REJECTED" and given_back.result.requeue
+    assert not IdempotencyRecord.objects.exists()
+    redelivered = deliver(lose_database, message_id, 7)
+    assert (redelivered.state, redelivered.result) == ("SUCCESS", 7)
+    assert IdempotencyRecord.objects.get().key == message_id
 
 
 @override_settings(IDEMPOTENCY_EXPIRED_WINDOW=timedelta(days=1))

@@ -16,11 +16,12 @@ import hashlib
 import json
 import logging
 import time
-from typing import Any
+from typing import Any, NoReturn
 
 from celery import Task
 from celery.exceptions import Reject
 from django.core.serializers.json import DjangoJSONEncoder
+from django.db import InterfaceError, OperationalError
 
 from django_idempotency.conf import conf
 from django_idempotency.engine.errors import InProgress, KeyExpired, StoreUnavailable
@@ -103,14 +104,7 @@ def consume(
     try:
         decision = unit.open()
     except StoreUnavailable as exc:
-        logger.warning(
-            "Task %s[%s] found the idempotency store unavailable; the message goes back to "
-            "the broker.",
-            task.name,
-            message_id,
-        )
-        time.sleep(STORE_DOWN_PAUSE)
-        raise Reject(exc, requeue=True) from exc
+        _give_back(task, message_id, exc)
     if isinstance(decision, Replay):
         logger.info("Task %s[%s] already ran; acknowledged with its result.", task.name, message_id)
         return json.loads(decision.record.body() or b"null")
@@ -122,6 +116,11 @@ def consume(
     except BaseException as exc:
         # Retry, Reject, any error, SystemExit: nothing of this delivery stays.
         unit.fail(exc)
+        if isinstance(exc, (OperationalError, InterfaceError)):
+            # The database went away under the body (restarted, the connection cut): as
+            # when the claim finds it down, the message goes back to the broker instead of
+            # being acknowledged as failed, which would lose it.
+            _give_back(task, message_id, exc)
         raise
     try:
         unit.close(Outcome(200, JSON_HEADERS, body))
@@ -129,6 +128,16 @@ def consume(
         # Nothing was committed; the broker redelivers.
         raise Reject(exc, requeue=True) from exc
     return result
+
+
+def _give_back(task: Task[Any, Any], message_id: str, exc: Exception) -> NoReturn:
+    logger.warning(
+        "Task %s[%s] found the idempotency store unavailable; the message goes back to the broker.",
+        task.name,
+        message_id,
+    )
+    time.sleep(STORE_DOWN_PAUSE)
+    raise Reject(exc, requeue=True) from exc
 
 
 def _refused(task: Task[Any, Any], message_id: str, decision: Refuse) -> Any:
