@@ -661,9 +661,11 @@ def run(options: Options) -> Section:
     ]
     if store:
         notes.append(
-            f"storing a 1 MB response: a {store['body_bytes']:,}-byte receipt, compressed to "
-            f"{store['stored_bytes']:,} bytes, written by django_idempotency_store() with "
-            f"its COMMIT after a claim, in-process; median of {len(store['total_ms_all'])}"
+            f"storing a 1 MB response: a {store['body_bytes']:,}-byte receipt, sent as "
+            f"{store['stored_bytes']:,} bytes ({store.get('encoding') or 'as it is'}; "
+            f"{store.get('on_disk_bytes', 0):,} bytes on disk), written by "
+            f"django_idempotency_store() with its COMMIT after a claim, in-process; median of "
+            f"{len(store['total_ms_all'])}"
         )
     data = {
         "sequential_ms": lat,

@@ -5,7 +5,7 @@ Each mode's request goes through Django's WSGI handler in this process, as gunic
 it (so ``request_started``/``request_finished`` run, with the connection health check they
 schedule), with libpq's trace on the database connection. In the trace, every
 ``ReadyForQuery`` the server sends ends one round trip and every ``CommandComplete`` ends
-one statement: a store sent with its ``COMMIT`` is two statements in one round trip. The
+one statement: a store pipelined with its ``COMMIT`` is two statements in one round trip. The
 modes with ``lookup_first`` run under ``override_settings(IDEMPOTENCY_LOOKUP_FIRST=True)``.
 """
 
@@ -62,16 +62,23 @@ def label(sql: str) -> str:
 
 def parse_trace(text: str) -> tuple[list[str], list[str], int]:
     """From a libpq trace: the command tags of the statements the server ran, what the
-    client sent (one label per message), and the round trips."""
+    client sent (one label per round trip: statements pipelined into one are joined by
+    "+"), and the round trips."""
     tags, sent, trips = [], [], 0
+    waiting = False  # something was sent that the server has not yet answered
     for line in text.splitlines():
         if (query := SENT_LINE.match(line)) is not None:
-            sent.append(label(query.group(1)))
+            if waiting:
+                sent[-1] += "+" + label(query.group(1))
+            else:
+                sent.append(label(query.group(1)))
+            waiting = True
         match = TRACE_LINE.match(line)
         if match is None:
             continue
         if match.group(1) == "ReadyForQuery":
             trips += 1
+            waiting = False
         else:
             tags.append(match.group(2).strip().strip('"').split(" ")[0])
     return tags, sent, trips
@@ -212,8 +219,9 @@ def count(traced: Traced, samples: int) -> dict[str, Any]:
 
 
 def store_time(traced: Traced, samples: int) -> dict[str, Any]:
-    """Compressing and storing a 1 MB response with its COMMIT, as the engine does after
-    the claim; the body is a 1 MB receipt of the testproject."""
+    """Encoding (compressing, unless PostgreSQL does) and storing a 1 MB response with its
+    COMMIT, as the engine does after the claim; the body is a 1 MB receipt of the
+    testproject."""
     from django.db import transaction
 
     from django_idempotency.conf import conf
@@ -227,7 +235,7 @@ def store_time(traced: Traced, samples: int) -> dict[str, Any]:
     from django.db import connection
 
     compress, write, total, app_cpu, db_cpu = [], [], [], [], []
-    stored_bytes = 0
+    stored_bytes, stored_encoding = 0, ""
     for n in range(samples + 2):
         principal, key = "bench:store", str(uuid.uuid4())
         with transaction.atomic():
@@ -244,7 +252,7 @@ def store_time(traced: Traced, samples: int) -> dict[str, Any]:
             backend = _backend_cpu(connection.connection.info.backend_pid)
             cpu = time.thread_time()
             started = time.perf_counter()
-            stored, encoding = storage.encode_body(content, conf.COMPRESS_MIN_BYTES)
+            stored, encoding = storage.encode_body("default", content, conf.COMPRESS_MIN_BYTES)
             encoded = time.perf_counter()
             storage.store(
                 "default",
@@ -273,10 +281,20 @@ def store_time(traced: Traced, samples: int) -> dict[str, Any]:
             compress.append((encoded - started) * 1000)
             write.append((done - encoded) * 1000)
             total.append((done - started) * 1000)
-            stored_bytes = len(stored)
+            stored_bytes, stored_encoding = len(stored), encoding
+    with connection.cursor() as cursor:
+        # What TOAST made of the last one (lz4, or pglz on a stored zlib body).
+        cursor.execute(
+            "SELECT pg_column_size(response_body) FROM django_idempotency_record "
+            "WHERE scope = %s AND key = %s",
+            [principal, key],
+        )
+        (on_disk,) = cursor.fetchone()
     return {
         "body_bytes": len(content),
         "stored_bytes": stored_bytes,
+        "encoding": stored_encoding,
+        "on_disk_bytes": on_disk,
         "compress_ms": statistics.median(compress),
         "write_and_commit_ms": statistics.median(write),
         "total_ms": statistics.median(total),

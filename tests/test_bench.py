@@ -4,6 +4,7 @@ CommandComplete."""
 
 from __future__ import annotations
 
+import psycopg
 import pytest
 from django.db import connection
 
@@ -21,6 +22,21 @@ def test_trace_counts_statements_and_round_trips_of_a_real_connection() -> None:
     assert trace.statements == ["SELECT", "BEGIN", "SELECT", "COMMIT"]
     assert trace.round_trips == 3
     assert trace.sent == ["health check", "BEGIN", "lookup+COMMIT"]
+
+
+@pytest.mark.django_db(transaction=True)
+def test_trace_joins_the_statements_of_one_pipelined_round_trip() -> None:
+    # As the engine sends its store (a statement with parameters) and COMMIT.
+    connection.ensure_connection()
+    with connection.cursor() as cursor:
+        cursor.execute("BEGIN")
+    pgconn = connection.connection
+    with libpq_trace(pgconn.pgconn) as trace, pgconn.pipeline(), psycopg.Cursor(pgconn) as cursor:
+        cursor.execute("SELECT count(*) FROM django_idempotency_record WHERE key = %s", ["k"])
+        cursor.execute("COMMIT")
+    assert trace.statements == ["SELECT", "COMMIT"]
+    assert trace.round_trips == 1
+    assert trace.sent == ["lookup+COMMIT"]
 
 
 @pytest.mark.django_db(transaction=True)

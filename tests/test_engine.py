@@ -15,6 +15,7 @@ from django.test import Client, RequestFactory
 
 from django_idempotency.engine.unit import prefer_wait
 from django_idempotency.models import IdempotencyRecord
+from django_idempotency.storage import records
 from tests.claims import held_claim, unreachable_store
 from tests.client import problem, replayed, send
 from tests.factories import ScriptFactory, UserFactory, new_key
@@ -29,6 +30,14 @@ ENDPOINTS = pytest.mark.parametrize("path", ["/drf/", "/plain/"])
 def atomic_requests(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> bool:
     """Run the test with and without ATOMIC_REQUESTS on the default database."""
     monkeypatch.setitem(connection.settings_dict, "ATOMIC_REQUESTS", request.param)
+    return bool(request.param)
+
+
+@pytest.fixture(params=[False, True], ids=["zlib_here", "lz4_in_postgres"])
+def database_compresses(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> bool:
+    """Run the test both ways bodies can be compressed, whatever this server has: zlib in
+    the app, or (pretended where the server has no lz4) PostgreSQL's own."""
+    monkeypatch.setattr(records, "database_compresses", lambda using: request.param)
     return bool(request.param)
 
 
@@ -447,15 +456,30 @@ def test_a_hundred_sequential_retries_execute_once_and_replay_byte_identical(
 
 @pytest.mark.django_db
 @ENDPOINTS
-def test_large_body_is_stored_compressed_and_replayed_byte_identical(client, path: str) -> None:
+def test_large_body_is_stored_compressed_and_replayed_byte_identical(
+    client, path: str, database_compresses: bool
+) -> None:
     key, script = new_key(), ScriptFactory(pad=300_000)
     first = send(client, "POST", path, script, key=key)
     retry = send(client, "POST", path, script, key=key)
     assert len(first.content) > 300_000
     assert retry.content == first.content
     record = IdempotencyRecord.objects.get(key=key)
-    assert record.body_encoding == "zlib"
-    assert len(record.response_body) < len(first.content) // 10
+    if database_compresses:
+        # Stored as it is: TOAST compresses it (lz4 where the column has it, else pglz).
+        assert record.body_encoding == ""
+        assert bytes(record.response_body) == first.content
+        with connection.cursor() as cursor:
+            cursor.execute(
+                "SELECT pg_column_size(response_body) FROM django_idempotency_record "
+                "WHERE key = %s",
+                [key],
+            )
+            (stored,) = cursor.fetchone()
+        assert stored < len(first.content) // 10
+    else:
+        assert record.body_encoding == "zlib"
+        assert len(record.response_body) < len(first.content) // 10
 
 
 @pytest.mark.django_db
@@ -474,8 +498,9 @@ def test_incompressible_body_is_stored_as_it_is(client, path: str) -> None:
 @pytest.mark.django_db
 @pytest.mark.parametrize(("threshold", "encoding"), [(None, ""), (64, "zlib")])
 def test_compression_starts_at_compress_min_bytes(
-    client, settings, threshold: int | None, encoding: str
+    client, settings, monkeypatch, threshold: int | None, encoding: str
 ) -> None:
+    monkeypatch.setattr(records, "database_compresses", lambda using: False)
     if threshold is not None:
         settings.IDEMPOTENCY_COMPRESS_MIN_BYTES = threshold
     key, script = new_key(), ScriptFactory(pad=1024)
@@ -767,8 +792,9 @@ def test_a_durable_block_in_an_idempotent_view_is_a_clear_error_naming_it(client
 @pytest.mark.django_db
 @ENDPOINTS
 def test_a_compressed_replay_goes_out_as_stored_to_clients_that_accept_deflate(
-    client, path: str
+    client, path: str, monkeypatch
 ) -> None:
+    monkeypatch.setattr(records, "database_compresses", lambda using: False)
     key, script = new_key(), ScriptFactory(pad=64_000)
     first = send(client, "POST", path, script, key=key)
     plain = send(client, "POST", path, script, key=key)
@@ -789,6 +815,19 @@ def test_a_compressed_replay_goes_out_as_stored_to_clients_that_accept_deflate(
     assert all(replayed(r) for r in (plain, encoded, refused))
 
 
+@pytest.mark.django_db
+def test_a_body_the_database_compresses_goes_out_as_it_is_to_every_client(
+    client, monkeypatch
+) -> None:
+    monkeypatch.setattr(records, "database_compresses", lambda using: True)
+    key, script = new_key(), ScriptFactory(pad=64_000)
+    first = send(client, "POST", "/drf/", script, key=key)
+    encoded = send(client, "POST", "/drf/", script, key=key, headers={"Accept-Encoding": "deflate"})
+    assert replayed(encoded)
+    assert "Content-Encoding" not in encoded
+    assert encoded.content == first.content
+
+
 def statements(client, path: str, script: dict[str, Any], key: str) -> list[str]:
     """The statements a request sends; BEGIN and COMMIT are Django's own log lines of the
     transaction (psycopg sends no COMMIT when the server is already idle)."""
@@ -806,6 +845,8 @@ def test_round_trip_budget_per_mode(client) -> None:
     """Beyond the view's own statements (here one INSERT): a fresh key sends the claim and
     the store with its COMMIT; a replay only the claim (its transaction's BEGIN and COMMIT
     are psycopg's, not statements); with lookup_first, one SELECT and no transaction."""
+    # Read once per process, by the first store: not a cost of every request.
+    records.database_compresses(connection.alias)
     key, script = new_key(), ScriptFactory()
     fresh = statements(client, "/drf/", script, key)
     assert fresh[0] == "SELECT * FROM django_idempotency_claim"
@@ -819,23 +860,29 @@ def test_round_trip_budget_per_mode(client) -> None:
 
 
 @pytest.mark.django_db(transaction=True)
-def test_the_store_and_the_commit_travel_as_one_statement(client) -> None:
-    from django.test.utils import CaptureQueriesContext
+@pytest.mark.parametrize("random_bytes", [0, records.BINARY_BODY_MIN_BYTES], ids=["hex", "binary"])
+def test_the_store_and_the_commit_travel_in_one_round_trip(client, random_bytes: int) -> None:
     from psycopg.pq import TransactionStatus
 
-    from django_idempotency.storage import records
+    from bench.round_trips import TraceResult, libpq_trace
 
+    traces: list[TraceResult] = []
     seen: list[TransactionStatus] = []
     original = records.store
 
     def store(*args: Any, **kwargs: Any) -> None:
-        original(*args, **kwargs)
+        with libpq_trace(connection.connection.pgconn) as trace:
+            original(*args, **kwargs)
+        traces.append(trace)
         seen.append(connection.connection.info.transaction_status)
 
-    with CaptureQueriesContext(connection) as captured, pytest.MonkeyPatch.context() as patch:
+    records.database_compresses(connection.alias)  # read once per process, not traced here
+    with pytest.MonkeyPatch.context() as patch:
         patch.setattr(records, "store", store)
-        send(client, "POST", "/drf/", ScriptFactory(), key=new_key())
-    stored = [q["sql"] for q in captured.captured_queries if "django_idempotency_store" in q["sql"]]
-    assert len(stored) == 1 and stored[0].endswith("; COMMIT")
-    # Committed by that statement: Django's own commit() then costs no round trip.
+        send(client, "POST", "/drf/", ScriptFactory(random_bytes=random_bytes), key=new_key())
+    [trace] = traces
+    assert trace.statements == ["SELECT", "COMMIT"]
+    assert trace.sent == ["store+COMMIT"]
+    assert trace.round_trips == 1
+    # Committed by that round trip: Django's own commit() then costs none.
     assert seen == [TransactionStatus.IDLE]

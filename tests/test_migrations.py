@@ -13,7 +13,7 @@ from django.core.management import call_command
 from django.db import connection, transaction
 
 from django_idempotency.models import IdempotencyRecord
-from django_idempotency.partitions import catalog
+from django_idempotency.partitions import apply, catalog
 from django_idempotency.partitions.tables import RECORDS
 from django_idempotency.storage.records import Outcome
 from tests.claims import claim, store_first
@@ -126,3 +126,37 @@ def test_migrate_to_zero_and_back() -> None:
     relkind = "SELECT relkind FROM pg_class WHERE oid = 'django_idempotency_record'::regclass"
     assert fetch_one(relkind) == ("p",)
     assert_migrated_schema_works()
+
+
+def body_compressions() -> set[tuple[str, str]]:
+    """(table, attcompression) of the records' body column: the parent and each partition."""
+    with connection.cursor() as cursor:
+        cursor.execute(
+            "SELECT attrelid::regclass::text, attcompression::text FROM pg_attribute "
+            "WHERE attname = 'response_body' AND attrelid IN ("
+            "  SELECT 'django_idempotency_record'::regclass UNION ALL "
+            "  SELECT inhrelid FROM pg_inherits "
+            "  WHERE inhparent = 'django_idempotency_record'::regclass)"
+        )
+        return set(cursor.fetchall())
+
+
+@pytest.mark.django_db(transaction=True)
+def test_bodies_are_left_to_lz4_where_the_server_has_it_in_every_partition() -> None:
+    (has_lz4,) = fetch_one(
+        "SELECT 'lz4' = ANY (enumvals) FROM pg_settings WHERE name = 'default_toast_compression'"
+    ) or (None,)
+    lz4 = "l" if has_lz4 else ""
+    day = catalog.utc_today() + timedelta(days=40)
+    assert apply.create_partition(connection, RECORDS, day, retry_for=timedelta(seconds=5))
+    try:
+        # A partition made by maintenance follows the parent, as the migration's do.
+        assert {compression for _, compression in body_compressions()} == {lz4}
+        assert RECORDS.partition_name(day) in {table for table, _ in body_compressions()}
+        call_command("migrate", "django_idempotency", "0002", verbosity=0)
+        assert {compression for _, compression in body_compressions()} == {""}
+        call_command("migrate", "django_idempotency", verbosity=0)
+        assert {compression for _, compression in body_compressions()} == {lz4}
+    finally:
+        with connection.cursor() as cursor:
+            cursor.execute(f'DROP TABLE "{RECORDS.partition_name(day)}"')

@@ -3,13 +3,18 @@
 from __future__ import annotations
 
 from datetime import UTC, datetime, timedelta
+from typing import Any
 
+import psycopg
 import pytest
-from django.db import connection, transaction
+from django.db import DEFAULT_DB_ALIAS, IntegrityError, connection, transaction
+from django.test.utils import CaptureQueriesContext
 from django.utils import timezone
+from psycopg.pq import Format, TransactionStatus
 
 from django_idempotency.models import IdempotencyRecord
 from django_idempotency.partitions.tables import RECORDS
+from django_idempotency.storage import records as storage
 from django_idempotency.storage.records import Outcome
 from tests.claims import ClaimThread, claim, held_claim, store_first, wait_for_lock_waiters
 from tests.factories import new_key
@@ -172,3 +177,169 @@ def test_waiter_gives_up_busy_when_its_wait_runs_out() -> None:
         waiter.start()
         waiter.claimed.wait(30)
         assert waiter.result() == Outcome.BUSY
+
+
+# Bodies in binary both ways: the claim, the lookup and the store run on a cursor that binds
+# on the server and reads binary results.
+
+
+def body_of(size: int) -> bytes:
+    """Bytes of every value, so that any text escaping of the body would show."""
+    return (bytes(range(256)) * (size // 256 + 1))[:size]
+
+
+def store_body(scope: str, key: str, body: bytes, *, commit: bool) -> None:
+    claimed = claim(scope, key)
+    assert claimed.created_at is not None
+    storage.store(
+        DEFAULT_DB_ALIAS,
+        storage.Finished(
+            principal=scope, key=key, method="POST", path="/drf/", fingerprint={"body": "x"},
+            created_at=claimed.created_at, expires_at=claimed.created_at + TTL, code=201,
+            headers=[["Content-Type", "application/octet-stream"]], body=body,
+            body_encoding="",
+        ),
+        row_id=None,
+        commit=commit,
+    )  # fmt: skip
+
+
+@pytest.mark.django_db(transaction=True)
+def test_bodies_travel_in_binary_both_ways() -> None:
+    cursors: list[tuple[str, Any]] = []
+
+    def spy(execute: Any, sql: str, params: Any, many: bool, context: Any) -> Any:
+        cursors.append((sql.split("(", 1)[0], context["cursor"].cursor))
+        return execute(sql, params, many, context)
+
+    key, body = new_key(), body_of(256 * 1024)
+    with connection.execute_wrapper(spy):
+        with transaction.atomic():
+            store_body("anonymous", key, body, commit=True)
+        with transaction.atomic():
+            found = claim("anonymous", key)
+        looked_up = storage.lookup(DEFAULT_DB_ALIAS, principal="anonymous", key=key, window=TTL)
+    assert found.record is not None and looked_up is not None
+    assert found.record.body() == looked_up.body() == body
+    ours = [(sql, raw) for sql, raw in cursors if "idempotency" in sql or sql == "COMMIT"]
+    assert [sql for sql, _ in ours] == [
+        "SELECT * FROM django_idempotency_claim",
+        "SELECT django_idempotency_store",
+        "COMMIT",
+        "SELECT * FROM django_idempotency_claim",
+        "SELECT 'found', created_at, expires_at, method, path, fingerprint, response_code, "
+        "response_headers, response_body, body_encoding FROM django_idempotency_record "
+        "WHERE scope = %s AND key = %s AND created_at >= %s AND expires_at > %s "
+        "ORDER BY created_at DESC LIMIT 1",
+    ]
+    # Server-side binding (not psycopg's ClientCursor, which writes a bytea as a hex
+    # literal), and binary results (a bytea not read as hex text).
+    assert all(type(raw) is psycopg.Cursor and raw.format == Format.BINARY for _, raw in ours)
+
+
+LARGE = storage.BINARY_BODY_MIN_BYTES  # sent as a binary parameter; smaller as hex
+
+
+@pytest.mark.django_db(transaction=True)
+@pytest.mark.parametrize("size", [100, LARGE])
+@pytest.mark.parametrize("commit", [False, True])
+def test_the_store_commits_only_when_asked(size: int, commit: bool) -> None:
+    key, body = new_key(), body_of(size)
+    with transaction.atomic():
+        store_body("anonymous", key, body, commit=commit)
+        expected = TransactionStatus.IDLE if commit else TransactionStatus.INTRANS
+        assert connection.connection.info.transaction_status == expected
+    with transaction.atomic():
+        found = claim("anonymous", key)
+    assert found.record is not None and found.record.body() == body
+
+
+@pytest.mark.django_db(transaction=True)
+def test_without_pipelines_the_commit_is_left_to_django(monkeypatch) -> None:
+    # libpq before 14 has no pipeline mode: the store travels alone, Django commits after.
+    monkeypatch.setattr(psycopg.Pipeline, "is_supported", classmethod(lambda cls: False))
+    key, body = new_key(), body_of(LARGE)
+    with transaction.atomic():
+        store_body("anonymous", key, body, commit=True)
+        assert connection.connection.info.transaction_status == TransactionStatus.INTRANS
+    with transaction.atomic():
+        found = claim("anonymous", key)
+    assert found.record is not None and found.record.body() == body
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_failed_pipelined_store_is_a_django_error_and_commits_nothing() -> None:
+    key = new_key()
+    with pytest.raises(IntegrityError) as failed, transaction.atomic():
+        claimed = claim("anonymous", key)
+        assert claimed.created_at is not None
+        storage.store(
+            DEFAULT_DB_ALIAS,
+            storage.Finished(
+                principal="anonymous", key=key, method="POST", path="/drf/",
+                fingerprint={}, created_at=claimed.created_at - timedelta(days=3650),
+                expires_at=claimed.created_at, code=201, headers=[], body=body_of(LARGE),
+                body_encoding="",
+            ),
+            row_id=None,
+            commit=True,
+        )  # fmt: skip
+    assert storage.missing_partition(failed.value)
+    assert not IdempotencyRecord.objects.filter(key=key).exists()
+
+
+@pytest.mark.django_db
+@pytest.mark.parametrize("use_tz", [True, False])
+def test_binary_timestamps_load_as_djangos_own(settings, use_tz: bool) -> None:
+    settings.USE_TZ = use_tz
+    sql = "SELECT '2026-03-01 12:30:00.123456+00'::timestamptz"
+    with connection.cursor() as cursor:
+        cursor.execute(sql)
+        (django_loaded,) = cursor.fetchone()
+    with storage.binary_cursor(connection) as cursor:
+        cursor.execute(sql)
+        (binary_loaded,) = cursor.fetchone()
+    assert binary_loaded == django_loaded
+    assert binary_loaded.tzinfo == django_loaded.tzinfo
+    assert (binary_loaded.tzinfo is None) is not use_tz
+
+
+# Who compresses a stored body: PostgreSQL (lz4) where the column has it, else the app.
+
+
+def server_has_lz4() -> bool:
+    with connection.cursor() as cursor:
+        cursor.execute(
+            "SELECT 'lz4' = ANY (enumvals) FROM pg_settings "
+            "WHERE name = 'default_toast_compression'"
+        )
+        return bool(cursor.fetchone()[0])
+
+
+@pytest.mark.django_db
+def test_the_database_compresses_where_the_column_is_lz4_and_it_is_read_once(
+    monkeypatch,
+) -> None:
+    monkeypatch.setattr(storage, "_lz4_columns", {})
+    with CaptureQueriesContext(connection) as first:
+        compresses = storage.database_compresses(DEFAULT_DB_ALIAS)
+    with CaptureQueriesContext(connection) as again:
+        assert storage.database_compresses(DEFAULT_DB_ALIAS) is compresses
+    assert (len(first), len(again)) == (1, 0)
+    # Migration 0003 sets lz4 wherever the server has it.
+    assert compresses is server_has_lz4()
+    body = b'{"amount": 2499, "currency": "inr"}' * 100
+    stored, encoding = storage.encode_body(DEFAULT_DB_ALIAS, body, 2048)
+    if compresses:
+        assert (stored, encoding) == (body, "")
+    else:
+        assert encoding == storage.ZLIB and len(stored) < len(body) // 10
+    assert storage.decode_body(stored, encoding) == body
+
+
+@pytest.mark.django_db
+def test_a_database_without_the_records_table_does_not_compress(monkeypatch) -> None:
+    monkeypatch.setattr(storage, "_lz4_columns", {})
+    with connection.cursor() as cursor:
+        cursor.execute("SET LOCAL search_path TO pg_catalog")  # the table out of sight
+        assert storage.database_compresses(DEFAULT_DB_ALIAS) is False

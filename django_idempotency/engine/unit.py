@@ -381,7 +381,7 @@ class UnitOfWork:
             return False
         work = self.work
         assert claimed.created_at is not None
-        body, encoding = storage.encode_body(result.body, conf.COMPRESS_MIN_BYTES)
+        body, encoding = storage.encode_body(using, result.body, conf.COMPRESS_MIN_BYTES)
         finished = storage.Finished(
             principal=work.principal,
             key=work.key,

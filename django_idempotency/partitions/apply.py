@@ -128,7 +128,8 @@ def create_partition_statements(table: PartitionedTable, day: date) -> list[str]
     start, end = day_bounds(day)
     return [
         f'CREATE TABLE IF NOT EXISTS "{name}" '
-        f'(LIKE "{table.table}" INCLUDING DEFAULTS INCLUDING CONSTRAINTS)',
+        f'(LIKE "{table.table}" INCLUDING DEFAULTS INCLUDING CONSTRAINTS '
+        f"INCLUDING COMPRESSION)",
         f'ALTER TABLE "{table.table}" ATTACH PARTITION "{name}" '
         f"FOR VALUES FROM ('{start.isoformat()}') TO ('{end.isoformat()}')",
         f"COMMENT ON TABLE \"{name}\" IS '{PARTITION_COMMENT}'",
