@@ -17,6 +17,7 @@ import uuid
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from datetime import UTC, datetime
+from types import ModuleType
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from django.conf import settings
@@ -41,14 +42,15 @@ except ImportError:  # pragma: no cover  (tests/test_telemetry.py proves it in a
     ENABLED = False
 else:
     ENABLED = True
-    # What the API hands out until the application sets a provider: proxies whose spans and
-    # instruments record nothing. The meter's proxy has no public name.
-    from opentelemetry.metrics._internal import _ProxyMeterProvider
+    from opentelemetry.metrics import _internal as metrics_internal
 
+    # What the API holds until the application sets a provider (None, or the proxies its
+    # getters hand out), or a no-op one: spans and instruments that record nothing.
     SILENT_PROVIDERS: tuple[type, ...] = (
+        type(None),
         trace.ProxyTracerProvider,
         trace.NoOpTracerProvider,
-        _ProxyMeterProvider,
+        metrics_internal._ProxyMeterProvider,
         metrics.NoOpMeterProvider,
     )
 
@@ -212,18 +214,36 @@ def _tracer() -> Any:
 # Whether a provider was seen set: OpenTelemetry sets each at most once per process, so
 # once heard, always heard.
 _heard = False
+_environment_read = False
 
 
 def listening() -> bool:
     """Whether the application set a tracer or a meter provider. Until it does, the hooks
     skip their spans and measurements, which would record nothing and cost a claim tens
     of microseconds."""
-    global _heard
-    if not _heard:
-        _heard = not isinstance(trace.get_tracer_provider(), SILENT_PROVIDERS) or not (
-            isinstance(metrics.get_meter_provider(), SILENT_PROVIDERS)
-        )
+    global _heard, _environment_read
+    if _heard:
+        return True
+    if not _environment_read:
+        # Once: the getters load a provider that OTEL_PYTHON_TRACER_PROVIDER (or
+        # OTEL_PYTHON_METER_PROVIDER) names, and read os.environ on every call, which costs
+        # microseconds; later checks read the globals they fill.
+        _environment_read = True
+        trace.get_tracer_provider()
+        metrics.get_meter_provider()
+    tracer = _global(trace, "_TRACER_PROVIDER", trace.get_tracer_provider)
+    meter = _global(metrics_internal, "_METER_PROVIDER", metrics.get_meter_provider)
+    _heard = not isinstance(tracer, SILENT_PROVIDERS) or not isinstance(meter, SILENT_PROVIDERS)
     return _heard
+
+
+def _global(module: ModuleType, name: str, getter: Callable[[], object]) -> object:
+    # The API's global as it is; an API that no longer keeps it there is asked its getter.
+    try:
+        found: object = getattr(module, name)
+    except AttributeError:
+        return getter()
+    return found
 
 
 def _count(instruments: _Instruments, attributes: dict[str, str], outcome: str) -> None:

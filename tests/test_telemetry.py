@@ -449,19 +449,33 @@ def test_a_message_id_tells_when_it_was_enqueued() -> None:
 
 @pytest.mark.django_db
 @pytest.mark.parametrize(
-    ("tracer_provider", "meter_provider"),
+    ("tracer_provider", "meter_provider", "globals_kept"),
     [
-        (trace.ProxyTracerProvider, _ProxyMeterProvider),  # the API before any setup
-        (trace.NoOpTracerProvider, metrics.NoOpMeterProvider),
+        (None, None, True),  # the API before any setup
+        (trace.NoOpTracerProvider(), metrics.NoOpMeterProvider(), True),
+        # An API that keeps no globals where we read them: asked through its getters.
+        (trace.ProxyTracerProvider(), _ProxyMeterProvider(), False),
     ],
 )
 def test_without_a_provider_set_the_hooks_record_nothing_and_keys_still_work(
-    client, collect: Any, monkeypatch: pytest.MonkeyPatch, tracer_provider: Any, meter_provider: Any
+    client,
+    collect: Any,
+    monkeypatch: pytest.MonkeyPatch,
+    tracer_provider: Any,
+    meter_provider: Any,
+    globals_kept: bool,
 ) -> None:
     # As in a process whose application set no provider (this session's are set for good).
     monkeypatch.setattr(telemetry, "_heard", False)
-    monkeypatch.setattr(trace, "get_tracer_provider", tracer_provider)
-    monkeypatch.setattr(metrics, "get_meter_provider", meter_provider)
+    monkeypatch.setattr(telemetry, "_environment_read", False)
+    monkeypatch.setattr(trace, "get_tracer_provider", lambda: tracer_provider)
+    monkeypatch.setattr(metrics, "get_meter_provider", lambda: meter_provider)
+    if globals_kept:
+        monkeypatch.setattr(trace, "_TRACER_PROVIDER", tracer_provider)
+        monkeypatch.setattr(telemetry.metrics_internal, "_METER_PROVIDER", meter_provider)
+    else:
+        monkeypatch.delattr(trace, "_TRACER_PROVIDER")
+        monkeypatch.delattr(telemetry.metrics_internal, "_METER_PROVIDER")
     key, script = new_key(), ScriptFactory()
     assert send(client, "POST", "/drf/", script, key=key).status_code == 201
     assert replayed(send(client, "POST", "/drf/", script, key=key))
@@ -475,6 +489,27 @@ def test_without_a_provider_set_the_hooks_record_nothing_and_keys_still_work(
     monkeypatch.undo()
     # The SDK's providers are set: heard from now on.
     assert telemetry.listening()
+
+
+def test_a_provider_named_by_the_environment_is_loaded_and_heard(
+    sdk: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    provider = trace.get_tracer_provider()
+    monkeypatch.setattr(telemetry, "_heard", False)
+    monkeypatch.setattr(telemetry, "_environment_read", False)
+    monkeypatch.setattr(trace, "_TRACER_PROVIDER", None)
+    monkeypatch.setattr(telemetry.metrics_internal, "_METER_PROVIDER", None)
+    loads: list[str] = []
+
+    def from_environment() -> Any:
+        # What the API's getter does when OTEL_PYTHON_TRACER_PROVIDER names a provider.
+        loads.append("tracer")
+        trace._TRACER_PROVIDER = provider
+        return provider
+
+    monkeypatch.setattr(trace, "get_tracer_provider", from_environment)
+    assert telemetry.listening() and telemetry.listening()
+    assert loads == ["tracer"]
 
 
 @pytest.mark.django_db(transaction=True)
