@@ -37,6 +37,9 @@ MAX_IDENTITY = 255
 # A delivery that found the store down waits this long before giving the message back, so
 # an outage does not spin every worker through the broker.
 STORE_DOWN_PAUSE = 1.0
+# Made once: json.dumps() builds an encoder on every call. Stateless, so threads share them.
+CANONICAL_JSON = DjangoJSONEncoder(sort_keys=True, separators=(",", ":"))
+COMPACT_JSON = DjangoJSONEncoder(separators=(",", ":"))
 
 # Every ExactlyOnceTask class Celery made (one per task), for the system check.
 declared: list[type[ExactlyOnceTask]] = []
@@ -82,9 +85,7 @@ def _bounded(value: str) -> str:
 
 
 def arguments_digest(args: tuple[Any, ...], kwargs: dict[str, Any]) -> str:
-    canonical = json.dumps(
-        [list(args), kwargs], sort_keys=True, separators=(",", ":"), cls=DjangoJSONEncoder
-    )
+    canonical = CANONICAL_JSON.encode([list(args), kwargs])
     return hashlib.sha256(canonical.encode()).hexdigest()
 
 
@@ -112,7 +113,7 @@ def consume(
         return _refused(task, message_id, decision)
     try:
         result = task.run(*args, **kwargs)
-        body = json.dumps(result, separators=(",", ":"), cls=DjangoJSONEncoder).encode()
+        body = COMPACT_JSON.encode(result).encode()
     except BaseException as exc:
         # Retry, Reject, any error, SystemExit: nothing of this delivery stays.
         unit.fail(exc)
