@@ -6,11 +6,13 @@ The proofs with a broker, worker processes that get killed and a relay are in te
 
 from __future__ import annotations
 
+import hashlib
 import threading
 import time
 import uuid
 from collections.abc import Iterator
-from datetime import timedelta
+from datetime import UTC, datetime, timedelta
+from decimal import Decimal
 from typing import Any
 
 import pytest
@@ -82,6 +84,14 @@ def test_the_first_delivery_runs_the_body_and_commits_its_result_with_its_writes
     assert record.fingerprint == {"arguments": arguments_digest((7,), {})}
     lifetime = record.expires_at - record.created_at
     assert lifetime == timedelta(days=7)
+
+
+def test_the_arguments_digest_is_the_sha256_of_their_canonical_json() -> None:
+    # Stored fingerprints outlive deployments: a redelivery after an upgrade must match.
+    canonical = '[[1,"x",[2,3]],{"a":"2.50","b":null,"when":"2026-01-02T03:04:05Z"}]'
+    when = datetime(2026, 1, 2, 3, 4, 5, tzinfo=UTC)
+    digest = arguments_digest((1, "x", [2, 3]), {"when": when, "b": None, "a": Decimal("2.50")})
+    assert digest == hashlib.sha256(canonical.encode()).hexdigest()
 
 
 def test_a_redelivery_returns_the_stored_result_without_running_the_body() -> None:
