@@ -2,15 +2,17 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from datetime import timedelta
 from pathlib import Path
+from typing import Any
 
 import pytest
 from django.apps import apps
 from django.core.management import call_command
-from django.db import connection, transaction
+from django.db import DatabaseError, connection, transaction
 
 from django_idempotency.models import IdempotencyRecord
 from django_idempotency.partitions import apply, catalog
@@ -94,6 +96,58 @@ def test_claim_function_and_key_scope_index_exist() -> None:
     assert fetch_one("SELECT to_regclass('idempotency_key_scope')::text") == (
         "idempotency_key_scope",
     )
+
+
+@pytest.mark.django_db
+def test_the_claim_reads_only_the_partitions_its_window_can_hold() -> None:
+    # auto_explain shows the plans run inside the claim function; LOG goes to the client.
+    plans: list[str] = []
+    connection.ensure_connection()
+    pgconn = connection.connection
+
+    def keep(notice: Any) -> None:
+        plans.append(notice.message_primary or "")
+
+    pgconn.add_notice_handler(keep)
+    try:
+        with transaction.atomic(), connection.cursor() as cursor:
+            try:
+                with transaction.atomic():
+                    cursor.execute("LOAD 'auto_explain'")
+            except DatabaseError:
+                pytest.skip("the server has no auto_explain")
+            for setting, value in (
+                ("auto_explain.log_min_duration", "0"),
+                ("auto_explain.log_nested_statements", "on"),
+                ("auto_explain.log_analyze", "on"),
+                ("auto_explain.log_timing", "off"),
+                ("client_min_messages", "log"),
+            ):
+                cursor.execute("SELECT set_config(%s, %s, true)", [setting, value])
+            assert claim("anonymous", new_key()).outcome == Outcome.WON
+    finally:
+        pgconn.remove_notice_handler(keep)
+    (lookup,) = [plan for plan in plans if "FROM django_idempotency_record r" in plan]
+    scanned = set(re.findall(r" on (django_idempotency_record_p\d{8}) ", lookup))
+    today = catalog.utc_today()
+    # The engine's window is a day: yesterday's partition and today's, never the week ahead.
+    window = {RECORDS.partition_name(today + timedelta(days=n)) for n in (-1, 0, 1)}
+    assert scanned and scanned <= window, lookup
+
+
+@pytest.mark.django_db(transaction=True)
+def test_the_claim_keeps_one_generic_plan_until_its_migration_is_reversed() -> None:
+    config = "SELECT proconfig FROM pg_proc WHERE oid = 'django_idempotency_claim'::regproc"
+    generic = (["plan_cache_mode=force_generic_plan"],)
+    assert fetch_one(config) == generic
+    call_command("migrate", "django_idempotency", "0003", verbosity=0)
+    try:
+        assert fetch_one(config) == (None,)
+        with transaction.atomic():
+            assert claim("anonymous", new_key()).outcome == Outcome.WON
+    finally:
+        call_command("migrate", "django_idempotency", verbosity=0)
+    assert fetch_one(config) == generic
 
 
 def assert_migrated_schema_works() -> None:
