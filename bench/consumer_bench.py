@@ -8,11 +8,18 @@ alternate (plain, exactly-once, in an order reversed every other round) so that 
 machine's load hits both alike; the overhead is the difference of the medians. A third cell
 times a redelivery of an already committed message (the replay).
 
+Each round also sends the exactly-once task's own statements from a bare psycopg connection
+(no Django, no Celery, no library code): the claim, and the store with its COMMIT against a
+plain COMMIT of the same business row. Their sum is the overhead's floor, what the database
+and the network take however little the client does; the rest of the overhead is the
+client's Python (the library, Django's cursors, psycopg).
+
 ``python -m bench consumer``.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 import time
@@ -26,6 +33,10 @@ if TYPE_CHECKING:
     from bench.run import Options
 
 TABLE = "consumer_bench_business"
+# The bare connection's business rows, apart, so that the count of the tasks' rows still
+# proves that no task ran twice.
+FLOOR_TABLE = "consumer_bench_floor"
+FLOOR_TASK = "bench.consumer.floor"
 
 
 def setup_django(url: str) -> None:
@@ -62,6 +73,76 @@ def make_tasks() -> tuple[Any, Any]:
     return plain, once
 
 
+class Floor:
+    """The exactly-once task's statements, sent from a bare psycopg connection with the
+    parameters the library sends: what they cost with no client code around them."""
+
+    def __init__(self, url: str) -> None:
+        import psycopg
+
+        from django_idempotency.conf import conf
+        from django_idempotency.engine.hashing import lock_id
+        from django_idempotency.messaging.consumers import JSON_HEADERS, METHOD, PRINCIPAL_PREFIX
+        from django_idempotency.storage import records
+
+        self.conn = psycopg.connect(url)
+        self.cursor = psycopg.ClientCursor(self.conn)
+        self.lock_id = lock_id
+        self.principal = PRINCIPAL_PREFIX + FLOOR_TASK
+        self.claim_sql = records._CLAIM
+        self.store_sql = records._STORE + "; COMMIT"
+        self.window = max(conf.MAX_TTL, conf.CONSUMER_TTL) + conf.EXPIRED_WINDOW
+        self.gone = conf.EXPIRED_WINDOW
+        self.wait_ms = int(conf.CONSUMER_WAIT.total_seconds() * 1000)
+        self.ttl = conf.CONSUMER_TTL
+        self.method = METHOD
+        self.headers = json.dumps(JSON_HEADERS)
+        self.insert = f"INSERT INTO {FLOOR_TABLE} (n, amount) VALUES (%s, %s)"
+
+    def _timed(self, sql: str, params: list[Any] | None = None) -> tuple[float, Any]:
+        started = time.perf_counter()
+        self.cursor.execute(sql, params)
+        elapsed = time.perf_counter() - started
+        return elapsed, self.cursor.fetchone() if self.cursor.description else None
+
+    def round(self, n: int) -> dict[str, float]:
+        """One plain transaction and one exactly-once transaction; their statements' times."""
+        cursor = self.cursor
+        cursor.execute("SELECT 1")  # psycopg's BEGIN, as both tasks pay it
+        trip, _ = self._timed("SELECT 1")
+        cursor.execute(self.insert, [n, 2499])
+        commit, _ = self._timed("COMMIT")
+        key = str(uuid.uuid4())
+        cursor.execute("SELECT 1")
+        lock = self.lock_id(self.principal, key)
+        params = [lock, self.principal, key, self.window, self.gone, self.wait_ms, None]
+        claim, row = self._timed(self.claim_sql, params)
+        if row[0] != "won":
+            raise RuntimeError(f"the bare claim of a fresh key found {row[0]!r}")
+        cursor.execute(self.insert, [n, 2499])
+        created_at = row[1]
+        store, _ = self._timed(
+            self.store_sql,
+            [
+                self.principal,
+                key,
+                self.method,
+                FLOOR_TASK,
+                json.dumps({"arguments": "0" * 64}),
+                created_at,
+                created_at + self.ttl,
+                200,
+                self.headers,
+                b'{"n":%d}' % n,
+                "",
+            ],
+        )
+        return {"trip": trip, "commit": commit, "claim": claim, "store+commit": store}
+
+    def close(self) -> None:
+        self.conn.close()
+
+
 def timed(task: Any, n: int, task_id: str) -> float:
     started = time.perf_counter()
     result = task.apply((n, 2499), task_id=task_id)
@@ -81,10 +162,13 @@ def run(options: Options) -> Section:
     from django_idempotency.models import IdempotencyRecord
 
     with connection.cursor() as cursor:
-        cursor.execute(f"DROP TABLE IF EXISTS {TABLE}")
-        cursor.execute(f"CREATE TABLE {TABLE} (id bigserial PRIMARY KEY, n int, amount int)")
+        for name in (TABLE, FLOOR_TABLE):
+            cursor.execute(f"DROP TABLE IF EXISTS {name}")
+            cursor.execute(f"CREATE TABLE {name} (id bigserial PRIMARY KEY, n int, amount int)")
     plain, once = make_tasks()
+    floor = Floor(options.database_url)
     cells: dict[str, list[float]] = {"plain": [], "exactly-once": [], "redelivery": []}
+    statements: dict[str, list[float]] = {}
     committed: list[str] = []
     errors: list[str] = []
     for n in range(warmup + rounds):
@@ -100,13 +184,21 @@ def run(options: Options) -> Section:
                     committed.append(message_id)
         if n >= warmup and committed:
             cells["redelivery"].append(timed(once, n, committed[-1]))
+        bare = floor.round(n)
+        if n >= warmup:
+            for name, seconds in bare.items():
+                statements.setdefault(name, []).append(seconds)
+    floor.close()
     with connection.cursor() as cursor:
         cursor.execute(f"SELECT count(*) FROM {TABLE}")
         (rows,) = cursor.fetchone() or (0,)
         cursor.execute(f"DROP TABLE {TABLE}")
+        cursor.execute(f"DROP TABLE {FLOOR_TABLE}")
     if rows != 2 * (warmup + rounds):
         errors.append(f"{rows} business rows, not {2 * (warmup + rounds)}: a task ran twice")
-    IdempotencyRecord.objects.filter(scope="consumer:bench.consumer.once").delete()
+    IdempotencyRecord.objects.filter(
+        scope__in=["consumer:bench.consumer.once", floor.principal]
+    ).delete()
     ms = 1000.0
     medians = {name: median(values) * ms for name, values in cells.items()}
     added = medians["exactly-once"] - medians["plain"]
@@ -116,6 +208,18 @@ def run(options: Options) -> Section:
         for name, values in cells.items()
     ]
     rows_out.append(["added by ExactlyOnceTask (median)", f"{added:.3f}", ""])
+    bare = {name: median(values) * ms for name, values in statements.items()}
+    # The claim is a whole round trip more; the store only adds its execution to the
+    # COMMIT it travels with.
+    sql_floor = bare["claim"] + bare["store+commit"] - bare["commit"]
+    floor_rows = [
+        ["a round trip (SELECT 1)", f"{bare['trip']:.3f}"],
+        ["the claim", f"{bare['claim']:.3f}"],
+        ["the store with its COMMIT", f"{bare['store+commit']:.3f}"],
+        ["a plain COMMIT of the same row", f"{bare['commit']:.3f}"],
+        ["floor: claim + store with COMMIT - COMMIT", f"{sql_floor:.3f}"],
+        ["the rest of the overhead: the client's Python", f"{added - sql_floor:.3f}"],
+    ]
     checks = [
         Check(
             "exactly-once overhead per task / 0.5 ms",
@@ -127,8 +231,12 @@ def run(options: Options) -> Section:
     ]
     notes = [
         f"{rounds:,} rounds after {warmup} warm-up rounds; each round runs both tasks once, in "
-        "alternating order, through Celery's tracer (task.apply), and redelivers the last "
-        "committed exactly-once message.",
+        "alternating order, through Celery's tracer (task.apply), redelivers the last "
+        "committed exactly-once message, and sends the exactly-once statements from a bare "
+        "psycopg connection (the floor).",
     ]
-    data = {name: values for name, values in cells.items()}
-    return Section("Exactly-once consumer", header, rows_out, checks, notes, data, errors)
+    data = {**cells, **{f"bare {name}": values for name, values in statements.items()}}
+    tables = [("The same statements from a bare psycopg connection", ["", "median ms"], floor_rows)]
+    return Section(
+        "Exactly-once consumer", header, rows_out, checks, notes, data, errors, tables=tables
+    )
