@@ -656,7 +656,13 @@ def test_principal_callable_returning_nothing_is_refused(value: Any) -> None:
         principal_of(value)
 
 
-@pytest.mark.parametrize("value", [True, False, 1.5, b"tenant", object()], ids=repr)
+# Ids that do not change between processes (an object's repr holds its address), so that
+# parallel workers collect the same tests.
+@pytest.mark.parametrize(
+    "value",
+    [True, False, 1.5, b"tenant", object()],
+    ids=["True", "False", "1.5", "bytes", "object"],
+)
 def test_principal_callable_returning_a_value_that_cannot_name_a_principal_is_refused(
     value: Any,
 ) -> None:

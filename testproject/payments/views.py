@@ -54,7 +54,7 @@ def create_payment(
     captured = chain.capture(serializer.validated_data) if capture else None
     payment = serializer.save(user=user)
     if captured is not None:
-        chain.post_to_ledger(payment, captured)
+        chain.post_to_ledger(payment, captured, faults.ledger_switches)
     if faults.responds_with_error:
         return 500, {"detail": "fail=500r: answered 500 after writing"}
     faults.after_write()
@@ -90,6 +90,8 @@ class AsyncChargeCreateView(IdempotencyMixin, AsyncAPIView):
     authentication_classes = [TokenAuthentication]
     permission_classes = [IsAuthenticated]
     parser_classes = [JSONParser]
+    # Read by drf-spectacular for the schema (APIView has no get_serializer).
+    serializer_class = ChargeSerializer
     idempotency_required = True
 
     async def post(self, request: Request) -> Response:
