@@ -9,7 +9,7 @@ was captured once. State is in memory, behind a lock.
 
 ``POST /v1/captures`` ``{"amount", "currency", "reference"}`` with an ``Idempotency-Key``
 captures; ``GET /v1/stats`` counts captures, keys, requests, replayed answers and webhook
-deliveries.
+deliveries; ``GET /v1/captures`` lists every capture (how a test counts them per charge).
 
 With ``--webhook-url`` and ``--webhook-secret`` it then tells the shop, like a real processor:
 a ``charge.settled`` event per capture, signed with HMAC-SHA256 of the body
@@ -105,6 +105,10 @@ class Handler(BaseHTTPRequestHandler):
     def do_GET(self) -> None:
         if self.path == "/v1/stats":
             self._send(200, self.server.ledger.stats())
+        elif self.path == "/v1/captures":
+            with self.server.ledger.lock:
+                captures = list(self.server.ledger.captures)
+            self._send(200, {"captures": captures})
         else:
             self._send(404, {"error": "not found"})
 

@@ -9,16 +9,12 @@ task that runs longer than that while it is still running.
 
 from __future__ import annotations
 
-import contextlib
-import os
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 import uuid
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -32,8 +28,15 @@ from django_idempotency.messaging.relay import Relay
 from django_idempotency.models import OutboxMessage
 from testproject.payments.models import Charge, LedgerEntry
 from testproject.payments.tasks import POST_LEDGER_ENTRY
-from tests.conftest import ROOT, GunicornServer, die_with_parent, run_gunicorn
-from tests.test_relay import RedisServer, free_port, wait_for
+from tests.chain_processes import (
+    CHAIN_SETTINGS,
+    CeleryWorker,
+    RedisServer,
+    processor_stats,
+    run_processor,
+    wait_for,
+)
+from tests.conftest import ROOT, GunicornServer, run_gunicorn
 
 pytestmark = [
     pytest.mark.django_db(transaction=True),
@@ -43,20 +46,10 @@ pytestmark = [
     ),
 ]
 
-SETTINGS = """
-from datetime import timedelta
-from tests.settings import *  # noqa
-CELERY_BROKER_TRANSPORT_OPTIONS = {
-    "visibility_timeout": 2, "unacked_restore_interval": 1, "unacked_restore_throttle": 1,
-}
-CELERY_WORKER_PREFETCH_MULTIPLIER = 1
-IDEMPOTENCY_OUTBOX_LEASE = timedelta(seconds=1)
-"""
-
 
 @pytest.fixture(scope="module")
 def broker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
-    server = RedisServer(free_port(), tmp_path_factory.mktemp("redis"))
+    server = RedisServer.on_free_port(tmp_path_factory.mktemp("redis"))
     server.start()
     yield server
     server.stop()
@@ -64,83 +57,23 @@ def broker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
 
 @pytest.fixture(scope="module")
 def processor() -> Iterator[str]:
-    port = free_port()
-    process = subprocess.Popen(
-        [sys.executable, "-m", "testproject.processor", "--port", str(port)],
-        cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-        preexec_fn=die_with_parent,
-    )  # fmt: skip
-    url = f"http://127.0.0.1:{port}"
-    wait_for(lambda: _answers(url), timeout=10)
-    yield url
-    process.kill()
-    process.wait()
-
-
-def _answers(url: str) -> bool:
-    with contextlib.suppress(requests.RequestException):
-        return requests.get(f"{url}/v1/stats", timeout=1).ok
-    return False
-
-
-def captures(url: str) -> dict[str, int]:
-    stats: dict[str, int] = requests.get(f"{url}/v1/stats", timeout=5).json()
-    return stats
+    with run_processor() as url:
+        yield url
 
 
 @pytest.fixture(scope="module")
-def env(
-    subprocess_env: dict[str, str],
-    broker: RedisServer,
-    processor: str,
-    tmp_path_factory: pytest.TempPathFactory,
-) -> dict[str, str]:
-    directory = tmp_path_factory.mktemp("settings")
-    (directory / "chain_settings.py").write_text(SETTINGS)
+def env(subprocess_env: dict[str, str], broker: RedisServer, processor: str) -> dict[str, str]:
     return {
         **subprocess_env,
         "CELERY_BROKER_URL": broker.url,
         "PAYMENTS_PROCESSOR_URL": processor,
-        "DJANGO_SETTINGS_MODULE": "chain_settings",
-        "PYTHONPATH": f"{directory}{os.pathsep}{subprocess_env['PYTHONPATH']}",
+        "DJANGO_SETTINGS_MODULE": CHAIN_SETTINGS,
     }
 
 
-class Worker:
-    """``celery -A testproject worker`` (prefork, two children) with its log in a file."""
-
-    def __init__(self, env: dict[str, str]) -> None:
-        self.log = Path(tempfile.mkstemp(prefix="chain-worker-", suffix=".log")[1])
-        with self.log.open("w") as out:
-            self.process = subprocess.Popen(
-                [sys.executable, "-m", "celery", "-A", "testproject", "worker", "-P", "prefork",
-                 "-c", "2", "--loglevel", "INFO", "--without-gossip", "--without-mingle",
-                 "--without-heartbeat", "-n", f"chain-{uuid.uuid4().hex[:6]}@%h"],
-                cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT,
-                preexec_fn=die_with_parent,
-            )  # fmt: skip
-        wait_for(lambda: " ready." in self.text() or self.process.poll() is not None, 60)
-        assert self.process.poll() is None, self.text()
-
-    def text(self) -> str:
-        return self.log.read_text(errors="replace")
-
-    def count(self, needle: str) -> int:
-        return self.text().count(needle)
-
-    def stop(self) -> None:
-        self.process.send_signal(signal.SIGQUIT)  # cold shutdown: the test is over
-        try:
-            self.process.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
-            self.process.wait()
-        self.log.unlink(missing_ok=True)
-
-
 @pytest.fixture(scope="module")
-def worker(env: dict[str, str], django_db_blocker: Any) -> Iterator[Worker]:
-    running = Worker(env)
+def worker(env: dict[str, str], django_db_blocker: Any) -> Iterator[CeleryWorker]:
+    running = CeleryWorker(env)
     yield running
     running.stop()
 
@@ -192,7 +125,7 @@ def post_charge(web: GunicornServer, user: Any, key: str, **body: Any) -> reques
 
 
 def test_a_worker_killed_mid_task_leaves_nothing_and_the_redelivery_posts_once(
-    worker: Worker, relay: Relay, token_user: Any
+    worker: CeleryWorker, relay: Relay, token_user: Any
 ) -> None:
     charge = charge_now(token_user)
     message_id = publish(relay, charge, crash_once=uuid.uuid4().hex)
@@ -203,7 +136,7 @@ def test_a_worker_killed_mid_task_leaves_nothing_and_the_redelivery_posts_once(
 
 
 def test_a_worker_killed_after_its_commit_and_before_its_ack_is_replayed_not_run_again(
-    worker: Worker, relay: Relay, token_user: Any
+    worker: CeleryWorker, relay: Relay, token_user: Any
 ) -> None:
     charge = charge_now(token_user)
     message_id = publish(relay, charge, crash_after_commit_once=uuid.uuid4().hex)
@@ -213,7 +146,7 @@ def test_a_worker_killed_after_its_commit_and_before_its_ack_is_replayed_not_run
 
 
 def test_redis_redelivering_a_running_task_after_its_visibility_timeout_posts_once(
-    worker: Worker, relay: Relay, token_user: Any
+    worker: CeleryWorker, relay: Relay, token_user: Any
 ) -> None:
     charge = charge_now(token_user)
     # 5 s against a 2 s visibility timeout: Redis hands the message to the other child while
@@ -225,7 +158,7 @@ def test_redis_redelivering_a_running_task_after_its_visibility_timeout_posts_on
 
 
 def test_a_relay_killed_between_publish_and_mark_publishes_twice_and_posts_once(
-    worker: Worker, env: dict[str, str], token_user: Any
+    worker: CeleryWorker, env: dict[str, str], token_user: Any
 ) -> None:
     from django.db import transaction
 
@@ -256,9 +189,9 @@ def test_a_relay_killed_between_publish_and_mark_publishes_twice_and_posts_once(
 
 
 def test_a_charge_is_captured_once_posted_once_and_reported(
-    web: GunicornServer, worker: Worker, relay: Relay, processor: str, token_user: Any
+    web: GunicornServer, worker: CeleryWorker, relay: Relay, processor: str, token_user: Any
 ) -> None:
-    before = captures(processor)
+    before = processor_stats(processor)
     key = str(uuid.uuid4())
     first = post_charge(web, token_user, key)
     assert first.status_code == 201, first.text
@@ -273,8 +206,22 @@ def test_a_charge_is_captured_once_posted_once_and_reported(
     assert (chain["charges"], chain["ledger_rows"], chain["outbox_backlog"]) == (1, 1, 0)
 
 
+def test_a_charges_ledger_switches_reach_its_task_which_dies_after_its_commit_and_posts_once(
+    web: GunicornServer, worker: CeleryWorker, relay: Relay, token_user: Any
+) -> None:
+    # How the reliability suite's chain profile makes the ledger task fail from a request.
+    tag = uuid.uuid4().hex
+    charge = post_charge(web, token_user, str(uuid.uuid4()), ledger_crash_after_commit_once=tag)
+    assert charge.status_code == 201, charge.text
+    message = OutboxMessage.objects.get()
+    assert message.kwargs == {"crash_after_commit_once": tag}
+    assert relay.drain() == 1
+    wait_for(lambda: worker.count(f"{POST_LEDGER_ENTRY}[{message.pk}] already ran"), timeout=30)
+    assert ledger_rows(charge.json()["id"]) == 1
+
+
 def test_a_rolled_back_request_leaves_no_outbox_row_and_no_task(
-    web: GunicornServer, worker: Worker, relay: Relay, token_user: Any
+    web: GunicornServer, worker: CeleryWorker, relay: Relay, token_user: Any
 ) -> None:
     failed = post_charge(web, token_user, str(uuid.uuid4()), fail="after_write")
     assert failed.status_code == 500
@@ -285,19 +232,19 @@ def test_a_rolled_back_request_leaves_no_outbox_row_and_no_task(
 
 
 def test_a_crash_after_the_processor_call_sends_the_same_key_on_retry_and_captures_once(
-    web: GunicornServer, worker: Worker, relay: Relay, processor: str, token_user: Any
+    web: GunicornServer, worker: CeleryWorker, relay: Relay, processor: str, token_user: Any
 ) -> None:
-    before = captures(processor)
+    before = processor_stats(processor)
     key, body = str(uuid.uuid4()), {"crash_once": uuid.uuid4().hex}
     # The request worker dies after the capture and before its commit: no answer.
     with pytest.raises(requests.ConnectionError):
         post_charge(web, token_user, key, **body)
     assert not Charge.objects.exists() and not OutboxMessage.objects.exists()
-    after_crash = captures(processor)
+    after_crash = processor_stats(processor)
     assert after_crash["captures"] == before["captures"] + 1
     retried = post_charge(web, token_user, key, **body)
     assert retried.status_code == 201, retried.text
-    after = captures(processor)
+    after = processor_stats(processor)
     # The retry re-executed the charge and called the processor with the same key, which
     # answered with the first capture.
     assert after["captures"] == before["captures"] + 1
@@ -318,12 +265,14 @@ def test_the_processors_webhook_settles_the_charge_once_however_often_it_is_deli
     hook = {"url": f"{web.url}/api/webhooks/processor/", "secret": settings.PAYMENTS_WEBHOOK_SECRET}
     requests.post(f"{processor}/v1/webhook", json=hook, timeout=5).raise_for_status()
     try:
-        before = captures(processor)["webhooks_acknowledged"]
+        before = processor_stats(processor)["webhooks_acknowledged"]
         charge = post_charge(web, token_user, str(uuid.uuid4()))
         assert charge.status_code == 201, charge.text
         # Delivered until answered (perhaps before the charge committed: a 503, not stored),
         # then once more: the same delivery id, answered with the first answer.
-        wait_for(lambda: captures(processor)["webhooks_acknowledged"] >= before + 2, timeout=30)
+        wait_for(
+            lambda: processor_stats(processor)["webhooks_acknowledged"] >= before + 2, timeout=30
+        )
         assert Settlement.objects.filter(charge_id=charge.json()["id"]).count() == 1
         assert IdempotencyRecord.objects.filter(scope="webhook:processor").count() == 1
     finally:
@@ -333,7 +282,7 @@ def test_the_processors_webhook_settles_the_charge_once_however_often_it_is_deli
 def test_a_charge_without_a_key_is_refused_rather_than_captured_unprotected(
     web: GunicornServer, processor: str, token_user: Any
 ) -> None:
-    before = captures(processor)
+    before = processor_stats(processor)
     # Without an Idempotency-Key the view runs unprotected: derive_key() has no unit to
     # derive from, so the charge is refused rather than captured with a key that a retry
     # could not reproduce.
@@ -343,4 +292,4 @@ def test_a_charge_without_a_key_is_refused_rather_than_captured_unprotected(
     )  # fmt: skip
     assert response.status_code == 500
     assert not Charge.objects.exists()
-    assert captures(processor)["captures"] == before["captures"]
+    assert processor_stats(processor)["captures"] == before["captures"]

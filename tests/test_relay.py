@@ -20,7 +20,6 @@ import tempfile
 import time
 import uuid
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -28,7 +27,6 @@ from typing import Any
 import pytest
 
 pytest.importorskip("celery")
-import redis
 from celery import Celery
 from celery.contrib.testing.worker import start_worker
 from django.core.management import call_command
@@ -40,7 +38,9 @@ from django_idempotency import signals
 from django_idempotency.messaging.outbox import enqueue_event, enqueue_task
 from django_idempotency.messaging.relay import PublishFailed, Relay
 from django_idempotency.models import OutboxMessage
+from tests.chain_processes import QUEUE, RedisServer, wait_for
 from tests.conftest import ROOT, die_with_parent
+from tests.servers import free_port
 
 pytestmark = [
     pytest.mark.django_db(transaction=True),
@@ -48,63 +48,10 @@ pytestmark = [
     pytest.mark.skipif(shutil.which("redis-server") is None, reason="needs redis-server"),
 ]
 
-QUEUE = "celery"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-@dataclass
-class RedisServer:
-    """A redis-server of our own on a free port, with an append-only file so that what it
-    accepted survives its restart."""
-
-    port: int
-    directory: Path
-    process: subprocess.Popen[bytes] | None = None
-
-    @property
-    def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}/0"
-
-    def start(self) -> None:
-        self.process = subprocess.Popen(
-            ["redis-server", "--port", str(self.port), "--bind", "127.0.0.1",
-             "--dir", str(self.directory), "--appendonly", "yes", "--appendfsync", "always",
-             "--save", ""],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, preexec_fn=die_with_parent,
-        )  # fmt: skip
-        deadline = time.monotonic() + 10
-        while True:
-            try:
-                redis.Redis(port=self.port, socket_timeout=1).ping()
-                return
-            except redis.ConnectionError:
-                if time.monotonic() > deadline:
-                    raise
-                time.sleep(0.02)
-
-    def stop(self) -> None:
-        if self.process is not None:
-            self.process.kill()
-            self.process.wait()
-            self.process = None
-
-    def client(self) -> redis.Redis:
-        return redis.Redis(port=self.port)
-
-    def queued(self, queue: str = QUEUE) -> list[dict[str, Any]]:
-        """The task messages waiting in a queue, oldest first (kombu LPUSHes, BRPOPs)."""
-        raw = self.client().lrange(queue, 0, -1)
-        return [json.loads(m)["headers"] for m in reversed(raw)]
-
 
 @pytest.fixture
 def private_redis(tmp_path: Path) -> Iterator[RedisServer]:
-    server = RedisServer(free_port(), tmp_path)
+    server = RedisServer.on_free_port(tmp_path)
     server.start()
     yield server
     server.stop()
@@ -144,17 +91,6 @@ def app(private_redis: RedisServer) -> Celery:
 def worker(app: Celery, django_db_blocker: Any) -> Iterator[Any]:
     with start_worker(app, pool="solo", perform_ping_check=False, shutdown_timeout=30) as w:
         yield w
-
-
-def wait_for(condition: Callable[[], Any], timeout: float = 30, every: float = 0.02) -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        value = condition()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {condition}")
-        time.sleep(every)
 
 
 def enqueue_many(count: int, name: str = "tests.relay.record", per_txn: int = 500) -> list[str]:

@@ -55,11 +55,16 @@ def capture(data: Mapping[str, Any]) -> str | None:
     return str(captured["id"])
 
 
-def post_to_ledger(payment: Payment, capture_id: str) -> str:
+def post_to_ledger(
+    payment: Payment, capture_id: str, switches: Mapping[str, Any] | None = None
+) -> str:
     """Record the capture, and put the charge's ledger posting in the outbox: published by the
-    relay if and only if this request commits, and posted once by the exactly-once task."""
+    relay if and only if this request commits, and posted once by the exactly-once task.
+    ``switches`` are the task's fault switches (the tests' and the demo's)."""
     Capture.objects.create(charge_id=payment.pk, capture_id=capture_id)
-    return enqueue_task(POST_LEDGER_ENTRY, (payment.pk, payment.amount, payment.currency))
+    return enqueue_task(
+        POST_LEDGER_ENTRY, (payment.pk, payment.amount, payment.currency), dict(switches or {})
+    )
 
 
 def signature(secret: str, body: bytes) -> str:

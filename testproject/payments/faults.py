@@ -47,6 +47,10 @@ class FaultsSerializer(serializers.Serializer[Any]):
             "crash_once": serializers.CharField(max_length=255, default=""),
             "delay_ms": serializers.IntegerField(min_value=0, max_value=60_000, default=0),
             "set_cookie": serializers.CharField(max_length=255, default=""),
+            # Passed on to the charge's ledger task (``post_ledger_entry``'s own switches).
+            "ledger_crash_once": serializers.CharField(max_length=255, default=""),
+            "ledger_crash_after_commit_once": serializers.CharField(max_length=255, default=""),
+            "ledger_delay_ms": serializers.IntegerField(min_value=0, max_value=60_000, default=0),
         }
 
 
@@ -59,6 +63,9 @@ class Faults:
     crash_once: str = ""
     delay_ms: int = 0
     set_cookie: str = ""
+    ledger_crash_once: str = ""
+    ledger_crash_after_commit_once: str = ""
+    ledger_delay_ms: int = 0
 
     @classmethod
     def from_data(cls, data: Mapping[str, Any]) -> Faults:
@@ -73,6 +80,16 @@ class Faults:
             time.sleep(self.delay_ms / 1000)
         if self.fail == FAIL_RAISE:
             raise InjectedFault("fail=500: raised before writing")
+
+    @property
+    def ledger_switches(self) -> dict[str, Any]:
+        """The ledger task's fault switches this request asks for, as its keyword arguments."""
+        switches = {
+            "crash_once": self.ledger_crash_once,
+            "crash_after_commit_once": self.ledger_crash_after_commit_once,
+            "delay_ms": self.ledger_delay_ms,
+        }
+        return {name: value for name, value in switches.items() if value}
 
     @property
     def responds_with_error(self) -> bool:

@@ -1,0 +1,26 @@
+"""Settings of the side-effect chain's processes (``tests/test_chain.py`` and the reliability
+suite's chain profile): the test settings, with Redis redelivering a task that is still
+running after 2 s (swept every second) and a relay lease of 1 s, so that both kinds of
+second delivery happen within a test."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+from tests.settings import *  # noqa: F403
+from tests.settings import LOGGING
+
+CELERY_BROKER_TRANSPORT_OPTIONS = {
+    "visibility_timeout": 2,
+    "unacked_restore_interval": 1,
+    "unacked_restore_throttle": 1,
+}
+CELERY_WORKER_PREFETCH_MULTIPLIER = 1
+IDEMPOTENCY_OUTBOX_LEASE = timedelta(seconds=1)
+
+# When, and which process: the chain's processes log into files read after a failure.
+LOGGING = {
+    **LOGGING,
+    "formatters": {"timed": {"format": "[%(asctime)s: %(levelname)s/%(process)d] %(message)s"}},
+    "handlers": {"console": {"class": "logging.StreamHandler", "formatter": "timed"}},
+}
