@@ -1,4 +1,4 @@
-"""``python -m tests.reliability --profile short|long [--report PATH]``"""
+"""``python -m tests.reliability --profile short|long|pgbouncer|chain|chain-short``"""
 
 from __future__ import annotations
 

@@ -34,10 +34,14 @@ SENSITIVE_HEADERS = frozenset(
 )
 UUID = re.compile(r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}")
 
+# The method of an exactly-once task's records (django_idempotency.messaging.consumers).
+TASK_METHOD = "TASK"
+
 # Violation kinds, by what they break.
 DUPLICATE = "duplicate"  # more than one effect for one logical request
 LEAK = "leak"  # a principal saw or could read what is not theirs
 OTHER = "other"  # lost effects, half-results, wrong answers
+BROKER = "broker"  # a message the broker's transport dropped after accepting it
 # What: a 2xx answered or stored for work that did not commit.
 NO_COMMIT = "2xx without a commit"
 
@@ -217,19 +221,27 @@ def check_records(database: Database) -> Findings:
         ids: dict[str, set[int]] = {}
         for table in {DEFAULT_TABLE, *TABLES.values()}:
             ids[table] = {i for (i,) in conn.execute(f"SELECT id FROM {table}")}
+        # Requests' records only: an exactly-once task's result names its own rows
+        # (chain_checks.py checks those).
         stored = conn.execute(
             "SELECT path, response_body, body_encoding FROM django_idempotency_record "
-            "WHERE response_code BETWEEN 200 AND 299"
+            "WHERE response_code BETWEEN 200 AND 299 AND method <> %s",
+            [TASK_METHOD],
         ).fetchall()
     for path, body, encoding in stored:
-        raw = bytes(body or b"")
-        if encoding == "zlib":
-            raw = zlib.decompress(raw)
-        row_id = _json(raw).get("id")
+        row_id = stored_json(body, encoding).get("id")
         findings.checked["stored successes"] += 1
         if row_id not in ids[table_for(path)]:
             findings.add(OTHER, NO_COMMIT, f"stored success without its row: {path} id {row_id}")
     return findings
+
+
+def stored_json(body: bytes | None, encoding: str) -> dict[str, Any]:
+    """A record's stored body, as JSON."""
+    raw = bytes(body or b"")
+    if encoding == "zlib":
+        raw = zlib.decompress(raw)
+    return _json(raw)
 
 
 def scan_logs(

@@ -70,6 +70,13 @@ class Injector(threading.Thread):
     def inject(self, started: float) -> Fault:
         raise NotImplementedError
 
+    def choose(self, weights: dict[str, int]) -> str:
+        """Every kind once first, so that even a short run sees them all; then by weight."""
+        untried = [k for k in weights if k not in {f.kind for f in self.faults}]
+        if untried:
+            return self.rng.choice(untried)
+        return self.rng.choices(list(weights), weights=list(weights.values()))[0]
+
     def halt(self) -> None:
         """No new fault from now on (one under way finishes)."""
         self.stopping.set()
@@ -100,10 +107,7 @@ class ServerFaults(Injector):
         self.outage_seconds = profile.outage_seconds
 
     def inject(self, started: float) -> Fault:
-        # Every kind once first, so that even a short run sees them all; then by weight.
-        untried = [k for k in self.weights if k not in {f.kind for f in self.faults}]
-        kind = self.rng.choice(untried) if untried else self.rng.choices(
-            list(self.weights), weights=list(self.weights.values()))[0]  # fmt: skip
+        kind = self.choose(self.weights)
         if kind == "worker-kill":
             victims = workers(self.server)
             if not victims:

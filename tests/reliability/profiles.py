@@ -1,9 +1,11 @@
 """How hard a run pushes: the short profile runs in every test run (every kind of fault
-once, back to back, in about half a minute), the long one is the proof."""
+once, back to back, in about half a minute), the long one is the proof; the chain profiles
+take the side-effect chain beyond the request (processor, outbox, relays, Celery workers)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 
 @dataclass(frozen=True)
@@ -37,6 +39,39 @@ class RetryPolicy:
     max_delay: float = 3.0
     # One logical request gives up after this long; the recovery sweep then retries it.
     give_up_after: float = 60.0
+
+
+@dataclass(frozen=True)
+class ChainShape:
+    """The side-effect chain beside the app servers (the chain profiles): the fake card
+    processor, a private redis-server, relays and prefork Celery workers, and the faults
+    made to them."""
+
+    relays: int = 2
+    workers: int = 2
+    concurrency: int = 2
+    # Seconds between two injected chain faults (uniform), and the weight of each kind.
+    fault_every: tuple[float, float] = (2.0, 5.0)
+    fault_weights: dict[str, int] = field(
+        default_factory=lambda: {
+            "relay-kill": 2,
+            "relay-kill between publish and mark": 2,
+            "celery-worker-kill": 2,
+            "celery-child-kill": 2,
+            "broker-restart": 1,
+        }
+    )
+    # How long the broker stays down when it is restarted.
+    broker_down_seconds: tuple[float, float] = (0.2, 1.5)
+    # The recovery waits this long at most for the outbox and the queue to empty.
+    drain_timeout: float = 180.0
+
+    def describe(self) -> str:
+        return (
+            f"{self.relays} relays (manage.py idempotency_relay), {self.workers} Celery "
+            f"workers (prefork, {self.concurrency} children each), a private redis-server "
+            "(visibility timeout 2 s), the fake card processor"
+        )
 
 
 @dataclass(frozen=True)
@@ -90,11 +125,45 @@ class Profile:
     flood_shape: ServerShape = ServerShape(workers=2, threads=4)
     flood_max_waiters: int = 2
     policy: RetryPolicy = field(default_factory=RetryPolicy)
+    # The chain profiles: the processes of the side-effect chain and their faults; and the
+    # share of charges whose ledger task is killed mid-task, killed after its commit and
+    # before its ack, or outlasts Redis' visibility timeout (slow_task_ms), each also sent
+    # at least once per faulted-traffic phase.
+    chain: ChainShape | None = None
+    task_crash_share: float = 0.0
+    task_crash_after_commit_share: float = 0.0
+    slow_task_share: float = 0.0
+    slow_task_ms: tuple[int, int] = (2500, 4000)
+
+    def share(self, kind: str) -> float:
+        """The share of logical requests of a client- or task-triggered fault ``kind``."""
+        return float(getattr(self, KIND_SHARES[kind]))
 
 
 FAULT_KINDS = ("worker-kill", "db-outage", "connection-cut")
 # Client-triggered faults of the traffic, by exchange kind.
 CLIENT_FAULT_KINDS = ("crash", "fail", "slow", "cross-principal", "rolled back", "cookie")
+# Faults the charge's ledger task makes to its own worker (chain profiles).
+TASK_FAULT_KINDS = ("task crash", "task crash after commit", "slow task")
+# Chain faults made from outside (tests/reliability/chain.py).
+CHAIN_FAULT_KINDS = (
+    "relay-kill",
+    "relay-kill between publish and mark",
+    "celery-worker-kill",
+    "celery-child-kill",
+    "broker-restart",
+)
+KIND_SHARES = {
+    "crash": "crash_share",
+    "fail": "fail_share",
+    "slow": "slow_share",
+    "cross-principal": "cross_principal_share",
+    "rolled back": "rollback_share",
+    "cookie": "cookie_share",
+    "task crash": "task_crash_share",
+    "task crash after commit": "task_crash_after_commit_share",
+    "slow task": "slow_task_share",
+}
 # The attacks of issue 9, each made once per run (tests/reliability/attacks.py).
 ATTACK_KINDS = (
     "rolled-back 2xx",
@@ -103,6 +172,21 @@ ATTACK_KINDS = (
     "oversized 4xx",
     "multipart to a JSON-only endpoint",
 )
+
+# What the chain profiles share: charges only (the endpoint that captures and posts), token
+# principals, and no rolled-back work: its clean retry reuses the key with another amount,
+# which the processor refuses under the same downstream key (docs/side-effects.md: send
+# downstream only what a re-execution sends again).
+CHAIN_TRAFFIC: dict[str, Any] = {
+    "endpoints": {"/api/charges/": 1},
+    "token_principals": 4,
+    "session_principals": 0,
+    "fault_weights": {"worker-kill": 4, "db-outage": 2, "connection-cut": 2},
+    "rollback_share": 0.0,
+    "task_crash_share": 0.03,
+    "task_crash_after_commit_share": 0.03,
+    "slow_task_share": 0.02,
+}
 
 PROFILES = {
     "short": Profile(
@@ -143,6 +227,36 @@ PROFILES = {
         fault_weights={"worker-kill": 5, "db-outage": 1, "connection-cut": 3},
         hot_key_clients=100,
         maintenance_every=10.0,
+    ),
+    # The side-effect chain end to end (a command, minutes long): charges captured at the
+    # fake processor and posted to the ledger through the outbox, while gunicorn workers,
+    # relays and Celery workers are killed and the broker and PostgreSQL restarted.
+    "chain": Profile(
+        name="chain",
+        traffic_seconds=240.0,
+        shapes=(ServerShape(workers=3),),
+        chain=ChainShape(),
+        **CHAIN_TRAFFIC,
+        clients=8,
+        fault_every=(2.0, 5.0),
+        maintenance_every=20.0,
+    ),
+    # The same, every kind of fault back to back in a few seconds: in the test suite.
+    "chain-short": Profile(
+        name="chain-short",
+        traffic_seconds=10.0,
+        shapes=(ServerShape(workers=3),),
+        chain=ChainShape(
+            fault_every=(0.5, 1.0), broker_down_seconds=(0.2, 0.6), drain_timeout=90.0
+        ),
+        **CHAIN_TRAFFIC,
+        clients=6,
+        fault_every=(0.6, 1.2),
+        outage_modes=("immediate", "fast"),
+        outage_seconds=(0.1, 0.4),
+        maintenance_every=4.0,
+        stragglers_seconds=3.0,
+        slow_extra_seconds=(0.2, 0.5),
     ),
     "long": Profile(
         name="long",

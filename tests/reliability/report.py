@@ -49,11 +49,16 @@ class Report:
     duplicates: int = 0
     leaks: int = 0
     other_violations: int = 0
+    # Messages the broker's transport dropped after accepting them (chain profiles).
+    broker_losses: int = 0
     unresolved: int = 0
     violations: list[dict[str, str]] = field(default_factory=list)
     checks: list[Check] = field(default_factory=list)
     contention: dict[str, Any] = field(default_factory=dict)
     slowest: list[str] = field(default_factory=list)
+    # The side-effect chain's figures (chain profiles): charges, captures, ledger rows,
+    # outbox rows published, publishes and redeliveries.
+    chain: dict[str, int] = field(default_factory=dict)
 
     @property
     def passed(self) -> bool:
@@ -61,6 +66,7 @@ class Report:
             self.duplicates == 0
             and self.leaks == 0
             and self.other_violations == 0
+            and self.broker_losses == 0
             and self.unresolved == 0
             and all(check.passed is not False for check in self.checks)
         )
@@ -85,7 +91,13 @@ class Report:
             "",
             f"**{verdict}**: duplicates found **{self.duplicates}**, leaks found "
             f"**{self.leaks}**, other violations **{self.other_violations}**, logical "
-            f"requests left unanswered after recovery **{self.unresolved}**.",
+            f"requests left unanswered after recovery **{self.unresolved}**"
+            + (
+                f", messages dropped by the broker after accepting them **{self.broker_losses}**"
+                if self.chain
+                else ""
+            )
+            + ".",
             "",
             f"Started {self.started}, ran {self.seconds / 60:.1f} minutes.",
             "",
@@ -101,6 +113,7 @@ class Report:
             "By endpoint:",
             "",
             *_table(["endpoint", "logical requests"], sorted(self.endpoints.items())),
+            *_chain_section(self.chain),
             "## Faults injected",
             "",
             *_table(["fault", "count"], sorted(self.faults.items())),
@@ -168,6 +181,22 @@ class Report:
                 (v["kind"], v["what"], v["detail"]) for v in self.violations
             ])]  # fmt: skip
         return "\n".join(lines).rstrip() + "\n"
+
+
+def _chain_section(chain: dict[str, int]) -> list[str]:
+    if not chain:
+        return []
+    return [
+        "## The chain beyond the request",
+        "",
+        "After the recovery, which ran the relays and the workers without faults until the "
+        "outbox was drained and the queue empty. A publish is a message put on the broker "
+        "(kombu gives each its own delivery tag); a redelivery is the broker handing out a "
+        "message it had delivered already (visibility timeout, a worker lost, a delivery "
+        "given back).",
+        "",
+        *_table(["", "count"], chain.items()),
+    ]
 
 
 def _table(header: Sequence[str], rows: Any) -> list[str]:

@@ -70,8 +70,12 @@ def run(
 ) -> Report:
     """Run ``profile`` on a database of its own on ``server_url`` (``None``: a private
     PostgreSQL cluster) and return the report."""
+    # Imported here: the chain's runner is a Runner.
+    from tests.reliability.chain_run import ChainRunner
+
     seed = seed if seed is not None else random.randrange(1 << 30)
-    runner = Runner(profile, seed, say or (lambda line: print(line, file=sys.stderr)))
+    kind = ChainRunner if profile.chain else Runner
+    runner = kind(profile, seed, say or (lambda line: print(line, file=sys.stderr)))
     with provision(server_url) as database:
         return runner.run(database, traffic_seconds or profile.traffic_seconds)
 
@@ -136,6 +140,7 @@ class Runner:
             findings = [
                 checks.check_exchanges(database, self.ledger.exchanges),
                 checks.check_records(database),
+                *self.beyond_the_request(database),
                 self.scan_logs(),
             ]
             self.no_2xx_without_a_commit(findings)
@@ -434,13 +439,7 @@ class Runner:
         self, server: GunicornServer, database: Database, shape: ServerShape, seconds: float
     ) -> None:
         traffic = Traffic(server.url, self.principals, self.profile, self.ledger, self.seed)
-        injectors: list[Injector] = [
-            ServerFaults(server, database, self.profile, random.Random(self.rng.random()), self.say)
-        ]
-        if maintenance_available():
-            injectors.append(
-                Maintenance(database, self.profile, random.Random(self.rng.random()), self.say)
-            )
+        injectors = self.injectors(server, database)
         for injector in injectors:
             injector.start()
 
@@ -462,6 +461,21 @@ class Runner:
         sent, elapsed = len(self.ledger.exchanges) - before, time.monotonic() - started
         self.throughput.append((shape.describe(), sent, elapsed))
         self.say(f"  {sent} logical requests in {elapsed:.0f}s")
+
+    def injectors(self, server: GunicornServer, database: Database) -> list[Injector]:
+        """What injects faults during the faulted traffic."""
+        injectors: list[Injector] = [
+            ServerFaults(server, database, self.profile, random.Random(self.rng.random()), self.say)
+        ]
+        if maintenance_available():
+            injectors.append(
+                Maintenance(database, self.profile, random.Random(self.rng.random()), self.say)
+            )
+        return injectors
+
+    def beyond_the_request(self, database: Database) -> list[checks.Findings]:
+        """The invariant's part beyond the request's own database (the chain profiles)."""
+        return []
 
     def recover(self, base_url: str, shape: ServerShape) -> None:
         """Faults are over: every request still without its final answer is retried until
@@ -583,7 +597,8 @@ class Runner:
             ("rolled back", "fail=rollback_only: wrote, marked for rollback, returned 201"),
             ("cookie", "set_cookie: the first answer sets a cookie"),
         ):
-            counted[label] = sum(e.kind == kind for e in self.ledger.exchanges)
+            if self.profile.share(kind):
+                counted[label] = sum(e.kind == kind for e in self.ledger.exchanges)
         slow = [e for e in self.ledger.exchanges if e.kind == "slow"]
         counted["slow handler: client timed out, retried"] = sum(
             any(a.outcome == "timeout" for a in e.attempts) for e in slow
@@ -648,6 +663,7 @@ class Runner:
         report.duplicates = sum(v.kind == checks.DUPLICATE for v in violations)
         report.leaks = sum(v.kind == checks.LEAK for v in violations)
         report.other_violations = sum(v.kind == checks.OTHER for v in violations)
+        report.broker_losses = sum(v.kind == checks.BROKER for v in violations)
         report.unresolved = sum(f.unresolved for f in findings)
         report.violations = [v.__dict__ for v in violations[:200]]
         report.checks = self.checks

@@ -12,7 +12,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from tests.reliability.client import Amounts, Exchange, Principal, SDKClient
-from tests.reliability.profiles import CLIENT_FAULT_KINDS, Profile
+from tests.reliability.profiles import CLIENT_FAULT_KINDS, TASK_FAULT_KINDS, Profile
 
 # The DRF views (where a session could authenticate; the @idempotent view checks tokens only).
 DRF_ENDPOINTS = ("/api/charges/", "/api/refunds/")
@@ -74,9 +74,10 @@ class Traffic:
         self._recent: collections.deque[str] = collections.deque(maxlen=200)
         self._used: collections.defaultdict[str, set[str]] = collections.defaultdict(set)
         self._keys_lock = threading.Lock()
-        # Each client-triggered fault is sent at least once, by the first clients to ask
-        # after their first request (cross-principal reuse needs a key already sent).
-        self._owed = list(CLIENT_FAULT_KINDS)
+        # Each client- or task-triggered fault the profile sends is sent at least once, by
+        # the first clients to ask after their first request (cross-principal reuse needs a
+        # key already sent).
+        self._owed = [k for k in (*CLIENT_FAULT_KINDS, *TASK_FAULT_KINDS) if profile.share(k)]
 
     def run(self, seconds: float) -> None:
         stop_at = time.monotonic() + seconds
@@ -147,6 +148,17 @@ class Traffic:
                 principal, path, kind="rolled back", expect="none", fail="rollback_only")),
             "cookie": (self.profile.cookie_share, lambda: self.ledger.new(
                 principal, path, kind="cookie", set_cookie=tag)),
+            # The charge's ledger task kills its worker process mid-task, or after its commit
+            # and before its ack, or outlasts Redis' visibility timeout (chain profiles).
+            "task crash": (self.profile.task_crash_share, lambda: self.ledger.new(
+                principal, path, kind="task crash", ledger_crash_once=tag)),
+            "task crash after commit": (
+                self.profile.task_crash_after_commit_share, lambda: self.ledger.new(
+                    principal, path, kind="task crash after commit",
+                    ledger_crash_after_commit_once=tag)),
+            "slow task": (self.profile.slow_task_share, lambda: self.ledger.new(
+                principal, path, kind="slow task",
+                ledger_delay_ms=rng.randint(*self.profile.slow_task_ms))),
         }  # fmt: skip
         with self._keys_lock:
             owed = self._owed.pop() if self._owed and self._recent else None

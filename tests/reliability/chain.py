@@ -1,0 +1,282 @@
+"""The side-effect chain as a chain profile runs it, and the faults made to it from outside.
+
+Beside gunicorn: the fake card processor, a private redis-server, relays and prefork Celery
+workers. A supervisor starts a killed relay or worker again, as systemd or Kubernetes would.
+``ChainFaults`` kills them with ``kill -9`` (a Celery worker with its pool, or one pool
+child), arms a relay to die between its publish and its mark, and restarts the broker with
+``kill -9``; PostgreSQL's restarts are ``ServerFaults``' (faults.py).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import random
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import psutil
+
+from tests.chain_processes import (
+    CHAIN_SETTINGS,
+    CeleryWorker,
+    RedisServer,
+    kill_group,
+    run_processor,
+    wait_for,
+)
+from tests.conftest import ROOT, die_with_parent
+from tests.reliability.app import django_env
+from tests.reliability.broker_log import BrokerLog, replay
+from tests.reliability.chain_checks import Delivery
+from tests.reliability.chain_worker import DELIVERIES
+from tests.reliability.faults import Fault, Injector
+from tests.reliability.postgres import Database
+from tests.reliability.profiles import ChainShape
+
+BROKER, RELAY, WORKER = "broker", "relay", "celery worker"
+# Logged by each kind once it can take faults: the relay has its SIGUSR1 handler by then.
+# The broker is ready once it answers, which its start waits for.
+READY = {RELAY: " started on database ", WORKER: " ready."}
+
+
+@dataclass
+class Slot:
+    """One supervised process: started again whenever it exits."""
+
+    kind: str
+    log: Path
+    start: Callable[[Path], subprocess.Popen[bytes]]
+    process: subprocess.Popen[bytes] | None = None
+    starts: int = 0
+    # Where the current incarnation's part of the log begins.
+    offset: int = 0
+    # A killed process stays down until then (monotonic time).
+    down_until: float = 0.0
+
+    def launch(self) -> None:
+        self.offset = self.log.stat().st_size if self.log.exists() else 0
+        self.process = self.start(self.log)
+        self.starts += 1
+
+    def alive(self) -> bool:
+        return self.process is not None and self.process.poll() is None
+
+    def ready(self) -> bool:
+        if not self.alive():
+            return False
+        if self.kind not in READY:
+            return True
+        with self.log.open("rb") as log:
+            log.seek(self.offset)
+            return READY[self.kind].encode() in log.read()
+
+
+class Supervisor(threading.Thread):
+    """Keeps every slot's process running until stopped."""
+
+    def __init__(self, slots: list[Slot]) -> None:
+        super().__init__(name="Supervisor", daemon=True)
+        self.slots = slots
+        self.stopping = threading.Event()
+        self.lock = threading.Lock()
+        self.errors: list[str] = []
+
+    def run(self) -> None:
+        # The processes are started from this thread, which lives as long as they should:
+        # die_with_parent ties a child to the thread that started it.
+        while True:
+            with self.lock:
+                for slot in self.slots:
+                    if not slot.alive() and time.monotonic() >= slot.down_until:
+                        try:
+                            slot.launch()
+                        except Exception as exc:  # tried again at the next round
+                            self.errors.append(f"starting a {slot.kind}: {exc}")
+            if self.stopping.wait(0.1):
+                return
+
+    def wait_ready(self, timeout: float) -> None:
+        wait_for(lambda: all(slot.ready() for slot in self.slots), timeout, every=0.2)
+
+    def ready(self, kind: str) -> list[Slot]:
+        return [slot for slot in self.slots if slot.kind == kind and slot.ready()]
+
+    def kill(self, slot: Slot, down: float = 0.0) -> int:
+        """``kill -9`` the slot's process and its children; started again after ``down``
+        seconds. Returns the pid killed."""
+        with self.lock:  # not started again before it is dead
+            assert slot.process is not None
+            slot.down_until = time.monotonic() + down
+            kill_group(slot.process)
+            return slot.process.pid
+
+    def stop(self) -> None:
+        self.stopping.set()
+        self.join()
+        for slot in self.slots:
+            if slot.process is not None:
+                kill_group(slot.process)
+
+    def restarts(self, kind: str) -> int:
+        return sum(slot.starts - 1 for slot in self.slots if slot.kind == kind)
+
+    def logs(self, kind: str | None = None) -> list[str]:
+        return [
+            slot.log.read_text(errors="replace")
+            for slot in self.slots
+            if slot.log.exists() and kind in (None, slot.kind)
+        ]
+
+
+@dataclass
+class Chain:
+    """The chain's running processes, and what gunicorn needs to use them."""
+
+    env: dict[str, str]
+    broker: RedisServer
+    processor_url: str
+    supervisor: Supervisor
+    deliveries: Path
+    logs: list[str] = field(default_factory=list)
+
+    def broker_log(self) -> BrokerLog:
+        return replay(self.broker.directory / "appendonlydir")
+
+    def wait_ready(self) -> None:
+        self.supervisor.wait_ready(timeout=120)
+
+    def read_deliveries(self) -> list[Delivery]:
+        found = []
+        for path in sorted(self.deliveries.glob("*.jsonl")):
+            for line in path.read_text().splitlines():
+                # A worker killed while writing leaves a partial last line.
+                with contextlib.suppress(ValueError, KeyError):
+                    data = json.loads(line)
+                    found.append(Delivery(data["id"], data["tag"], data["redelivered"]))
+        return found
+
+
+@contextlib.contextmanager
+def run_chain(
+    database: Database, shape: ChainShape, directory: Path, logs: list[str]
+) -> Iterator[Chain]:
+    """Start the processor, then the broker, the relays and the workers in the background
+    (``Chain.wait_ready``); stop them at the end and append their logs to ``logs``."""
+    # Started, and started again after each kill, by the supervisor. Its append-only file
+    # is never rewritten: broker_log.py replays it.
+    broker = RedisServer.on_free_port(
+        directory / "redis", options=("--auto-aof-rewrite-percentage", "0")
+    )
+    broker.directory.mkdir()
+    deliveries = directory / "deliveries"
+    deliveries.mkdir()
+    try:
+        with run_processor() as processor_url:
+            env = {
+                **django_env(database, settings=CHAIN_SETTINGS),
+                "CELERY_BROKER_URL": broker.url,
+                "PAYMENTS_PROCESSOR_URL": processor_url,
+                DELIVERIES: str(deliveries),
+            }
+            slots = (
+                [Slot(BROKER, broker.directory / "redis.log", lambda _: _broker(broker))]
+                + [
+                    Slot(RELAY, directory / f"relay-{n}.log", lambda log: _relay(env, log))
+                    for n in range(shape.relays)
+                ]
+                + [
+                    Slot(
+                        WORKER, directory / f"worker-{n}.log", lambda log: _worker(env, log, shape)
+                    )
+                    for n in range(shape.workers)
+                ]
+            )
+            supervisor = Supervisor(slots)
+            supervisor.start()
+            try:
+                yield Chain(env, broker, processor_url, supervisor, deliveries)
+            finally:
+                supervisor.stop()
+                logs += supervisor.logs()
+    finally:
+        broker.stop()
+
+
+def _broker(broker: RedisServer) -> subprocess.Popen[bytes]:
+    broker.start()
+    assert broker.process is not None
+    return broker.process
+
+
+def _relay(env: dict[str, str], log: Path) -> subprocess.Popen[bytes]:
+    with log.open("ab") as out:
+        return subprocess.Popen(
+            [sys.executable, "-m", "tests.reliability.chain_relay"],
+            cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT,
+            preexec_fn=die_with_parent, start_new_session=True,
+        )  # fmt: skip
+
+
+def _worker(env: dict[str, str], log: Path, shape: ChainShape) -> subprocess.Popen[bytes]:
+    worker = CeleryWorker(
+        env, app="tests.reliability.chain_worker", concurrency=shape.concurrency, log=log,
+        ready_timeout=None,
+    )  # fmt: skip
+    return worker.process
+
+
+# The process each kind of chain fault is made to.
+KINDS = {
+    "relay-kill": RELAY,
+    "relay-kill between publish and mark": RELAY,
+    "celery-worker-kill": WORKER,
+    "celery-child-kill": WORKER,
+    "broker-restart": BROKER,
+}
+
+
+class ChainFaults(Injector):
+    """kill -9 a relay (at any moment, or armed to die between publish and mark), a Celery
+    worker with its pool or one pool child; restart the broker with kill -9."""
+
+    def __init__(
+        self, chain: Chain, shape: ChainShape, rng: random.Random, say: Callable[[str], None]
+    ) -> None:
+        super().__init__(shape.fault_every, rng, say)
+        self.chain = chain
+        self.shape = shape
+
+    def inject(self, started: float) -> Fault:
+        kind = self.choose(self.shape.fault_weights)
+        supervisor = self.chain.supervisor
+        ready = supervisor.ready(KINDS[kind])
+        if not ready:
+            return Fault(f"{kind} skipped", started, "none ready")
+        victim = self.rng.choice(ready)
+        assert victim.process is not None
+        if kind == "relay-kill between publish and mark":
+            victim.process.send_signal(signal.SIGUSR1)
+            return Fault(kind, started, f"armed relay {victim.process.pid}")
+        if kind == "celery-child-kill":
+            children = psutil.Process(victim.process.pid).children()
+            if not children:
+                return Fault(f"{kind} skipped", started, "no pool child yet")
+            child = self.rng.choice(children)
+            with contextlib.suppress(psutil.Error):
+                child.send_signal(signal.SIGKILL)
+            return Fault(kind, started, f"SIGKILL pool child {child.pid}")
+        if kind == "broker-restart":
+            down = self.rng.uniform(*self.shape.broker_down_seconds)
+            supervisor.kill(victim, down)
+            wait_for(lambda: victim.ready(), timeout=30, every=0.05)
+            took = time.monotonic() - started
+            return Fault(kind, started, f"SIGKILL redis-server, back after {took:.1f}s")
+        pid = supervisor.kill(victim)
+        return Fault(kind, started, f"SIGKILL {victim.kind} {pid} and its children")

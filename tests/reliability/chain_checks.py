@@ -1,0 +1,180 @@
+"""The invariant beyond the request (chain profiles), checked once the recovery has drained
+the outbox and the queue:
+
+every committed charge (so every charge answered 2xx, which ``checks.check_exchanges`` ties to
+its committed row) has exactly one capture at the processor, exactly one outbox row and
+exactly one ledger row; every outbox row was published and delivered at least once; the
+processor captured nothing for a charge that never committed.
+"""
+
+from __future__ import annotations
+
+import re
+from collections import Counter, defaultdict
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+from tests.reliability.broker_log import BrokerLog
+from tests.reliability.checks import (
+    BROKER,
+    DUPLICATE,
+    NO_COMMIT,
+    OTHER,
+    TASK_METHOD,
+    Findings,
+    stored_json,
+)
+from tests.reliability.postgres import Database
+
+# What a Celery worker logs when it acknowledges a delivery (Celery's trace messages: a
+# success, a failure, a rejection not requeued).
+ACKNOWLEDGED = re.compile(
+    r"\[([0-9a-f-]{36})\] (?:succeeded in|raised unexpected|reject requeue=False)"
+)
+# Messages queued again: a visibility timeout ran out, a delivery was rejected, a worker lost.
+GIVEN_BACK = "messages the broker queued again (visibility timeout, rejected, worker lost)"
+# A charge without its ledger row whose message the broker accepted, then dropped.
+LOST_BY_THE_BROKER = "no ledger row: the broker dropped its message after accepting it"
+
+
+@dataclass(frozen=True)
+class Delivery:
+    """A message a worker received: its task id (the outbox message id), the delivery tag
+    its publish got, and whether the broker had handed it out before."""
+
+    id: str
+    tag: str
+    redelivered: bool
+
+
+@dataclass
+class ChainState:
+    """What the chain's stores hold after the recovery."""
+
+    # charge id -> amount (each logical request of a run has its own amount)
+    charges: dict[int, int]
+    # amount -> captures the processor made for it
+    captures: Counter[int]
+    # outbox message id -> (the charge it posts, published)
+    outbox: dict[str, tuple[Any, bool]]
+    # ledger row id -> (charge id, message id)
+    ledger: dict[int, tuple[int, str]]
+    # message id -> the ledger row id the exactly-once task's stored result names
+    results: dict[str, Any]
+    deliveries: list[Delivery]
+    # message ids a worker acknowledged (succeeded, or failed: Celery acknowledges both)
+    acknowledged: set[str] = field(default_factory=set)
+    # what the broker did with each message (its append-only file, replayed)
+    broker: BrokerLog = field(default_factory=BrokerLog)
+
+
+def collect(
+    database: Database,
+    captures: list[dict[str, Any]],
+    deliveries: list[Delivery],
+    worker_logs: Iterable[str],
+    broker: BrokerLog,
+) -> ChainState:
+    with database.connect() as conn:
+        rows = conn.execute("SELECT id, amount FROM payments_charge")
+        charges = {int(charge): int(amount) for charge, amount in rows}
+        outbox = {
+            str(message): (args[0] if args else None, bool(published))
+            for message, args, published in conn.execute(
+                "SELECT id, args, published_at IS NOT NULL FROM django_idempotency_outbox"
+            )
+        }
+        ledger = {
+            int(entry): (int(charge), str(message))
+            for entry, charge, message in conn.execute(
+                "SELECT id, charge_id, message_id FROM payments_ledgerentry"
+            )
+        }
+        results = {
+            str(key): stored_json(body, encoding).get("entry")
+            for key, body, encoding in conn.execute(
+                "SELECT key, response_body, body_encoding FROM django_idempotency_record "
+                "WHERE method = %s AND response_code BETWEEN 200 AND 299",
+                [TASK_METHOD],
+            )
+        }
+    captured = Counter(int(c["amount"]) for c in captures)
+    acknowledged = {m for log in worker_logs for m in ACKNOWLEDGED.findall(log)}
+    return ChainState(charges, captured, outbox, ledger, results, deliveries, acknowledged, broker)
+
+
+def check_chain(state: ChainState) -> Findings:
+    findings = Findings()
+    outbox_rows = Counter(charge for charge, _ in state.outbox.values())
+    ledger_rows = Counter(charge for charge, _ in state.ledger.values())
+    messages: defaultdict[Any, list[str]] = defaultdict(list)
+    for message, (charge, _) in state.outbox.items():
+        messages[charge].append(message)
+    for charge, amount in state.charges.items():
+        label = f"charge {charge} (amount {amount})"
+        _exactly_one(findings, state.captures[amount], "capture at the processor", label)
+        _exactly_one(findings, outbox_rows[charge], "outbox row", label)
+        if ledger_rows[charge] == 0 and _lost_by_the_broker(state, messages[charge]):
+            findings.add(BROKER, LOST_BY_THE_BROKER, f"{label}: {', '.join(messages[charge])}")
+        else:
+            _exactly_one(findings, ledger_rows[charge], "ledger row", label)
+    committed = set(state.charges.values())
+    for amount, count in sorted(state.captures.items()):
+        if amount not in committed:
+            findings.add(OTHER, "capture without a committed charge",
+                         f"amount {amount}: {count} captures")  # fmt: skip
+    delivered = {d.id for d in state.deliveries}
+    for message, (charge, published) in sorted(state.outbox.items()):
+        if not published:
+            findings.add(OTHER, "outbox row never published", f"message {message}")
+        elif message not in delivered and message not in state.broker.dropped:
+            findings.add(OTHER, "published outbox row never delivered", f"message {message}")
+        if charge not in state.charges:
+            findings.add(OTHER, "outbox row without its charge", f"message {message}: {charge}")
+    for charge, message in state.ledger.values():
+        if message not in state.outbox:
+            findings.add(OTHER, "ledger row from no outbox message",
+                         f"charge {charge}: message {message}")  # fmt: skip
+    # A task's stored result, which a redelivery is answered with, must name its committed row.
+    for message, entry in sorted(state.results.items()):
+        if state.ledger.get(entry, (None, None))[1] != message:
+            detail = f"task result without its ledger row: message {message}, entry {entry}"
+            findings.add(OTHER, NO_COMMIT, detail)
+    findings.checked["charges"] = len(state.charges)
+    findings.checked["outbox rows"] = len(state.outbox)
+    findings.checked["task results"] = len(state.results)
+    return findings
+
+
+def _lost_by_the_broker(state: ChainState, messages: list[str]) -> bool:
+    """Published, taken from the queue by a worker that never recorded it (broker_log.py),
+    and acknowledged by none: the broker's transport dropped it, no code of ours."""
+    return bool(messages) and all(
+        m in state.broker.dropped and m not in state.acknowledged for m in messages
+    )
+
+
+def _exactly_one(findings: Findings, count: int, what: str, label: str) -> None:
+    if count > 1:
+        findings.add(DUPLICATE, f"more than one {what}", f"{label}: {count}")
+    elif count == 0:
+        findings.add(OTHER, f"no {what}", label)
+
+
+def figures(state: ChainState) -> dict[str, int]:
+    """The chain's counts for the report."""
+    published = Counter(state.broker.tags.values())
+    return {
+        "charges committed": len(state.charges),
+        "captures at the processor": sum(state.captures.values()),
+        "ledger rows": len(state.ledger),
+        "outbox rows": len(state.outbox),
+        "outbox rows published": sum(published for _, published in state.outbox.values()),
+        "publishes the broker accepted": sum(published.values()),
+        "outbox rows published more than once": sum(n > 1 for n in published.values()),
+        GIVEN_BACK: state.broker.given_back,
+        "messages the broker dropped after a worker took them": len(state.broker.dropped),
+        "deliveries to workers": len(state.deliveries),
+        "deliveries flagged redelivered": sum(d.redelivered for d in state.deliveries),
+    }
