@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
@@ -213,7 +214,7 @@ def test_bodies_travel_in_binary_both_ways() -> None:
         return execute(sql, params, many, context)
 
     key, body = new_key(), body_of(256 * 1024)
-    with connection.execute_wrapper(spy):
+    with connection.execute_wrapper(spy), CaptureQueriesContext(connection) as logged:
         with transaction.atomic():
             store_body("anonymous", key, body, commit=True)
         with transaction.atomic():
@@ -221,6 +222,9 @@ def test_bodies_travel_in_binary_both_ways() -> None:
         looked_up = storage.lookup(DEFAULT_DB_ALIAS, principal="anonymous", key=key, window=TTL)
     assert found.record is not None and looked_up is not None
     assert found.record.body() == looked_up.body() == body
+    # Django's query log (DEBUG) keeps the statement, not a 512 KB hex literal.
+    [stored] = [q["sql"] for q in logged.captured_queries if "idempotency_store" in q["sql"]]
+    assert stored.startswith("SELECT django_idempotency_store($1, $2,") and len(stored) < 200
     ours = [(sql, raw) for sql, raw in cursors if "idempotency" in sql or sql == "COMMIT"]
     assert [sql for sql, _ in ours] == [
         "SELECT * FROM django_idempotency_claim",
@@ -343,3 +347,10 @@ def test_a_database_without_the_records_table_does_not_compress(monkeypatch) -> 
     with connection.cursor() as cursor:
         cursor.execute("SET LOCAL search_path TO pg_catalog")  # the table out of sight
         assert storage.database_compresses(DEFAULT_DB_ALIAS) is False
+
+
+@pytest.mark.django_db
+def test_the_app_stores_a_body_zlib_cannot_shrink_as_it_is(monkeypatch) -> None:
+    monkeypatch.setattr(storage, "database_compresses", lambda using: False)
+    body = os.urandom(4096)
+    assert storage.encode_body(DEFAULT_DB_ALIAS, body, 2048) == (body, "")
