@@ -54,18 +54,25 @@ WITH batch AS (
        FOR UPDATE SKIP LOCKED
 ), next_fence AS (
     SELECT nextval('{FENCE_SEQUENCE}') AS value
+), claimed AS (
+    UPDATE {TABLE} AS o
+       SET lease_owner = %s, lease_until = now() + %s, fence = next_fence.value
+      FROM batch, next_fence
+     WHERE o.id = batch.id AND o.created_at = batch.created_at
+    RETURNING o.id, o.created_at, o.kind, o.name, o.args, o.kwargs, o.payload, o.options, o.fence
 )
-UPDATE {TABLE} AS o
-   SET lease_owner = %s, lease_until = now() + %s, fence = next_fence.value
-  FROM batch, next_fence
- WHERE o.id = batch.id AND o.created_at = batch.created_at
-RETURNING o.id, o.created_at, o.kind, o.name, o.args, o.kwargs, o.payload, o.options, o.fence
+-- In the order written (UPDATE ... RETURNING has none; ids are time-ordered, compared as
+-- uuids, not as the text returned); the JSON columns as one document, decoded once a row.
+SELECT id::text, created_at, kind, name, jsonb_build_array(args, kwargs, payload, options)::text,
+       fence
+  FROM claimed
+ ORDER BY claimed.created_at, claimed.id
 """
 
 # created_at bounds prune the statement to the batch's partitions.
 MARK = f"""
 UPDATE {TABLE} SET published_at = now(), lease_until = NULL
- WHERE id = ANY(%s) AND created_at BETWEEN %s AND %s
+ WHERE id = ANY(%s::uuid[]) AND created_at BETWEEN %s AND %s
    AND lease_owner = %s AND fence = %s AND lease_until > now() AND published_at IS NULL
 """
 
@@ -79,8 +86,8 @@ UPDATE {TABLE}
 
 RELEASE = f"""
 UPDATE {TABLE} SET lease_owner = '', lease_until = NULL
- WHERE id = ANY(%s) AND created_at BETWEEN %s AND %s AND lease_owner = %s AND fence = %s
-   AND published_at IS NULL
+ WHERE id = ANY(%s::uuid[]) AND created_at BETWEEN %s AND %s AND lease_owner = %s
+   AND fence = %s AND published_at IS NULL
 """
 
 
@@ -108,7 +115,7 @@ class Batch:
     def bounds(self, messages: tuple[Message, ...] | None = None) -> list[Any]:
         chosen = self.messages if messages is None else messages
         return [
-            [uuid.UUID(m.id) for m in chosen],
+            [m.id for m in chosen],
             min(m.created_at for m in chosen),
             max(m.created_at for m in chosen),
         ]
@@ -124,11 +131,6 @@ class PassResult:
     failed: int = 0
     error: str = ""
     ids: list[str] = field(default_factory=list)
-
-
-def _json(value: Any) -> Any:
-    # Django has psycopg hand jsonb over as text (JSONField decodes it); the ORM path decodes.
-    return json.loads(value) if isinstance(value, str) else value
 
 
 def celery_app() -> Any:
@@ -190,40 +192,41 @@ class Relay:
         """Lease up to ``limit`` unpublished rows, oldest first, and commit the lease."""
         limit = limit or self.batch_size
         with transaction.atomic(using=self.using):
-            if self._postgresql:
-                with connections[self.using].cursor() as cursor:
-                    lease: Any = conf.OUTBOX_LEASE  # psycopg sends a timedelta as an interval
-                    cursor.execute(CLAIM, [limit, self.owner, lease])
-                    rows = cursor.fetchall()
-            else:
-                rows = self._claim_portable(limit)
+            if not self._postgresql:
+                return self._claim_portable(limit)
+            with connections[self.using].cursor() as cursor:
+                lease: Any = conf.OUTBOX_LEASE  # psycopg sends a timedelta as an interval
+                cursor.execute(CLAIM, [limit, self.owner, lease])
+                rows = cursor.fetchall()
         if not rows:
             return Batch(0, ())
-        messages = tuple(
-            Message(str(r[0]), r[1], r[2], r[3], *(_json(value) for value in r[4:8])) for r in rows
-        )
-        # The database orders the claim, not UPDATE ... RETURNING: restore the order.
-        messages = tuple(sorted(messages, key=lambda m: (m.created_at, m.id)))
-        return Batch(int(rows[0][8]), messages)
+        # The database hands jsonb over as text (Django's choice): one document per row.
+        messages = tuple(Message(r[0], r[1], r[2], r[3], *json.loads(r[4])) for r in rows)
+        return Batch(int(rows[0][5]), messages)
 
-    def _claim_portable(self, limit: int) -> list[tuple[Any, ...]]:
+    def _claim_portable(self, limit: int) -> Batch:
         # Without SKIP LOCKED and sequences (SQLite, a development fallback): the database
         # serialises writers, and a fence above every claimed row's still moves every row on.
         now = timezone.now()
         pending = OutboxMessage.objects.using(self.using).filter(
             Q(lease_until__isnull=True) | Q(lease_until__lt=now), published_at__isnull=True
         )
-        rows = list(pending.order_by("created_at")[:limit])
+        rows = list(pending.order_by("created_at", "id")[:limit])
         if not rows:
-            return []
+            return Batch(0, ())
         fence = max(r.fence for r in rows) + 1
         OutboxMessage.objects.using(self.using).filter(pk__in=[r.pk for r in rows]).update(
             lease_owner=self.owner, lease_until=now + conf.OUTBOX_LEASE, fence=fence
         )
-        return [
-            (r.id, r.created_at, r.kind, r.name, r.args, r.kwargs, r.payload, r.options, fence)
-            for r in rows
-        ]
+        return Batch(
+            fence,
+            tuple(
+                Message(
+                    str(r.id), r.created_at, r.kind, r.name, r.args, r.kwargs, r.payload, r.options
+                )
+                for r in rows
+            ),
+        )
 
     def mark(self, batch: Batch, messages: tuple[Message, ...]) -> int:
         """Mark published the rows this relay still holds; return how many it could."""
