@@ -22,7 +22,7 @@ import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from django.db import connections, router, transaction
 from django.db.models import Min, Q
@@ -33,6 +33,9 @@ from django_idempotency import signals
 from django_idempotency.conf import conf
 from django_idempotency.messaging.outbox import CHANNEL, TABLE
 from django_idempotency.models import OutboxMessage
+
+if TYPE_CHECKING:
+    from django_idempotency.messaging.publishing import TaskSender
 
 logger = logging.getLogger("django_idempotency.relay")
 
@@ -311,6 +314,13 @@ class Relay:
             self._producer = self.app.amqp.Producer(self._connection, auto_declare=False)
         return self._producer
 
+    def sender(self) -> TaskSender:
+        """What publishes on the producer; made once per pass."""
+        # Imported here: Celery is an optional extra, needed only once the relay publishes.
+        from django_idempotency.messaging.publishing import TaskSender
+
+        return TaskSender(self.app, self.producer())
+
     def close_producer(self) -> None:
         if self._connection is not None:
             with contextlib.suppress(Exception):
@@ -326,25 +336,16 @@ class Relay:
         # A failed Redis pipeline wraps the connection error that failed it.
         return isinstance(exc, errors) or isinstance(exc.__cause__, errors)
 
-    def publish(self, message: Message) -> None:
-        options = message.options
+    def publish(self, message: Message, sender: TaskSender) -> None:
         if message.kind == OutboxMessage.Kind.EVENT:
             name, args, kwargs = conf.OUTBOX_EVENT_TASK, [message.name, message.payload], {}
         else:
             name, args, kwargs = message.name, message.args, message.kwargs
-        countdown = options.get("countdown")
+        countdown = message.options.get("countdown")
         # From the enqueue, not from now: a relay that was late does not delay it further.
         eta = None if countdown is None else message.created_at + timedelta(seconds=countdown)
-        self.app.send_task(
-            name,
-            args=args,
-            kwargs=kwargs,
-            task_id=message.id,
-            producer=self.producer(),
-            queue=options.get("queue"),
-            eta=eta,
-            retry=False,
-            add_to_parent=False,
+        sender.send(
+            name, args, kwargs, task_id=message.id, queue=message.options.get("queue"), eta=eta
         )
 
     # Passes -------------------------------------------------------------------------
@@ -361,6 +362,7 @@ class Relay:
         failed: Message | None = None
         error: Exception | None = None
         producer = self.producer()
+        sender = self.sender()
         batching = getattr(producer, "batch", None)  # kombu 5.7+
         # Large enough that the batch is flushed once, at the end.
         context = (
@@ -372,7 +374,7 @@ class Relay:
                     if self.stopping.is_set():
                         break
                     try:
-                        self.publish(message)
+                        self.publish(message, sender)
                     except Exception as exc:
                         failed, error = message, exc
                         break

@@ -1,0 +1,204 @@
+"""The relay's publish path: outbox rows as Celery task messages, at the broker's pace.
+
+``app.send_task()`` works out again, for every message, what does not change from one row to
+the next: the task's options, the app's settings, the queue bound to the channel (kombu copies
+and binds an unbound queue before it even looks at its declaration cache), the origin.
+``TaskSender`` works those out once per pass, and per row builds the message with Celery's own
+``create_task_message`` and sends it with Celery's own ``send_task_message``: the same protocol-2
+message as ``send_task()``, through the same routes, signals, serializer and declarations.
+
+What it does not repeat goes through ``send_task()`` itself: an eta (Celery's delayed delivery
+on quorum queues), a task with ``expires``, and a relay run inside a worker's task (whose
+messages ``send_task()`` makes that task's children). What it leaves out: registering each
+task with the result backend (a Redis backend subscribes to the task's result, then
+unsubscribes), which serves a caller that waits for the result; the relay never does.
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any
+
+from celery.app.routes import MapRoute
+from celery.utils.nodenames import anon_nodename
+from celery.utils.saferepr import saferepr
+from kombu import Queue
+from kombu.common import Broadcast
+
+
+def argument_repr(
+    value: list[Any] | tuple[Any, ...] | dict[str, Any], maxsize: int, maxlevels: int
+) -> str:
+    """Celery's ``saferepr(value, maxsize, maxlevels)`` of JSON arguments, from ``repr()``
+    where the two agree.
+
+    They agree when the text is short enough not to be cut, no container is nested deeper
+    than ``maxlevels``, and no string needed quoting other than ``'…'`` (a repr without ``"``
+    or a backslash: saferepr quotes and escapes strings its own way).
+    """
+    text = repr(value)
+    if len(text) < maxsize and '"' not in text and "\\" not in text:
+        # No more brackets than levels cannot nest deeper (strings' brackets only add some).
+        if not maxlevels or text.count("[") + text.count("{") <= maxlevels:
+            return text
+        if _nested_within(value, maxlevels):
+            return text
+    return saferepr(value, maxsize, maxlevels=maxlevels)
+
+
+def _nested_within(value: list[Any] | tuple[Any, ...] | dict[str, Any], levels: int) -> bool:
+    # JSON's containers, ``value`` itself counting as one level, as saferepr counts them.
+    children = value.values() if isinstance(value, dict) else value
+    return levels > 0 and all(
+        _nested_within(child, levels - 1) for child in children if isinstance(child, (dict, list))
+    )
+
+
+@dataclass(frozen=True)
+class _Route:
+    """Where a call goes and how, as ``send_task()`` works it out (never changed once made)."""
+
+    options: dict[str, Any]
+    time_limit: float | None
+    soft_time_limit: float | None
+
+
+class TaskSender:
+    """Sends task calls on one producer, as ``app.send_task()`` would; one per pass."""
+
+    def __init__(self, app: Any, producer: Any) -> None:
+        amqp = app.amqp
+        self.app = app
+        self.producer = producer
+        self.create_message = amqp.create_task_message
+        self.send_message = amqp.send_task_message
+        self.router = amqp.router
+        # Routes from task_routes mappings depend on the task's name alone; a function's may
+        # depend on the arguments, and is asked for every message.
+        self.routes_by_name = all(isinstance(route, MapRoute) for route in self.router.routes)
+        self.args_maxsize = int(amqp.argsrepr_maxsize)
+        self.kwargs_maxsize = int(amqp.kwargsrepr_maxsize)
+        # Older Celery has no such setting: its saferepr went three levels deep.
+        self.maxlevels = int(app.conf.get("task_repr_maxlevels", 3))
+        self.sent_event = bool(app.conf.task_send_sent_event)
+        self.reply_to = app.thread_oid
+        self.origin = anon_nodename()
+        # Inside a worker's task, send_task() makes each message that task's child.
+        self.in_task = app.current_worker_task is not None
+        self.reraise = producer.connection._reraise_as_library_errors
+        self._tasks: dict[str, tuple[Any, dict[str, Any]]] = {}
+        self._routes: dict[tuple[str, str | None], _Route] = {}
+        self._bound: dict[Queue, Queue] = {}
+
+    def send(
+        self,
+        name: str,
+        args: list[Any],
+        kwargs: dict[str, Any],
+        *,
+        task_id: str,
+        queue: str | None = None,
+        eta: datetime | None = None,
+    ) -> None:
+        task_type, task_options = self._task(name)
+        if eta is not None or self.in_task or "expires" in task_options:
+            self.app.send_task(
+                name, args=args, kwargs=kwargs, task_id=task_id, producer=self.producer,
+                queue=queue, eta=eta, retry=False, add_to_parent=False,
+            )  # fmt: skip
+            return
+        try:
+            self._send(name, args, kwargs, task_id, queue, task_type, task_options)
+        except Exception:
+            # Turned into kombu's errors as send_task() turns them, by the same context
+            # manager, entered only then: around every message it costs microseconds.
+            with self.reraise():
+                raise
+
+    def _send(
+        self,
+        name: str,
+        args: list[Any],
+        kwargs: dict[str, Any],
+        task_id: str,
+        queue: str | None,
+        task_type: Any,
+        task_options: dict[str, Any],
+    ) -> None:
+        route = self._routes.get((name, queue))
+        if route is None:
+            route = self._route(name, args, kwargs, queue, task_type, task_options)
+            if self.routes_by_name:
+                self._routes[name, queue] = route
+        # As create_task_message makes them before its repr.
+        call_args: list[Any] | tuple[()] = args or ()
+        call_kwargs = kwargs or {}
+        message = self.create_message(
+            task_id,
+            name,
+            call_args,
+            call_kwargs,
+            reply_to=self.reply_to,
+            time_limit=route.time_limit,
+            soft_time_limit=route.soft_time_limit,
+            create_sent_event=self.sent_event,
+            ignore_result=None,  # what send_task() passes when nobody asked
+            argsrepr=argument_repr(call_args, self.args_maxsize, self.maxlevels),
+            kwargsrepr=argument_repr(call_kwargs, self.kwargs_maxsize, self.maxlevels),
+            origin=self.origin,
+            **route.options,
+        )
+        self.send_message(self.producer, name, message, retry=False, **route.options)
+
+    def _task(self, name: str) -> tuple[Any, dict[str, Any]]:
+        """The task registered under ``name`` (or None) and its options, as send_task()
+        merges them."""
+        found = self._tasks.get(name)
+        if found is None:
+            task_type = self.app._tasks.get(name)
+            get_options = getattr(task_type, "_get_exec_options", None)
+            options = get_options() if inspect.ismethod(get_options) else None
+            chosen = {k: v for k, v in (options or {}).items() if v is not None}
+            found = self._tasks[name] = (task_type, chosen)
+        return found
+
+    def _route(
+        self,
+        name: str,
+        args: list[Any],
+        kwargs: dict[str, Any],
+        queue: str | None,
+        task_type: Any,
+        task_options: dict[str, Any],
+    ) -> _Route:
+        options = dict(task_options)
+        if queue is not None:
+            options["queue"] = queue
+        # send_task() passes the task's time limits as arguments, not as options.
+        time_limit = options.pop("time_limit", None)
+        soft_time_limit = options.pop("soft_time_limit", None)
+        options = self.router.route(options, name, args, kwargs, task_type)
+        routed = options.get("queue")
+        if (
+            isinstance(routed, Queue)
+            and not isinstance(routed, Broadcast)
+            and "declare" not in options
+        ):
+            options["queue"], options["declare"] = self._declare(routed)
+        return _Route(options, time_limit, soft_time_limit)
+
+    def _declare(self, queue: Queue) -> tuple[Queue, tuple[Queue, ...]]:
+        """The queue bound to the channel, and what to declare with each message."""
+        # Bound once: kombu would copy and bind it for every message before even looking at
+        # its cache of what this connection declared.
+        bound = self._bound.get(queue)
+        if bound is None:
+            bound = self._bound[queue] = queue(self.producer.channel)
+        if not bound.can_cache_declaration:
+            return bound, (bound,)  # auto-delete or expiring: kombu declares it every time
+        # Declared here, before its first message, as kombu would; its cache makes that
+        # once per connection, and the messages then skip the declaration altogether.
+        self.producer.maybe_declare(bound)
+        return bound, ()
