@@ -318,6 +318,30 @@ def test_a_body_that_loses_the_database_gives_the_message_back(monkeypatch: Any)
     assert IdempotencyRecord.objects.get().key == message_id
 
 
+def test_a_body_whose_database_is_gone_when_it_rolls_back_gives_the_message_back(
+    monkeypatch: Any,
+) -> None:
+    # The server is shutting down: the body's connection is cut, and reconnecting to end the
+    # transaction fails too (the unit of work reports the store unavailable).
+    monkeypatch.setattr(consumers, "STORE_DOWN_PAUSE", 0)
+    connect = connection.get_new_connection
+    refused: list[bool] = []
+
+    def shutting_down(params: Any) -> Any:
+        if RAN and not refused:  # once the body has lost its connection
+            refused.append(True)
+            raise OperationalError("the database system is shutting down")
+        return connect(params)
+
+    monkeypatch.setattr(connection, "get_new_connection", shutting_down)
+    message_id = str(uuid.uuid4())
+    given_back = deliver(lose_database, message_id, 7)
+    assert refused, "the rollback did not reconnect"
+    assert given_back.state == "REJECTED" and given_back.result.requeue
+    assert not IdempotencyRecord.objects.exists()
+    assert deliver(lose_database, message_id, 7).state == "SUCCESS"
+
+
 @override_settings(IDEMPOTENCY_EXPIRED_WINDOW=timedelta(days=1))
 def test_a_message_whose_record_expired_is_acknowledged_without_running_again() -> None:
     message_id = str(uuid.uuid4())

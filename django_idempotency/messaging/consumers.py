@@ -116,7 +116,10 @@ def consume(
         body = COMPACT_JSON.encode(result).encode()
     except BaseException as exc:
         # Retry, Reject, any error, SystemExit: nothing of this delivery stays.
-        unit.fail(exc)
+        try:
+            unit.fail(exc)
+        except StoreUnavailable as lost:  # the rollback found the database gone
+            _give_back(task, message_id, lost)
         if isinstance(exc, (OperationalError, InterfaceError)):
             # The database went away under the body (restarted, the connection cut): as
             # when the claim finds it down, the message goes back to the broker instead of
