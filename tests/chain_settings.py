@@ -14,6 +14,9 @@ CELERY_BROKER_TRANSPORT_OPTIONS = {
     "visibility_timeout": 2,
     "unacked_restore_interval": 1,
     "unacked_restore_throttle": 1,
+    # A worker killed while it gives messages back leaves kombu's restore lock behind: no
+    # one gives anything back until it expires (300 s by default).
+    "unacked_mutex_expire": 5,
 }
 CELERY_WORKER_PREFETCH_MULTIPLIER = 1
 IDEMPOTENCY_OUTBOX_LEASE = timedelta(seconds=1)
