@@ -83,8 +83,13 @@ settings.configure(
 import django
 django.setup()
 import django_idempotency
-# The Celery glue: the task module and the exactly-once consumers' base class.
-celery_only = {"django_idempotency.tasks", "django_idempotency.messaging.consumers"}
+# The Celery glue: the task module, the exactly-once consumers' base class and the relay's
+# publish path (imported when the relay publishes).
+celery_only = {
+    "django_idempotency.tasks",
+    "django_idempotency.messaging.consumers",
+    "django_idempotency.messaging.publishing",
+}
 for module in pkgutil.walk_packages(django_idempotency.__path__, "django_idempotency."):
     if module.name not in celery_only:
         importlib.import_module(module.name)
