@@ -10,7 +10,7 @@ import time
 import uuid
 from collections import Counter
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from functools import partial
 from typing import Any, NamedTuple, TypeVar
 
@@ -19,6 +19,7 @@ import requests
 
 from django_idempotency.models import IdempotencyRecord
 from testproject.payments.models import Charge, Payment, Refund
+from tests.chain_processes import wait_for
 from tests.client import replayed
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -46,6 +47,21 @@ def counts(base_url: str, path: str = "/api/charges/count/") -> Counts:
     response = requests.get(base_url + path, timeout=10)
     response.raise_for_status()
     return Counts(**response.json())
+
+
+def start_first(
+    pool: ThreadPoolExecutor,
+    base_url: str,
+    user: Any,
+    key: str,
+    body: dict[str, Any],
+    before: Counts,
+) -> Future[requests.Response]:
+    """Send the first attempt and return once its handler runs (it holds the claim): a fixed
+    pause let a duplicate overtake it on a busy machine."""
+    first = pool.submit(post, base_url, user, key, body)
+    wait_for(lambda: first.done() or counts(base_url).executions > before.executions)
+    return first
 
 
 def post(
@@ -343,8 +359,7 @@ def test_duplicate_waiting_on_a_first_attempt_that_rolls_back_executes_itself(
     before = counts(live_gunicorn)
 
     with ThreadPoolExecutor(1) as pool:
-        first = pool.submit(post, live_gunicorn, alice, key, body)
-        time.sleep(0.3)
+        first = start_first(pool, live_gunicorn, alice, key, body, before)
         duplicate = post(live_gunicorn, alice, key, body)
         failed = first.result()
 
@@ -359,8 +374,7 @@ def test_duplicate_that_will_not_wait_gets_409_at_once(live_gunicorn: str, alice
     body = {**CHARGE, "delay_ms": 1500}
 
     with ThreadPoolExecutor(1) as pool:
-        first = pool.submit(post, live_gunicorn, alice, key, body)
-        time.sleep(0.3)
+        first = start_first(pool, live_gunicorn, alice, key, body, counts(live_gunicorn))
         started = time.monotonic()
         impatient = post(live_gunicorn, alice, key, body, Prefer="wait=0")
         waited = time.monotonic() - started
