@@ -57,10 +57,12 @@ else:
 if TYPE_CHECKING:
     from opentelemetry.metrics import CallbackOptions
 
-    from django_idempotency.engine.unit import Decision, Outcome, Replay, UnitOfWork
+    from django_idempotency.engine.unit import Decision, Replay, UnitOfWork
 
 logger = logging.getLogger("django_idempotency.telemetry")
 T = TypeVar("T")
+A = TypeVar("A")
+R = TypeVar("R")
 
 SCOPE = "django_idempotency"
 
@@ -314,53 +316,40 @@ def traced_open(method: Callable[[UnitOfWork], Decision]) -> Callable[[UnitOfWor
     return wrapper
 
 
-def counted_close(
-    method: Callable[[UnitOfWork, Outcome], bool],
-) -> Callable[[UnitOfWork, Outcome], bool]:
-    """``UnitOfWork.close``: a won claim's outcome (won, rolled-back, store-unavailable)."""
-    if not ENABLED:  # pragma: no cover
-        return method
+def _counted(
+    success: str,
+) -> Callable[[Callable[[UnitOfWork, A], R]], Callable[[UnitOfWork, A], R]]:
+    """Count how a won claim's ``close`` or ``fail`` ended: ``success`` when it returned
+    (or when ``fail`` re-raised the work's own exception), else what it raised."""
 
-    @functools.wraps(method)
-    def wrapper(unit: UnitOfWork, outcome: Outcome) -> bool:
-        if not listening():
-            return method(unit, outcome)
-        ended = ERROR
-        try:
-            stored = method(unit, outcome)
-            ended = WON
-            return stored
-        except BaseException as exc:
-            ended = outcome_of(exc)
-            raise
-        finally:
-            _count(_instruments(), _attributes(unit.sender, unit.context), ended)
+    def decorate(method: Callable[[UnitOfWork, A], R]) -> Callable[[UnitOfWork, A], R]:
+        if not ENABLED:  # pragma: no cover
+            return method
 
-    return wrapper
+        @functools.wraps(method)
+        def wrapper(unit: UnitOfWork, argument: A) -> R:
+            if not listening():
+                return method(unit, argument)
+            ended = ERROR
+            try:
+                result = method(unit, argument)
+                ended = success
+                return result
+            except BaseException as raised:
+                ended = success if raised is argument else outcome_of(raised)
+                raise
+            finally:
+                _count(_instruments(), _attributes(unit.sender, unit.context), ended)
+
+        return wrapper
+
+    return decorate
 
 
-def counted_fail(
-    method: Callable[[UnitOfWork, BaseException], None],
-) -> Callable[[UnitOfWork, BaseException], None]:
-    """``UnitOfWork.fail``: the work raised, so everything was rolled back."""
-    if not ENABLED:  # pragma: no cover
-        return method
-
-    @functools.wraps(method)
-    def wrapper(unit: UnitOfWork, exc: BaseException) -> None:
-        if not listening():
-            return method(unit, exc)
-        ended = ERROR
-        try:
-            method(unit, exc)
-            ended = FAILED
-        except BaseException as raised:
-            ended = FAILED if raised is exc else outcome_of(raised)
-            raise
-        finally:
-            _count(_instruments(), _attributes(unit.sender, unit.context), ended)
-
-    return wrapper
+# ``UnitOfWork.close``: won, rolled-back or store-unavailable.
+counted_close = _counted(WON)
+# ``UnitOfWork.fail``: the work raised, so everything was rolled back.
+counted_fail = _counted(FAILED)
 
 
 def refused(sender: Any, context: Any, error: IdempotencyError) -> None:

@@ -293,6 +293,9 @@ def decode_body(stored: bytes | memoryview | None, encoding: str) -> bytes:
 
 
 _STORE = "SELECT django_idempotency_store(%s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s)"
+# psycopg's commit() sends nothing when the server is already idle, so a COMMIT sent
+# with the store saves the transaction's last round trip.
+_STORE_AND_COMMIT = _STORE + "; COMMIT"
 # Below this, a body's hex literal costs less than psycopg's pipeline, about 0.12 ms of
 # Python per store (the crossover measured between 32 and 64 KiB).
 BINARY_BODY_MIN_BYTES = 32 * 1024
@@ -345,11 +348,9 @@ def store(using: str, record: Finished, *, row_id: int | None, commit: bool) -> 
         record.body,
         record.body_encoding,
     ]
-    # psycopg's commit() sends nothing when the server is already idle, so a COMMIT sent
-    # with the store saves the transaction's last round trip.
     if len(record.body) < BINARY_BODY_MIN_BYTES:
         with connection.cursor() as cursor:
-            cursor.execute(_STORE + "; COMMIT" if commit else _STORE, params)
+            cursor.execute(_STORE_AND_COMMIT if commit else _STORE, params)
         return
     from psycopg import Pipeline
 
