@@ -376,7 +376,8 @@ OUTBOX_DETAIL_ONLY_FIELDS = ("args", "kwargs", "payload", "options", "last_error
 
 
 class OutboxStateFilter(admin.SimpleListFilter):
-    # "pending" and "failing" read the partial index of unpublished rows only.
+    # "pending" and "failing" read the partial index of unpublished rows only, "checking"
+    # the redrive's partial index.
     title = _("state")
     parameter_name = "state"
 
@@ -385,6 +386,7 @@ class OutboxStateFilter(admin.SimpleListFilter):
             ("pending", gettext("Pending")),
             ("failing", gettext("Pending, after a failed publish")),
             ("published", gettext("Published")),
+            ("checking", gettext("Published, consumer's record not yet checked")),
         ]
 
     def queryset(self, request: HttpRequest, queryset: QuerySet[Any]) -> QuerySet[Any]:
@@ -397,6 +399,8 @@ class OutboxStateFilter(admin.SimpleListFilter):
             return queryset.filter(published_at__isnull=True, attempts__gt=0)
         if value == "published":
             return queryset.filter(published_at__isnull=False)
+        if value == "checking":
+            return queryset.filter(redrive_at__isnull=False)
         raise IncorrectLookupParameters(value)
 
 
@@ -426,7 +430,16 @@ class OutboxCreatedFilter(admin.SimpleListFilter):
 @admin.register(OutboxMessage)
 class OutboxMessageAdmin(OutboxModelAdmin):
     detail_only_fields = OUTBOX_DETAIL_ONLY_FIELDS
-    list_display = ("id", "kind", "name", "created_at", "published_at", "attempts", "lease_owner")
+    list_display = (
+        "id",
+        "kind",
+        "name",
+        "created_at",
+        "published_at",
+        "attempts",
+        "redrives",
+        "lease_owner",
+    )
     list_filter = (OutboxStateFilter, OutboxCreatedFilter, "kind")
     search_fields = ("id",)
     search_help_text = _("The exact message id, which is the Celery task id.")
@@ -442,6 +455,7 @@ class OutboxMessageAdmin(OutboxModelAdmin):
         (_("Message"), {"fields": ("id", "kind", "name", "args", "kwargs", "payload", "options")}),
         (_("Publishing"), {"fields": ("created_at", "published_at", "attempts", "last_error")}),
         (_("Lease"), {"fields": ("lease_owner", "lease_until", "fence")}),
+        (_("Redrive"), {"fields": ("redrive_at", "redrives")}),
     )
     readonly_fields = (
         "id",
@@ -458,6 +472,8 @@ class OutboxMessageAdmin(OutboxModelAdmin):
         "lease_owner",
         "lease_until",
         "fence",
+        "redrive_at",
+        "redrives",
     )
 
     def get_changelist(self, request: HttpRequest, **kwargs: Any) -> type[ChangeList]:

@@ -47,7 +47,10 @@ DURATIONS = (
     ("OUTBOX_POLL_INTERVAL", timedelta.resolution),
     ("OUTBOX_LEASE", timedelta.resolution),
     ("OUTBOX_MAX_AGE", timedelta.resolution),
+    ("OUTBOX_REDRIVE_AFTER", timedelta.resolution),
 )
+# Durations that None turns off.
+OPTIONAL_DURATIONS = frozenset({"OUTBOX_REDRIVE_AFTER"})
 INTEGERS = (
     ("COMPRESS_MIN_BYTES", 0),
     ("MAX_RESPONSE_BYTES", 1),
@@ -55,6 +58,7 @@ INTEGERS = (
     ("PARTITIONS_AHEAD", 2),
     ("DELETE_BATCH_SIZE", 1),
     ("OUTBOX_BATCH_SIZE", 1),
+    ("OUTBOX_REDRIVE_LIMIT", 0),
 )
 
 
@@ -192,9 +196,13 @@ def check_settings(app_configs: Sequence[AppConfig] | None, **kwargs: Any) -> li
     invalid = set()
     for name, least in DURATIONS:
         value = getattr(conf, name)
+        if value is None and name in OPTIONAL_DURATIONS:
+            continue
         if not isinstance(value, timedelta) or value < least:
             invalid.add(name)
             wanted = "a positive timedelta" if least else "a timedelta, zero or more"
+            if name in OPTIONAL_DURATIONS:
+                wanted += ", or None"
             messages.append(
                 Error(
                     f"IDEMPOTENCY_{name} is {value!r}; it must be {wanted}.",

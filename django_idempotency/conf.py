@@ -200,6 +200,17 @@ class Settings:
         return bool(_setting("IDEMPOTENCY_OUTBOX_NOTIFY", True))
 
     @property
+    def OUTBOX_REDRIVE_AFTER(self) -> timedelta | None:
+        value: timedelta | None = _setting(
+            "IDEMPOTENCY_OUTBOX_REDRIVE_AFTER", timedelta(minutes=10)
+        )
+        return value
+
+    @property
+    def OUTBOX_REDRIVE_LIMIT(self) -> int:
+        return int(_setting("IDEMPOTENCY_OUTBOX_REDRIVE_LIMIT", 8))
+
+    @property
     def CONSUMER_TTL(self) -> timedelta:
         value: timedelta = _setting("IDEMPOTENCY_CONSUMER_TTL", timedelta(days=7))
         return value

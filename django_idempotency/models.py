@@ -66,6 +66,11 @@ class OutboxMessage(models.Model):
     lease_owner = models.CharField(_("lease owner"), max_length=64, default="", blank=True)
     lease_until = models.DateTimeField(_("leased or held until"), null=True)
     fence = models.BigIntegerField(_("fence"), default=0)
+    # When the relay looks for the exactly-once consumer's record of this published message,
+    # and publishes it again if there is none (messaging/redrive.py); null: nothing to check.
+    redrive_at = models.DateTimeField(_("consumer record checked at"), null=True)
+    # A database default too: the outbox writes its rows in SQL of its own (outbox.py).
+    redrives = models.IntegerField(_("published again"), default=0, db_default=0)
 
     class Meta:
         db_table = "django_idempotency_outbox"
@@ -75,7 +80,13 @@ class OutboxMessage(models.Model):
                 fields=["created_at"],
                 name="idempotency_outbox_pending",
                 condition=models.Q(published_at__isnull=True),
-            )
+            ),
+            # The redrive reads only published rows whose consumer record is still unchecked.
+            models.Index(
+                fields=["redrive_at"],
+                name="idempotency_outbox_redrive",
+                condition=models.Q(redrive_at__isnull=False),
+            ),
         ]
         verbose_name = _("outbox message")
         verbose_name_plural = _("outbox messages")

@@ -242,6 +242,7 @@ def test_another_header_name_is_fine() -> None:
         ("MAX_WAIT", "10s"),
         ("PARTITION_GRACE", timedelta(minutes=-5)),
         ("DDL_LOCK_TIMEOUT", timedelta(0)),
+        ("OUTBOX_REDRIVE_AFTER", 600),
     ],
 )
 def test_e003_duration_out_of_range(name: str, value: object) -> None:
@@ -354,6 +355,7 @@ def test_e007_is_right_that_the_claim_cannot_hold_above_read_committed() -> None
         ("DELETE_BATCH_SIZE", "100", 1),
         ("MAX_RESPONSE_BYTES", True, 1),
         ("COMPRESS_MIN_BYTES", -1, 0),
+        ("OUTBOX_REDRIVE_LIMIT", -1, 0),
     ],
 )
 def test_e008_integer_out_of_range(name: str, value: object, smallest: int) -> None:
@@ -473,3 +475,14 @@ def test_e012_a_view_whose_writes_go_where_the_records_table_is_not_migrated() -
         errors = checks.check_records_follow_writes(None, databases=["default"])
     assert {m.id for m in errors} == {"django_idempotency.E012"}
     assert any("/drf/groups/" in m.msg and "auth.Group" in m.msg for m in errors)
+
+
+@override_settings(IDEMPOTENCY_OUTBOX_REDRIVE_AFTER=None)
+def test_none_turns_the_redrive_off_and_is_no_error() -> None:
+    assert checks.check_settings(None) == []
+
+
+@override_settings(IDEMPOTENCY_OUTBOX_REDRIVE_AFTER=timedelta(0))
+def test_e003_says_when_none_is_allowed() -> None:
+    (message,) = checks.check_settings(None)
+    assert message.msg.endswith("it must be a positive timedelta, or None.")

@@ -198,15 +198,18 @@ def test_admin_lists_messages_newest_first_without_counting_the_table(superuser_
 
 
 @pytest.mark.django_db(transaction=True)
-def test_admin_filters_pending_failing_and_published(superuser_client) -> None:
+def test_admin_filters_pending_failing_published_and_checking(superuser_client) -> None:
     with transaction.atomic():
-        published, failing, pending = (enqueue_task("tests.noop") for _ in range(3))
-    OutboxMessage.objects.filter(id=published).update(published_at=datetime.now(UTC))
+        checked, published, failing, pending = (enqueue_task("tests.noop") for _ in range(4))
+    now = datetime.now(UTC)
+    OutboxMessage.objects.filter(id__in=[published, checked]).update(published_at=now)
+    OutboxMessage.objects.filter(id=checked).update(redrive_at=now + timedelta(minutes=10))
     OutboxMessage.objects.filter(id=failing).update(attempts=2, last_error="ConnectionError")
     for state, expected in [
-        ("published", [published]),
+        ("published", [published, checked]),
         ("pending", [pending, failing]),
         ("failing", [failing]),
+        ("checking", [checked]),
     ]:
         response = superuser_client.get(OUTBOX_CHANGELIST, {"state": state})
         assert listed_ids(response) == expected, state

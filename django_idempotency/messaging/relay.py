@@ -5,7 +5,9 @@ rows) and stamps it with a new fence from a sequence, then commits: nothing is l
 the broker is talked to. Marking requires the relay's own fence and a lease still running,
 so a relay that stalled past its lease, whose rows another relay took over, marks nothing.
 Publishing happens before marking: a relay that dies in between publishes the rows again
-after the lease runs out, with the same task ids (at least once).
+after the lease runs out, with the same task ids (at least once). A message for an
+exactly-once task that its consumer never recorded (the broker lost it) is published again
+by the redrive (``redrive.py``).
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from django.utils.module_loading import import_string
 from django_idempotency import signals
 from django_idempotency.conf import conf
 from django_idempotency.messaging.outbox import CHANNEL, TABLE
+from django_idempotency.messaging.redrive import CHECK_AT_SQL, Redrive, check_at
 from django_idempotency.models import OutboxMessage
 
 if TYPE_CHECKING:
@@ -62,19 +65,20 @@ WITH batch AS (
        SET lease_owner = %s, lease_until = now() + %s, fence = next_fence.value
       FROM batch, next_fence
      WHERE o.id = batch.id AND o.created_at = batch.created_at
-    RETURNING o.id, o.created_at, o.kind, o.name, o.args, o.kwargs, o.payload, o.options, o.fence
+    RETURNING o.id, o.created_at, o.kind, o.name, o.args, o.kwargs, o.payload, o.options, o.fence,
+              o.redrives
 )
 -- In the order written (UPDATE ... RETURNING has none; ids are time-ordered, compared as
 -- uuids, not as the text returned); the JSON columns as one document, decoded once a row.
 SELECT id::text, created_at, kind, name, jsonb_build_array(args, kwargs, payload, options)::text,
-       fence
+       fence, redrives
   FROM claimed
  ORDER BY claimed.created_at, claimed.id
 """
 
 # created_at bounds prune the statement to the batch's partitions.
 MARK = f"""
-UPDATE {TABLE} SET published_at = now(), lease_until = NULL
+UPDATE {TABLE} SET published_at = now(), lease_until = NULL, redrive_at = {CHECK_AT_SQL}
  WHERE id = ANY(%s::uuid[]) AND created_at BETWEEN %s AND %s
    AND lease_owner = %s AND fence = %s AND lease_until > now() AND published_at IS NULL
 """
@@ -106,6 +110,8 @@ class Message:
     kwargs: dict[str, Any]
     payload: Any
     options: dict[str, Any]
+    # How often the redrive put it back to be published again.
+    redrives: int = 0
 
 
 @dataclass(frozen=True)
@@ -134,6 +140,12 @@ class PassResult:
     failed: int = 0
     error: str = ""
     ids: list[str] = field(default_factory=list)
+
+
+def _documents(text: str) -> tuple[list[Any], dict[str, Any], Any, dict[str, Any]]:
+    """A claimed row's args, kwargs, payload and options, sent as one JSON document."""
+    args, kwargs, payload, options = json.loads(text)
+    return args, kwargs, payload, options
 
 
 def celery_app() -> Any:
@@ -179,11 +191,12 @@ class Relay:
         require_publisher_confirms(self.app)
         self.batch_size = batch_size or conf.OUTBOX_BATCH_SIZE
         self.owner = owner or default_owner()
+        self.redrive = Redrive(self.app, self.using)
         self.stopping = threading.Event()
         self._connection: Any = None
         self._producer: Any = None
         self._listener: Any = None
-        self._backlog_checked = self._backlog_logged = -math.inf
+        self._backlog_checked = self._backlog_logged = self._redrive_checked = -math.inf
 
     # Database -----------------------------------------------------------------------
 
@@ -204,7 +217,9 @@ class Relay:
         if not rows:
             return Batch(0, ())
         # The database hands jsonb over as text (Django's choice): one document per row.
-        messages = tuple(Message(r[0], r[1], r[2], r[3], *json.loads(r[4])) for r in rows)
+        messages = tuple(
+            Message(r[0], r[1], r[2], r[3], *_documents(r[4]), redrives=r[6]) for r in rows
+        )
         return Batch(int(rows[0][5]), messages)
 
     def _claim_portable(self, limit: int) -> Batch:
@@ -225,7 +240,15 @@ class Relay:
             fence,
             tuple(
                 Message(
-                    str(r.id), r.created_at, r.kind, r.name, r.args, r.kwargs, r.payload, r.options
+                    str(r.id),
+                    r.created_at,
+                    r.kind,
+                    r.name,
+                    r.args,
+                    r.kwargs,
+                    r.payload,
+                    r.options,
+                    r.redrives,
                 )
                 for r in rows
             ),
@@ -235,23 +258,31 @@ class Relay:
         """Mark published the rows this relay still holds; return how many it could."""
         if not messages:
             return 0
+        # Those whose exactly-once consumer's record the redrive checks later.
+        check = self.redrive.to_check(messages)
+        after = self.redrive.after or timedelta(0)
         with transaction.atomic(using=self.using):
             if self._postgresql:
+                params: list[Any] = [check, after, *batch.bounds(messages)]
                 with connections[self.using].cursor() as cursor:
-                    cursor.execute(MARK, [*batch.bounds(messages), self.owner, batch.fence])
+                    cursor.execute(MARK, [*params, self.owner, batch.fence])
                     return int(cursor.rowcount)
             now = timezone.now()
-            return (
-                OutboxMessage.objects.using(self.using)
-                .filter(
-                    pk__in=[uuid.UUID(m.id) for m in messages],
-                    lease_owner=self.owner,
-                    fence=batch.fence,
-                    lease_until__gt=now,
-                    published_at__isnull=True,
-                )
-                .update(published_at=now, lease_until=None)
+            held = OutboxMessage.objects.using(self.using).filter(
+                lease_owner=self.owner,
+                fence=batch.fence,
+                lease_until__gt=now,
+                published_at__isnull=True,
             )
+            marked = held.filter(pk__in=[uuid.UUID(m.id) for m in messages]).update(
+                published_at=now, lease_until=None
+            )
+            for message in messages:
+                if message.id in check:
+                    OutboxMessage.objects.using(self.using).filter(
+                        pk=uuid.UUID(message.id), published_at=now
+                    ).update(redrive_at=check_at(message, now, after))
+            return marked
 
     def fail(self, batch: Batch, message: Message, error: str, *, hold: bool = True) -> None:
         """Count a failed publish and, with ``hold``, hold the row back for a while."""
@@ -486,6 +517,22 @@ class Relay:
                 return True
         return False
 
+    def redrive_if_due(self) -> int:
+        """Every little while, put back for publishing the published messages that their
+        exactly-once consumers have no record of (``messaging/redrive.py``); return how many."""
+        if self.redrive.after is None:
+            return 0
+        if time.monotonic() - self._redrive_checked < self.redrive.check_every:
+            return 0
+        self._redrive_checked = time.monotonic()
+        again = 0
+        while not self.stopping.is_set():
+            result = self.redrive.run_pass(self.batch_size)
+            again += len(result.republished)
+            if result.checked < self.batch_size:
+                break
+        return again
+
     def warn_if_backlog_is_old(self) -> None:
         # Not on every wake-up: a busy relay passes many times a second.
         if time.monotonic() - self._backlog_checked < BACKLOG_CHECK_EVERY:
@@ -513,6 +560,8 @@ class Relay:
                     # Listen before draining: a commit made during the drain still wakes us.
                     self.listen()
                     total += self.drain()
+                    if self.redrive_if_due():
+                        total += self.drain()
                     self.warn_if_backlog_is_old()
                 # Anything: the broker or the database gone (psycopg's own errors come from the
                 # listener, which Django does not wrap), a bug in a receiver. Keep going.

@@ -1,0 +1,243 @@
+"""Redrive: publish again a message that the broker lost.
+
+A broker can lose a message it accepted: a Redis without persistence restarted, kombu's Redis
+transport dropping an unacknowledged message when a worker dies at the wrong moment
+(celery/kombu#305), a queue purged by hand. The relay had marked it published, and nothing
+would ever run it. An exactly-once consumer leaves a record of every message it ran, so the
+relay can tell: a while after it publishes a message for an exactly-once task
+(``IDEMPOTENCY_OUTBOX_REDRIVE_AFTER``, doubled with each redrive), it looks for the
+consumer's record and, finding none, puts the message back to be published again with the
+same task id. A copy that arrives after all is answered from the record, so a message that
+was only slow costs one cheap extra delivery. Messages for other tasks are never redriven:
+nothing tells whether they ran, and running one twice could repeat its effect.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta
+from typing import TYPE_CHECKING, Any, Protocol
+
+from django.db import connections, router, transaction
+from django.db.models import F
+from django.db.models.functions import Now
+from django.utils import timezone
+
+from django_idempotency.conf import conf
+from django_idempotency.messaging.outbox import CHANNEL
+from django_idempotency.models import IdempotencyRecord, OutboxMessage
+
+if TYPE_CHECKING:
+    from django.db.models import QuerySet
+
+logger = logging.getLogger("django_idempotency.relay")
+
+# Each redrive doubles the wait before the next check, up to 2**6 times the first.
+MAX_DOUBLINGS = 6
+# How often a running relay looks for rows due a check, at most (and at least twice per
+# IDEMPOTENCY_OUTBOX_REDRIVE_AFTER).
+CHECK_EVERY = timedelta(seconds=10)
+# A consumer's record is made by the database's clock, the message's created_at by the
+# app's: the lookup allows for this much skew between the two.
+CLOCK_SKEW = timedelta(hours=1)
+
+# The check time the relay's MARK sets, in SQL: after the message's countdown, if any, and
+# doubled with each redrive. Parameters: the ids to check, IDEMPOTENCY_OUTBOX_REDRIVE_AFTER.
+CHECK_AT_SQL = f"""CASE WHEN id = ANY(%s::uuid[]) THEN
+           greatest(now(), created_at + coalesce((options->>'countdown')::float8, 0)
+                           * interval '1 second')
+           + %s * power(2, least(redrives, {MAX_DOUBLINGS})) END"""
+
+
+class Published(Protocol):
+    """What the redrive needs of a message the relay published."""
+
+    @property
+    def id(self) -> str: ...
+    @property
+    def created_at(self) -> datetime: ...
+    @property
+    def kind(self) -> int: ...
+    @property
+    def name(self) -> str: ...
+    @property
+    def options(self) -> dict[str, Any]: ...
+    @property
+    def redrives(self) -> int: ...
+
+
+def check_at(message: Published, now: datetime, after: timedelta) -> datetime:
+    """CHECK_AT_SQL, in Python (databases other than PostgreSQL)."""
+    countdown = message.options.get("countdown") or 0
+    start = max(now, message.created_at + timedelta(seconds=countdown))
+    return start + after * (1 << min(message.redrives, MAX_DOUBLINGS))
+
+
+@dataclass
+class RedriveResult:
+    """What one pass over the rows due a check found."""
+
+    checked: int = 0
+    consumed: int = 0
+    republished: list[str] = field(default_factory=list)
+    given_up: list[str] = field(default_factory=list)
+
+
+class Redrive:
+    """Checks the published messages of one outbox database against their consumers' records."""
+
+    def __init__(self, app: Any, using: str) -> None:
+        self.app = app
+        self.using = using
+        self.records_using = router.db_for_write(IdempotencyRecord)
+        self._principals: dict[str, str | None] = {}
+        self._tasks_imported = False
+
+    @property
+    def after(self) -> timedelta | None:
+        """How long after a publish to check; None when the redrive is off."""
+        if conf.OUTBOX_REDRIVE_LIMIT <= 0:
+            return None
+        return conf.OUTBOX_REDRIVE_AFTER
+
+    @property
+    def check_every(self) -> float:
+        after = self.after
+        if after is None:
+            return CHECK_EVERY.total_seconds()
+        return min(CHECK_EVERY, after / 2).total_seconds()
+
+    def principal(self, kind: int, name: str) -> str | None:
+        """The principal under which the exactly-once consumer of such a message records it,
+        or None when its task is not exactly-once (or not known to the relay's app)."""
+        task_name = conf.OUTBOX_EVENT_TASK if kind == OutboxMessage.Kind.EVENT else name
+        with contextlib.suppress(KeyError):
+            return self._principals[task_name]
+        # Imported here: Celery is an optional extra, and the relay has it.
+        from django_idempotency.messaging.consumers import ExactlyOnceTask, consumer_principal
+
+        if not self._tasks_imported:
+            # The project's task modules (autodiscovery), which the relay has no other
+            # reason to import.
+            self._tasks_imported = True
+            try:
+                self.app.loader.import_default_modules()
+            except Exception:  # the worker fails on it too; the relay still publishes
+                logger.exception("The relay could not import the project's Celery tasks.")
+        task = self.app.tasks.get(task_name)
+        if task is None:
+            logger.warning(
+                "Task %s is not registered in the relay's Celery app, so its messages are "
+                "never published again if the broker loses them.",
+                task_name,
+            )
+        found = consumer_principal(task) if isinstance(task, ExactlyOnceTask) else None
+        self._principals[task_name] = found
+        return found
+
+    def to_check(self, messages: Iterable[Published]) -> list[str]:
+        """The ids, among ``messages`` just published, whose consumer record is to be checked."""
+        if self.after is None:
+            return []
+        return [m.id for m in messages if self.principal(m.kind, m.name) is not None]
+
+    def run_pass(self, limit: int) -> RedriveResult:
+        """Check up to ``limit`` rows that are due, oldest check first; put back for
+        publishing those whose consumer has no record of them."""
+        result = RedriveResult()
+        with transaction.atomic(using=self.using):
+            due = list(
+                OutboxMessage.objects.using(self.using)
+                .select_for_update(skip_locked=True)
+                .filter(redrive_at__lte=Now())
+                .order_by("redrive_at")
+                .only("id", "created_at", "kind", "name", "redrives")[:limit]
+            )
+            if not due:
+                return result
+            result.checked = len(due)
+            principals = {row.pk: self.principal(row.kind, row.name) for row in due}
+            recorded = self._recorded(due, principals)
+            now = timezone.now()
+            done, again = [], []
+            for row in due:
+                principal = principals[row.pk]
+                if principal is None or (principal, str(row.pk)) in recorded:
+                    done.append(row.pk)
+                elif row.redrives >= conf.OUTBOX_REDRIVE_LIMIT or (
+                    row.created_at < now - conf.CONSUMER_TTL
+                ):
+                    # Past the limit, or so old that the record may have expired: no more.
+                    result.given_up.append(str(row.pk))
+                else:
+                    again.append(row.pk)
+            result.consumed = len(done)
+            rows = OutboxMessage.objects.using(self.using)
+            rows.filter(pk__in=done).update(redrive_at=None)
+            if result.given_up:
+                rows.filter(pk__in=result.given_up).update(
+                    redrive_at=None,
+                    last_error="No record of its exactly-once consumer after "
+                    f"{conf.OUTBOX_REDRIVE_LIMIT} redrives; not published again.",
+                )
+            if again:
+                self._publish_again(rows.filter(pk__in=again), now)
+                result.republished = [str(pk) for pk in again]
+        self._log(result)
+        return result
+
+    def _recorded(
+        self, due: list[OutboxMessage], principals: dict[Any, str | None]
+    ) -> set[tuple[str, str]]:
+        """The (principal, message id) pairs, among ``due``, that have a consumer record."""
+        wanted = [row for row in due if principals[row.pk] is not None]
+        if not wanted:
+            return set()
+        found = IdempotencyRecord.objects.using(self.records_using).filter(
+            key__in=[str(row.pk) for row in wanted],
+            scope__in={principals[row.pk] for row in wanted},
+            created_at__gte=min(row.created_at for row in wanted) - CLOCK_SKEW,
+        )
+        return set(found.values_list("scope", "key"))
+
+    def _publish_again(self, rows: QuerySet[OutboxMessage], now: datetime) -> None:
+        rows.update(
+            published_at=None,
+            redrive_at=None,
+            lease_owner="",
+            lease_until=None,
+            redrives=F("redrives") + 1,
+            last_error=f"Published, and no record of its exactly-once consumer by "
+            f"{now.isoformat(timespec='seconds')}: published again.",
+        )
+        connection = connections[self.using]
+        if connection.vendor == "postgresql" and conf.OUTBOX_NOTIFY:
+            # Delivered on commit: every relay wakes to publish it.
+            with connection.cursor() as cursor:
+                cursor.execute("SELECT pg_notify(%s, '')", [CHANNEL])
+
+    def _log(self, result: RedriveResult) -> None:
+        if result.republished:
+            logger.warning(
+                "%d published outbox messages have no record of their exactly-once consumer "
+                "%s after publishing; they are published again with the same task ids "
+                "(the broker lost them, or they are still queued): %s",
+                len(result.republished),
+                self.after,
+                _some(result.republished),
+            )
+        if result.given_up:
+            logger.error(
+                "%d outbox messages were published %d times and their exactly-once consumer "
+                "never recorded them; they are not published again: %s",
+                len(result.given_up),
+                conf.OUTBOX_REDRIVE_LIMIT + 1,
+                _some(result.given_up),
+            )
+
+
+def _some(ids: list[str], shown: int = 10) -> str:
+    return ", ".join(ids[:shown]) + (" ..." if len(ids) > shown else "")
