@@ -121,8 +121,9 @@ class ChainRunner(Runner):
         return [*super().injectors(server, database), faults]
 
     def drain(self, database: Database, chain: Chain) -> None:
-        """Wait until nothing is left to publish, queued or held by a worker (a message a
-        killed worker held stays in kombu's unacknowledged set until Redis gives it back)."""
+        """Wait until every outbox row is published and consumed, and nothing is queued or
+        held by a worker (a message a killed worker held stays in kombu's unacknowledged set
+        until Redis gives it back; one the broker dropped waits for the relay's redrive)."""
         settle, started = 1.0, time.monotonic()
         deadline = started + self.shape.drain_timeout
         quiet_since: float | None = None
@@ -149,9 +150,14 @@ class ChainRunner(Runner):
         ))  # fmt: skip
 
     def backlog(self, database: Database) -> int:
+        """Outbox rows not yet published, or published and not yet recorded by their
+        exactly-once consumer."""
         with database.connect() as conn:
             row = conn.execute(
-                "SELECT count(*) FROM django_idempotency_outbox WHERE published_at IS NULL"
+                "SELECT count(*) FROM django_idempotency_outbox o WHERE o.published_at IS NULL "
+                "OR NOT EXISTS (SELECT FROM django_idempotency_record r "
+                "WHERE r.key = o.id::text AND r.method = %s)",
+                [checks.TASK_METHOD],
             ).fetchone()
         return int(row[0]) if row else -1
 

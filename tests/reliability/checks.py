@@ -41,7 +41,6 @@ TASK_METHOD = "TASK"
 DUPLICATE = "duplicate"  # more than one effect for one logical request
 LEAK = "leak"  # a principal saw or could read what is not theirs
 OTHER = "other"  # lost effects, half-results, wrong answers
-BROKER = "broker"  # a message the broker's transport dropped after accepting it
 # What: a 2xx answered or stored for work that did not commit.
 NO_COMMIT = "2xx without a commit"
 

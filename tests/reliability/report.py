@@ -49,8 +49,6 @@ class Report:
     duplicates: int = 0
     leaks: int = 0
     other_violations: int = 0
-    # Messages the broker's transport dropped after accepting them (chain profiles).
-    broker_losses: int = 0
     unresolved: int = 0
     violations: list[dict[str, str]] = field(default_factory=list)
     checks: list[Check] = field(default_factory=list)
@@ -66,7 +64,6 @@ class Report:
             self.duplicates == 0
             and self.leaks == 0
             and self.other_violations == 0
-            and self.broker_losses == 0
             and self.unresolved == 0
             and all(check.passed is not False for check in self.checks)
         )
@@ -91,13 +88,7 @@ class Report:
             "",
             f"**{verdict}**: duplicates found **{self.duplicates}**, leaks found "
             f"**{self.leaks}**, other violations **{self.other_violations}**, logical "
-            f"requests left unanswered after recovery **{self.unresolved}**"
-            + (
-                f", messages dropped by the broker after accepting them **{self.broker_losses}**"
-                if self.chain
-                else ""
-            )
-            + ".",
+            f"requests left unanswered after recovery **{self.unresolved}**" + ".",
             "",
             f"Started {self.started}, ran {self.seconds / 60:.1f} minutes.",
             "",

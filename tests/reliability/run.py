@@ -663,7 +663,6 @@ class Runner:
         report.duplicates = sum(v.kind == checks.DUPLICATE for v in violations)
         report.leaks = sum(v.kind == checks.LEAK for v in violations)
         report.other_violations = sum(v.kind == checks.OTHER for v in violations)
-        report.broker_losses = sum(v.kind == checks.BROKER for v in violations)
         report.unresolved = sum(f.unresolved for f in findings)
         report.violations = [v.__dict__ for v in violations[:200]]
         report.checks = self.checks
