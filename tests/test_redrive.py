@@ -189,6 +189,31 @@ def test_a_running_relay_redrives_by_itself_and_the_worker_runs_it(
     assert [(EXACTLY_ONCE, message_id, 7)] == RAN
 
 
+@override_settings(IDEMPOTENCY_OUTBOX_REDRIVE_AFTER=timedelta(milliseconds=500))
+def test_a_redis_that_keeps_nothing_on_disk_restarted_after_the_publish_loses_nothing(
+    tmp_path: Path,
+) -> None:
+    # As the machine's own Redis runs: no append-only file, no snapshots.
+    volatile = RedisServer.on_free_port(tmp_path, options=("--appendonly", "no"))
+    volatile.start()
+    try:
+        RAN.clear()
+        app = make_app(volatile.url)
+        relay = Relay(app=app)
+        with running(relay):
+            message_id = enqueue()
+            wait_for(lambda: volatile.queued())
+            volatile.stop()
+            volatile.start()
+            assert volatile.queued() == []  # the restart lost it
+            wait_for(lambda: volatile.queued(), timeout=15)  # the redrive published it again
+        with start_worker(app, pool="solo", perform_ping_check=False, shutdown_timeout=30):
+            wait_for(lambda: RAN)
+    finally:
+        volatile.stop()
+    assert [(EXACTLY_ONCE, message_id, 7)] == RAN
+
+
 @override_settings(IDEMPOTENCY_OUTBOX_REDRIVE_AFTER=SOON)
 def test_messages_for_plain_or_unknown_tasks_are_never_checked_nor_published_again(
     relay: Relay, broker: RedisServer, caplog: pytest.LogCaptureFixture
