@@ -575,7 +575,11 @@ class Relay:
                 pause = FIRST_PAUSE
                 if once:
                     break
-                self.wait(conf.OUTBOX_POLL_INTERVAL.total_seconds())
+                poll = conf.OUTBOX_POLL_INTERVAL.total_seconds()
+                if self.redrive.after is not None:
+                    # No commit announces that a redrive check is due.
+                    poll = min(poll, self.redrive.check_every)
+                self.wait(poll)
         finally:
             self.close_listener()
             self.close_producer()
