@@ -11,8 +11,11 @@ cells, so that nothing consumes the messages and the queue's length is the count
 2. Latency: ``manage.py idempotency_relay`` as a process with a 60 s poll; one message per
    transaction, from the commit returning to the message being in the queue (``BRPOP``), so
    the relay is woken by ``NOTIFY`` or not at all in time.
-3. Enqueue cost: a transaction with one business ``INSERT``, with and without an
-   ``enqueue_task()`` in it, back to back; the median of the pairs' differences.
+3. Enqueue cost: a protected request's unit of work (claim, one business ``INSERT``, the
+   stored response and its ``COMMIT``), with and without an ``enqueue_task()`` in it, back
+   to back; the median of the pairs' differences. There the row rides with the store's
+   statement. The same in a plain ``transaction.atomic()``, where it is an ``INSERT`` of
+   its own, is reported too.
 
 ``python -m bench relay``.
 """
@@ -27,6 +30,7 @@ import sys
 import tempfile
 import time
 import uuid
+from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -236,6 +240,38 @@ def latency(redis_server: PrivateRedis, url: str, samples: int) -> list[float]:
     return delays
 
 
+def enqueue_cost_in_unit(samples: int) -> tuple[list[float], list[float]]:
+    """(a protected request's unit of work, the same with an enqueue), seconds."""
+    from django.db import connection
+
+    from django_idempotency.engine.unit import Outcome, Run, UnitOfWork, Work
+    from django_idempotency.messaging.outbox import enqueue_task
+
+    insert = "INSERT INTO relay_bench_business (amount, currency) VALUES (%s, %s)"
+    plain: list[float] = []
+    with_enqueue: list[float] = []
+    for n in range(samples):
+        for enqueue in (n % 2 == 0, n % 2 == 1):
+            work = Work(
+                principal="bench:relay",
+                key=str(uuid.uuid4()),
+                method="POST",
+                path="/bench/",
+                fingerprint={},
+                ttl=timedelta(hours=1),
+            )
+            started = time.perf_counter()
+            unit = UnitOfWork(work, wait=timedelta(0))
+            assert isinstance(unit.open(), Run)
+            with connection.cursor() as cursor:
+                cursor.execute(insert, [2499, "inr"])
+            if enqueue:
+                enqueue_task(TASK, (n, "inr"), {"amount": 2499})
+            unit.close(Outcome(201, [["content-type", "application/json"]], b'{"id": 1}'))
+            (with_enqueue if enqueue else plain).append(time.perf_counter() - started)
+    return plain, with_enqueue
+
+
 def enqueue_cost(samples: int) -> tuple[list[float], list[float], list[float]]:
     """(plain transaction, transaction with an enqueue, the enqueue call alone), seconds."""
     from django.db import connection, transaction
@@ -261,9 +297,14 @@ def enqueue_cost(samples: int) -> tuple[list[float], list[float], list[float]]:
                     enqueue_task(TASK, (n, "inr"), {"amount": 2499})
                     call.append(time.perf_counter() - before)
             (with_enqueue if enqueue else plain).append(time.perf_counter() - started)
+    return plain, with_enqueue, call
+
+
+def drop_business_table() -> None:
+    from django.db import connection
+
     with connection.cursor() as cursor:
         cursor.execute("DROP TABLE relay_bench_business")
-    return plain, with_enqueue, call
 
 
 def run(options: Options) -> Section:
@@ -292,11 +333,14 @@ def run(options: Options) -> Section:
         errors += rabbit_errors
         delays = latency(redis_server, options.database_url, samples)
         plain, with_enqueue, call = enqueue_cost(samples * 5)
+        unit_plain, unit_enqueue = enqueue_cost_in_unit(samples * 5)
+        drop_business_table()
         clear_outbox()
     ms = 1000.0
     p50, p99 = median(delays) * ms, percentile(delays, 99) * ms
     # Pairs run back to back, so a drift in the machine's load cancels out of each difference.
     added = median([w - p for w, p in zip(with_enqueue, plain, strict=True)]) * ms
+    added_in_unit = median([w - p for w, p in zip(unit_enqueue, unit_plain, strict=True)]) * ms
     header = ["measure", "value"]
     rows = [
         ["messages per throughput cell", f"{count:,}"],
@@ -315,10 +359,13 @@ def run(options: Options) -> Section:
         ["commit to publish, p50 ms", f"{p50:.1f}"],
         ["commit to publish, p99 ms", f"{p99:.1f}"],
         ["commit to publish, max ms", f"{max(delays) * ms:.1f}"],
-        ["transaction without enqueue, median ms", f"{median(plain) * ms:.3f}"],
-        ["transaction with enqueue, median ms", f"{median(with_enqueue) * ms:.3f}"],
-        ["added by the enqueue, median of pairs, ms", f"{added:.3f}"],
-        ["enqueue_task() call alone, median ms", f"{median(call) * ms:.3f}"],
+        ["protected unit of work without enqueue, median ms", f"{median(unit_plain) * ms:.3f}"],
+        ["protected unit of work with enqueue, median ms", f"{median(unit_enqueue) * ms:.3f}"],
+        ["added by the enqueue there, median of pairs, ms", f"{added_in_unit:.3f}"],
+        ["plain transaction without enqueue, median ms", f"{median(plain) * ms:.3f}"],
+        ["plain transaction with enqueue, median ms", f"{median(with_enqueue) * ms:.3f}"],
+        ["added by the enqueue there (an INSERT of its own), ms", f"{added:.3f}"],
+        ["enqueue_task() call alone in it, median ms", f"{median(call) * ms:.3f}"],
     ]
     checks = [
         Check("relay throughput / publish loop", statistics.median(ratios), 0.8, at_most=False),
@@ -332,11 +379,11 @@ def run(options: Options) -> Section:
         Check("commit-to-publish p50 / 20 ms", p50 / 20, 1.0, at_most=True, note=f"{p50:.1f} ms"),
         Check("commit-to-publish p99 / 100 ms", p99 / 100, 1.0, at_most=True, note=f"{p99:.1f} ms"),
         Check(
-            "enqueue cost in a transaction / 0.3 ms",
-            added / 0.3,
+            "enqueue cost in a protected request / 0.3 ms",
+            added_in_unit / 0.3,
             1.0,
             at_most=True,
-            note=f"{added:.3f} ms",
+            note=f"{added_in_unit:.3f} ms; in a plain transaction {added:.3f} ms",
         ),
     ]
     notes = [
@@ -356,6 +403,8 @@ def run(options: Options) -> Section:
         "plain_transaction_seconds": plain,
         "enqueue_transaction_seconds": with_enqueue,
         "enqueue_call_seconds": call,
+        "unit_seconds": unit_plain,
+        "unit_enqueue_seconds": unit_enqueue,
     }
     return Section("Outbox relay", header, rows, checks, notes, data, errors)
 

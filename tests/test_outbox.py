@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import contextlib
 import uuid
 from datetime import UTC, datetime, timedelta
+from typing import Any
 
 import pytest
 from django.db import connection, transaction
 
+from django_idempotency.engine.unit import Outcome, Run, UnitOfWork, Work
 from django_idempotency.messaging import outbox
 from django_idempotency.messaging.outbox import (
     NotInTransaction,
@@ -18,6 +21,7 @@ from django_idempotency.messaging.outbox import (
 )
 from django_idempotency.models import OutboxMessage
 from django_idempotency.partitions import apply
+from django_idempotency.storage import records
 
 
 def test_message_ids_are_uuid7_growing_and_carry_their_time() -> None:
@@ -362,3 +366,96 @@ def test_admin_pages_read_indexes_only_among_many_published_messages(superuser_c
     busy = f"{outbox.TABLE}_p{datetime.now(UTC).date():%Y%m%d}"
     for plan in plans.values():
         assert not [line for line in plan.splitlines() if f"Seq Scan on {busy} " in line]
+
+
+# Inside a unit of work: the row rides with the store --------------------------------------
+
+
+def _unit(key: str | None = None) -> UnitOfWork:
+    work = Work(
+        principal="tests:outbox",
+        key=key or str(uuid.uuid4()),
+        method="POST",
+        path="/outbox/",
+        fingerprint={},
+        ttl=timedelta(hours=1),
+    )
+    return UnitOfWork(work, wait=timedelta(0))
+
+
+@pytest.mark.django_db(transaction=True)
+@pytest.mark.parametrize("body_bytes", [2, records.BINARY_BODY_MIN_BYTES], ids=["hex", "binary"])
+def test_in_a_unit_of_work_the_row_travels_with_the_store_and_its_commit(
+    body_bytes: int,
+) -> None:
+    from bench.round_trips import TraceResult, libpq_trace
+
+    unit = _unit()
+    assert isinstance(unit.open(), Run)
+    with connection.cursor() as cursor, libpq_trace(connection.connection.pgconn) as during:
+        message_id = enqueue_task("tests.noop", (1,), {"amount": 2499})
+        cursor.execute("SELECT count(*) FROM django_idempotency_outbox")
+        assert cursor.fetchone() == (0,)  # not sent yet
+    traces: list[TraceResult] = []
+    original = records.store
+
+    def store(*args: Any, **kwargs: Any) -> None:
+        with libpq_trace(connection.connection.pgconn) as trace:
+            original(*args, **kwargs)
+        traces.append(trace)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(records, "store", store)
+        assert unit.close(Outcome(201, [], b"x" * body_bytes)) is True
+    assert during.round_trips == 1  # the count: the enqueue sent nothing
+    [trace] = traces
+    # The row (INSERT and NOTIFY), the store, the COMMIT.
+    assert trace.round_trips == 1 and trace.statements == ["SELECT", "SELECT", "COMMIT"]
+    row = OutboxMessage.objects.get()
+    assert (str(row.id), row.args, row.kwargs) == (message_id, [1], {"amount": 2499})
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_row_written_in_a_savepoint_that_rolled_back_stays_out() -> None:
+    unit = _unit()
+    assert isinstance(unit.open(), Run)
+    kept = enqueue_task("tests.noop", ("kept",))
+    with contextlib.suppress(ZeroDivisionError), transaction.atomic():
+        enqueue_task("tests.noop", ("undone",))
+        1 / 0  # noqa: B018
+    with transaction.atomic():
+        also = enqueue_task("tests.noop", ("released",))
+    unit.close(Outcome(201, [], b"{}"))
+    assert sorted(str(pk) for pk in OutboxMessage.objects.values_list("id", flat=True)) == sorted(
+        [kept, also]
+    )
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_unit_that_fails_or_is_not_stored_writes_no_row() -> None:
+    unit = _unit()
+    assert isinstance(unit.open(), Run)
+    enqueue_task("tests.noop")
+    unit.fail(ValueError("the work raised"))
+    unit = _unit()
+    assert isinstance(unit.open(), Run)
+    enqueue_task("tests.noop")
+    assert unit.close(Outcome(500, [], b"{}")) is False
+    assert not OutboxMessage.objects.exists()
+    # And a later plain transaction is not caught by a finished unit.
+    with transaction.atomic():
+        enqueue_task("tests.noop")
+        assert OutboxMessage.objects.count() == 1  # written at once
+
+
+@pytest.mark.django_db(transaction=True)
+def test_inside_an_outer_transaction_the_row_is_written_at_once() -> None:
+    # The unit does not own the transaction (ATOMIC_REQUESTS, a caller's atomic()): its store
+    # does not commit, so nothing waits for it.
+    with transaction.atomic():
+        unit = _unit()
+        assert isinstance(unit.open(), Run)
+        message_id = enqueue_task("tests.noop")
+        assert OutboxMessage.objects.filter(pk=message_id).exists()
+        unit.close(Outcome(201, [], b"{}"))
+    assert OutboxMessage.objects.filter(pk=message_id).exists()

@@ -342,6 +342,7 @@ class UnitOfWork:
         self, claimed: storage.Claimed, outermost: bool
     ) -> Generator[Decision, Outcome | BaseException, bool]:
         using = self.using
+        riding: list[tuple[str, list[Any]]] = []
         if connections[using].settings_dict.get("ATOMIC_REQUESTS"):
             with transaction.atomic(using=using):
                 result = yield Run()
@@ -353,7 +354,19 @@ class UnitOfWork:
                     # the request's transaction can still store a 4xx.
                     transaction.set_rollback(True, using=using)
         else:
-            result = yield Run()
+            # The transaction is the unit's own, so writes that can wait (an outbox row)
+            # travel with the store and its COMMIT instead of a round trip each.
+            postgresql = connections[using].vendor == "postgresql"
+            riders = storage.Riders(using) if outermost and postgresql else None
+            outer = storage.riders_waiting.get()
+            if riders is not None:
+                storage.riders_waiting.set(riders)
+            try:
+                result = yield Run()
+            finally:
+                if riders is not None:
+                    storage.riders_waiting.set(outer)
+                    riding = riders.close()
             if isinstance(result, BaseException):
                 raise result
             broken = storage.transaction_broken(using)
@@ -396,7 +409,7 @@ class UnitOfWork:
             body_encoding=encoding,
         )
         try:
-            storage.store(using, finished, row_id=claimed.row_id, commit=outermost)
+            storage.store(using, finished, row_id=claimed.row_id, commit=outermost, riders=riding)
         except _LOST_STORE:
             raise
         except Exception as exc:

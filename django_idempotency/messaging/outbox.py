@@ -18,6 +18,7 @@ from django.db.models import Q
 from django_idempotency.conf import conf
 from django_idempotency.models import OutboxMessage
 from django_idempotency.partitions.tables import PartitionedTable
+from django_idempotency.storage.records import ride
 
 TABLE = "django_idempotency_outbox"
 # The relay LISTENs here; a NOTIFY is delivered only when the sending transaction commits.
@@ -124,8 +125,11 @@ def _insert(
         None if payload is None else _dumps(payload, "event's payload"),
         _dumps(options, "publish options"),
     ]
-    with connection.cursor() as cursor:
-        cursor.execute(INSERT if conf.OUTBOX_NOTIFY else INSERT_ONLY, row)
+    sql = INSERT if conf.OUTBOX_NOTIFY else INSERT_ONLY
+    # In a protected view or an exactly-once task, the row travels with the record's store.
+    if not ride(alias, sql, row):
+        with connection.cursor() as cursor:
+            cursor.execute(sql, row)
     return str(message_id)
 
 

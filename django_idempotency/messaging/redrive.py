@@ -43,6 +43,8 @@ CHECK_EVERY = timedelta(seconds=10)
 # A consumer's record is made by the database's clock, the message's created_at by the
 # app's: the lookup allows for this much skew between the two.
 CLOCK_SKEW = timedelta(hours=1)
+# Task names the relay's app did not know, already named in a warning.
+_unknown: set[str] = set()
 
 # The check time the relay's MARK sets, in SQL: after the message's countdown, if any, and
 # doubled with each redrive. Parameters: the ids to check, IDEMPOTENCY_OUTBOX_REDRIVE_AFTER.
@@ -128,7 +130,8 @@ class Redrive:
             except Exception:  # the worker fails on it too; the relay still publishes
                 logger.exception("The relay could not import the project's Celery tasks.")
         task = self.app.tasks.get(task_name)
-        if task is None:
+        if task is None and task_name not in _unknown:
+            _unknown.add(task_name)  # said once per process, not per relay
             logger.warning(
                 "Task %s is not registered in the relay's Celery app, so its messages are "
                 "never published again if the broker loses them.",

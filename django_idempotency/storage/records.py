@@ -2,7 +2,8 @@
 
 On PostgreSQL the claim and the store are the functions that the migrations create
 (``django_idempotency_claim`` and ``django_idempotency_store``); elsewhere a plain table
-with a unique ``(key, scope)`` index arbitrates.
+with a unique ``(key, scope)`` index arbitrates. Writes of other tables that can wait for
+the store (an outbox row) ride in its statement (``Riders``, at the end).
 """
 
 from __future__ import annotations
@@ -10,7 +11,10 @@ from __future__ import annotations
 import enum
 import functools
 import json
+import threading
 import zlib
+from collections.abc import Sequence
+from contextvars import ContextVar
 from dataclasses import dataclass
 from datetime import datetime, timedelta, tzinfo
 from typing import TYPE_CHECKING, Any, NamedTuple, cast
@@ -318,9 +322,17 @@ class Finished:
     body_encoding: str
 
 
-def store(using: str, record: Finished, *, row_id: int | None, commit: bool) -> None:
+def store(
+    using: str,
+    record: Finished,
+    *,
+    row_id: int | None,
+    commit: bool,
+    riders: Sequence[tuple[str, list[Any]]] = (),
+) -> None:
     """Write the finished record in the claim's transaction; with ``commit``, commit that
-    transaction in the same round trip."""
+    transaction in the same round trip. ``riders`` (``Riders``, below) go first, in the
+    same round trip."""
     connection = connections[using]
     if row_id is not None:
         IdempotencyRecord.objects.using(using).filter(pk=row_id).update(
@@ -349,19 +361,28 @@ def store(using: str, record: Finished, *, row_id: int | None, commit: bool) -> 
         record.body_encoding,
     ]
     if len(record.body) < BINARY_BODY_MIN_BYTES:
+        sql = _STORE_AND_COMMIT if commit else _STORE
+        if riders:
+            # Bound on the client: the statements travel as one string.
+            sql = "; ".join([*(statement for statement, _ in riders), sql])
+            params = [*(value for _, values in riders for value in values), *params]
         with connection.cursor() as cursor:
-            cursor.execute(_STORE_AND_COMMIT if commit else _STORE, params)
+            cursor.execute(sql, params)
         return
     from psycopg import Pipeline
 
     with binary_cursor(connection) as cursor:
         if not (commit and Pipeline.is_supported()):
+            for statement, values in riders:
+                cursor.execute(statement, values)
             cursor.execute(_STORE, params)
             return
         # A statement bound on the server travels alone, so the store and its COMMIT share
         # a pipeline: still one round trip. Errors surface when it syncs, hence Django's
         # wrapping around it too.
         with connection.wrap_database_errors, connection.connection.pipeline():
+            for statement, values in riders:
+                cursor.execute(statement, values)
             cursor.execute(_STORE, params)
             cursor.execute("COMMIT")
 
@@ -383,3 +404,66 @@ def transaction_broken(using: str) -> bool:
     from psycopg.pq import TransactionStatus
 
     return bool(connection.connection.info.transaction_status == TransactionStatus.INERROR)
+
+
+# Writes that ride with the store: sent in the statement that stores the record and commits.
+#
+# A protected view or an exactly-once task that puts a message in the outbox would pay a round
+# trip for the row's ``INSERT``. While a unit of work runs in a transaction of its own (it
+# stores its record and commits in one statement), such a write can wait and travel in that
+# same statement instead: it commits with the work or not at all, as it would have. A write
+# made inside a savepoint that was rolled back is dropped, as the database would have dropped
+# it. Outside such a unit (a plain ``transaction.atomic()``, ``ATOMIC_REQUESTS``, an async
+# view's ORM thread) nothing waits: the caller writes at once.
+
+
+class _Marker:
+    """An ``on_commit`` no-op: Django forgets it when its savepoint rolls back, which tells
+    the store that the write it marks was undone."""
+
+    __slots__ = ()
+
+    def __call__(self) -> None:
+        pass
+
+
+class Riders:
+    """The writes waiting for one unit of work's store, on one database."""
+
+    def __init__(self, using: str) -> None:
+        self.using = using
+        self.thread = threading.get_ident()
+        self.open = True
+        self._writes: list[tuple[str, list[Any], _Marker]] = []
+
+    def add(self, sql: str, params: list[Any]) -> None:
+        marker = _Marker()
+        transaction.on_commit(marker, using=self.using)
+        self._writes.append((sql, params, marker))
+
+    def close(self) -> list[tuple[str, list[Any]]]:
+        """Stop taking writes; return those not undone by a savepoint's rollback."""
+        self.open = False
+        if not self._writes:
+            return []
+        # Django keeps an on_commit callback only while every savepoint around it stands.
+        kept = {id(func) for _, func, *_ in connections[self.using].run_on_commit}
+        return [(sql, params) for sql, params, marker in self._writes if id(marker) in kept]
+
+
+riders_waiting: ContextVar[Riders | None] = ContextVar("django_idempotency_riders", default=None)
+
+
+def ride(using: str, sql: str, params: list[Any]) -> bool:
+    """Leave a write to travel with the running unit's store on ``using``, if there is one;
+    False means the caller must execute it now."""
+    riders = riders_waiting.get()
+    if (
+        riders is None
+        or not riders.open
+        or riders.using != using
+        or riders.thread != threading.get_ident()
+    ):
+        return False
+    riders.add(sql, params)
+    return True
