@@ -121,14 +121,7 @@ class Redrive:
         # Imported here: Celery is an optional extra, and the relay has it.
         from django_idempotency.messaging.consumers import ExactlyOnceTask, consumer_principal
 
-        if not self._tasks_imported:
-            # The project's task modules (autodiscovery), which the relay has no other
-            # reason to import.
-            self._tasks_imported = True
-            try:
-                self.app.loader.import_default_modules()
-            except Exception:  # the worker fails on it too; the relay still publishes
-                logger.exception("The relay could not import the project's Celery tasks.")
+        self.import_tasks()
         task = self.app.tasks.get(task_name)
         if task is None and task_name not in _unknown:
             _unknown.add(task_name)  # said once per process, not per relay
@@ -140,6 +133,18 @@ class Redrive:
         found = consumer_principal(task) if isinstance(task, ExactlyOnceTask) else None
         self._principals[task_name] = found
         return found
+
+    def import_tasks(self) -> None:
+        """Import the project's task modules (Celery's autodiscovery), which the relay has
+        no other reason to import, once; a running relay does it before its first pass, so
+        that the first batch is not held up by it."""
+        if self._tasks_imported or self.after is None:
+            return
+        self._tasks_imported = True
+        try:
+            self.app.loader.import_default_modules()
+        except Exception:  # the worker fails on it too; the relay still publishes
+            logger.exception("The relay could not import the project's Celery tasks.")
 
     def to_check(self, messages: Iterable[Published]) -> list[str]:
         """The ids, among ``messages`` just published, whose consumer record is to be checked."""

@@ -554,6 +554,7 @@ class Relay:
         total = 0
         pause = FIRST_PAUSE
         logger.info("Relay %s started on database %r.", self.owner, self.using)
+        self.redrive.import_tasks()
         try:
             while not self.stopping.is_set():
                 try:
