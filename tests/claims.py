@@ -166,3 +166,25 @@ def unreachable_store(settings: Any, alias: str = "unreachable") -> Iterator[str
         finally:
             wrapper.close()
             del connections[alias]
+
+
+@contextlib.contextmanager
+def traced_stores() -> Iterator[list[tuple[Any, Any]]]:
+    """Trace each record store on the default connection (libpq trace): yields the list of
+    (trace, transaction status just after the store), filled as stores happen."""
+    import pytest
+
+    from bench.round_trips import libpq_trace
+
+    connection = connections[DEFAULT_DB_ALIAS]
+    stores: list[tuple[Any, Any]] = []
+    original = storage.store
+
+    def store(*args: Any, **kwargs: Any) -> None:
+        with libpq_trace(connection.connection.pgconn) as trace:
+            original(*args, **kwargs)
+        stores.append((trace, connection.connection.info.transaction_status))
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(storage, "store", store)
+        yield stores

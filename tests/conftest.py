@@ -334,3 +334,14 @@ def anon_client() -> Any:
     from rest_framework.test import APIClient
 
     return APIClient()
+
+
+@pytest.fixture
+def private_redis(tmp_path: Path) -> Iterator[Any]:
+    """A redis-server of the test's own on a free port (never the machine's), killed after."""
+    from tests.chain_processes import RedisServer
+
+    server = RedisServer.on_free_port(tmp_path)
+    server.start()
+    yield server
+    server.stop()

@@ -864,25 +864,14 @@ def test_round_trip_budget_per_mode(client) -> None:
 def test_the_store_and_the_commit_travel_in_one_round_trip(client, random_bytes: int) -> None:
     from psycopg.pq import TransactionStatus
 
-    from bench.round_trips import TraceResult, libpq_trace
-
-    traces: list[TraceResult] = []
-    seen: list[TransactionStatus] = []
-    original = records.store
-
-    def store(*args: Any, **kwargs: Any) -> None:
-        with libpq_trace(connection.connection.pgconn) as trace:
-            original(*args, **kwargs)
-        traces.append(trace)
-        seen.append(connection.connection.info.transaction_status)
+    from tests.claims import traced_stores
 
     records.database_compresses(connection.alias)  # read once per process, not traced here
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(records, "store", store)
+    with traced_stores() as stores:
         send(client, "POST", "/drf/", ScriptFactory(random_bytes=random_bytes), key=new_key())
-    [trace] = traces
+    [(trace, status)] = stores
     assert trace.statements == ["SELECT", "COMMIT"]
     assert trace.sent == ["store+COMMIT"]
     assert trace.round_trips == 1
     # Committed by that round trip: Django's own commit() then costs none.
-    assert seen == [TransactionStatus.IDLE]
+    assert status == TransactionStatus.IDLE

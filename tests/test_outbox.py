@@ -5,7 +5,6 @@ from __future__ import annotations
 import contextlib
 import uuid
 from datetime import UTC, datetime, timedelta
-from typing import Any
 
 import pytest
 from django.db import connection, transaction
@@ -388,7 +387,8 @@ def _unit(key: str | None = None) -> UnitOfWork:
 def test_in_a_unit_of_work_the_row_travels_with_the_store_and_its_commit(
     body_bytes: int,
 ) -> None:
-    from bench.round_trips import TraceResult, libpq_trace
+    from bench.round_trips import libpq_trace
+    from tests.claims import traced_stores
 
     unit = _unit()
     assert isinstance(unit.open(), Run)
@@ -396,19 +396,10 @@ def test_in_a_unit_of_work_the_row_travels_with_the_store_and_its_commit(
         message_id = enqueue_task("tests.noop", (1,), {"amount": 2499})
         cursor.execute("SELECT count(*) FROM django_idempotency_outbox")
         assert cursor.fetchone() == (0,)  # not sent yet
-    traces: list[TraceResult] = []
-    original = records.store
-
-    def store(*args: Any, **kwargs: Any) -> None:
-        with libpq_trace(connection.connection.pgconn) as trace:
-            original(*args, **kwargs)
-        traces.append(trace)
-
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(records, "store", store)
+    with traced_stores() as stores:
         assert unit.close(Outcome(201, [], b"x" * body_bytes)) is True
     assert during.round_trips == 1  # the count: the enqueue sent nothing
-    [trace] = traces
+    [(trace, _)] = stores
     # The row (INSERT and NOTIFY), the store, the COMMIT.
     assert trace.round_trips == 1 and trace.statements == ["SELECT", "SELECT", "COMMIT"]
     row = OutboxMessage.objects.get()

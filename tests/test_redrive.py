@@ -7,16 +7,10 @@ what it accepted) and a real Celery worker running an exactly-once task.
 
 from __future__ import annotations
 
-import json
 import logging
-import os
 import shutil
-import subprocess
-import sys
 import threading
 import time
-import uuid
-from collections.abc import Iterator
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -36,8 +30,7 @@ from django_idempotency.messaging.redrive import RedriveResult
 from django_idempotency.messaging.relay import Relay, running
 from django_idempotency.models import IdempotencyRecord, OutboxMessage
 from tests.chain_processes import QUEUE, RedisServer, wait_for
-from tests.conftest import ROOT
-from tests.test_relay import SQLITE_SETTINGS
+from tests.test_relay import bare_app, run_on_sqlite
 
 pytestmark = [
     pytest.mark.django_db(transaction=True),
@@ -54,13 +47,7 @@ RAN: list[tuple[str, str, Any]] = []
 
 
 def make_app(broker: str) -> Celery:
-    app = Celery(f"redrive-tests-{uuid.uuid4().hex[:6]}", set_as_current=False)
-    app.conf.update(
-        broker_url=broker,
-        task_ignore_result=True,
-        broker_connection_retry_on_startup=True,
-        worker_hijack_root_logger=False,
-    )
+    app = bare_app(broker, "redrive-tests")
 
     @app.task(name=EXACTLY_ONCE, base=ExactlyOnceTask, bind=True, shared=False)
     def post(self: Any, value: Any) -> Any:
@@ -78,18 +65,14 @@ def make_app(broker: str) -> Celery:
     return app
 
 
-@pytest.fixture
-def broker(tmp_path: Path) -> Iterator[RedisServer]:
-    server = RedisServer.on_free_port(tmp_path)
-    server.start()
-    yield server
-    server.stop()
-
-
-@pytest.fixture
-def app(broker: RedisServer) -> Celery:
+@pytest.fixture(autouse=True)
+def nothing_ran_yet() -> None:
     RAN.clear()
-    return make_app(broker.url)
+
+
+@pytest.fixture
+def app(private_redis: RedisServer) -> Celery:
+    return make_app(private_redis.url)
 
 
 @pytest.fixture
@@ -126,14 +109,14 @@ def seconds(delta: timedelta | None) -> float:
 
 @override_settings(IDEMPOTENCY_OUTBOX_REDRIVE_AFTER=SOON)
 def test_a_message_the_broker_lost_is_published_again_and_its_consumer_runs_it_once(
-    app: Celery, relay: Relay, broker: RedisServer
+    app: Celery, relay: Relay, private_redis: RedisServer
 ) -> None:
     message_id = enqueue()
     assert relay.drain() == 1
     row = OutboxMessage.objects.get()
     assert row.published_at is not None and row.redrive_at is not None
     assert 0.9 <= seconds(row.redrive_at - row.published_at) <= 1.5
-    lose_everything(broker)
+    lose_everything(private_redis)
     assert relay.redrive.run_pass(100).checked == 0  # not due yet
 
     result = check_when_due(relay)
@@ -142,7 +125,7 @@ def test_a_message_the_broker_lost_is_published_again_and_its_consumer_runs_it_o
     assert row.published_at is None and row.redrive_at is None and row.redrives == 1
     assert "published again" in row.last_error
     assert relay.drain() == 1
-    assert [h["id"] for h in broker.queued()] == [message_id]
+    assert [h["id"] for h in private_redis.queued()] == [message_id]
     row.refresh_from_db()
     # The next check waits twice as long.
     assert 1.9 <= seconds(row.redrive_at - row.published_at) <= 2.5
@@ -158,28 +141,28 @@ def test_a_message_the_broker_lost_is_published_again_and_its_consumer_runs_it_o
 
 @override_settings(IDEMPOTENCY_OUTBOX_REDRIVE_AFTER=SOON)
 def test_a_message_only_slow_to_be_consumed_is_published_again_and_still_runs_once(
-    app: Celery, relay: Relay, broker: RedisServer
+    app: Celery, relay: Relay, private_redis: RedisServer
 ) -> None:
     message_id = enqueue()
     relay.drain()
     assert check_when_due(relay).republished == [message_id]  # no worker yet
     relay.drain()
-    assert [h["id"] for h in broker.queued()] == [message_id, message_id]
+    assert [h["id"] for h in private_redis.queued()] == [message_id, message_id]
     with start_worker(app, pool="solo", perform_ping_check=False, shutdown_timeout=30):
-        wait_for(lambda: not broker.queued() and broker.in_flight() == (0, 0))
+        wait_for(lambda: not private_redis.queued() and private_redis.in_flight() == (0, 0))
     assert [(EXACTLY_ONCE, message_id, 7)] == RAN
     assert IdempotencyRecord.objects.filter(key=message_id).count() == 1
 
 
 @override_settings(IDEMPOTENCY_OUTBOX_REDRIVE_AFTER=timedelta(milliseconds=500))
 def test_a_running_relay_redrives_by_itself_and_the_worker_runs_it(
-    app: Celery, relay: Relay, broker: RedisServer
+    app: Celery, relay: Relay, private_redis: RedisServer
 ) -> None:
     with running(relay):
         message_id = enqueue()
-        wait_for(lambda: broker.queued())
-        lose_everything(broker)
-        wait_for(lambda: broker.queued(), timeout=15)  # published again
+        wait_for(lambda: private_redis.queued())
+        lose_everything(private_redis)
+        wait_for(lambda: private_redis.queued(), timeout=15)  # published again
         with start_worker(app, pool="solo", perform_ping_check=False, shutdown_timeout=30):
             wait_for(lambda: RAN)
             # Checked again once consumed: nothing more to do for it.
@@ -197,7 +180,6 @@ def test_a_redis_that_keeps_nothing_on_disk_restarted_after_the_publish_loses_no
     volatile = RedisServer.on_free_port(tmp_path, options=("--appendonly", "no"))
     volatile.start()
     try:
-        RAN.clear()
         app = make_app(volatile.url)
         relay = Relay(app=app)
         with running(relay):
@@ -216,7 +198,7 @@ def test_a_redis_that_keeps_nothing_on_disk_restarted_after_the_publish_loses_no
 
 @override_settings(IDEMPOTENCY_OUTBOX_REDRIVE_AFTER=SOON)
 def test_messages_for_plain_or_unknown_tasks_are_never_checked_nor_published_again(
-    relay: Relay, broker: RedisServer, caplog: pytest.LogCaptureFixture
+    relay: Relay, private_redis: RedisServer, caplog: pytest.LogCaptureFixture
 ) -> None:
     with caplog.at_level(logging.WARNING, logger="django_idempotency.relay"):
         enqueue(PLAIN)
@@ -224,7 +206,7 @@ def test_messages_for_plain_or_unknown_tasks_are_never_checked_nor_published_aga
         assert relay.drain() == 2
     assert list(OutboxMessage.objects.values_list("redrive_at", flat=True)) == [None, None]
     assert "tests.redrive.nobody_knows is not registered" in caplog.text
-    lose_everything(broker)
+    lose_everything(private_redis)
     time.sleep(1.1)
     assert relay.redrive_if_due() == 0 and relay.drain() == 0
 
@@ -359,23 +341,9 @@ print(json.dumps({
 
 
 def test_on_sqlite_the_redrive_checks_and_publishes_again(
-    tmp_path: Path, broker: RedisServer
+    tmp_path: Path, private_redis: RedisServer
 ) -> None:
-    (tmp_path / "redrive_sqlite_settings.py").write_text(
-        SQLITE_SETTINGS.format(name=str(tmp_path / "redrive.sqlite3"))
-    )
-    env = {
-        **os.environ,
-        "DJANGO_SETTINGS_MODULE": "redrive_sqlite_settings",
-        "PYTHONPATH": os.pathsep.join([str(tmp_path), str(ROOT)]),
-    }
-    env.pop("DATABASE_URL", None)
-    done = subprocess.run(
-        [sys.executable, "-c", SQLITE_SCRIPT, broker.url], cwd=ROOT, env=env,
-        capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
-    assert done.returncode == 0, done.stderr
-    result = json.loads(done.stdout.strip().splitlines()[-1])
+    result = run_on_sqlite(tmp_path, SQLITE_SCRIPT, private_redis.url)
     assert abs(result["waits"] - 660) < 5  # its countdown, then REDRIVE_AFTER
     assert result["again"] == [result["first"]] and result["pending"] == 1
     assert result["redrives"] == 1 and abs(result["waits_again"] - 1260) < 5  # doubled

@@ -49,26 +49,24 @@ pytestmark = [
 ]
 
 
-@pytest.fixture
-def private_redis(tmp_path: Path) -> Iterator[RedisServer]:
-    server = RedisServer.on_free_port(tmp_path)
-    server.start()
-    yield server
-    server.stop()
-
-
 # What the worker ran: (task id, args, kwargs), in the worker's order.
 RAN: list[tuple[str, list[Any], dict[str, Any]]] = []
 
 
-def make_app(broker: str) -> Celery:
-    app = Celery(f"relay-tests-{uuid.uuid4().hex[:6]}", set_as_current=False)
+def bare_app(broker: str, name: str = "relay-tests") -> Celery:
+    """A Celery app of its own on ``broker``, with no tasks yet."""
+    app = Celery(f"{name}-{uuid.uuid4().hex[:6]}", set_as_current=False)
     app.conf.update(
         broker_url=broker,
         task_ignore_result=True,
         broker_connection_retry_on_startup=True,
         worker_hijack_root_logger=False,
     )
+    return app
+
+
+def make_app(broker: str) -> Celery:
+    app = bare_app(broker)
 
     @app.task(name="tests.relay.record", bind=True, shared=False)
     def record(self: Any, *args: Any, **kwargs: Any) -> None:
@@ -541,9 +539,9 @@ print(json.dumps({
 """
 
 
-def test_on_sqlite_the_outbox_is_a_plain_table_and_the_relay_publishes_it(
-    tmp_path: Path, private_redis: RedisServer
-) -> None:
+def run_on_sqlite(tmp_path: Path, script: str, broker_url: str) -> dict[str, Any]:
+    """Run ``script`` in a process of its own on a fresh SQLite database, with the broker's
+    URL as its argument; return the JSON its last line printed."""
     (tmp_path / "relay_sqlite_settings.py").write_text(
         SQLITE_SETTINGS.format(name=str(tmp_path / "relay.sqlite3"))
     )
@@ -554,11 +552,18 @@ def test_on_sqlite_the_outbox_is_a_plain_table_and_the_relay_publishes_it(
     }
     env.pop("DATABASE_URL", None)
     done = subprocess.run(
-        [sys.executable, "-c", SQLITE_SCRIPT, private_redis.url], cwd=ROOT, env=env,
-        capture_output=True, text=True, timeout=120,
+        [sys.executable, "-c", script, broker_url], cwd=ROOT, env=env, capture_output=True,
+        text=True, timeout=120,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr
-    result = json.loads(done.stdout.strip().splitlines()[-1])
+    result: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
+    return result
+
+
+def test_on_sqlite_the_outbox_is_a_plain_table_and_the_relay_publishes_it(
+    tmp_path: Path, private_redis: RedisServer
+) -> None:
+    result = run_on_sqlite(tmp_path, SQLITE_SCRIPT, private_redis.url)
     assert result["vendor"] == "sqlite" and result["refused"] is True
     assert result["published"] == 5 and result["pending"] == 0
     assert result["stale_marked"] == 0  # its fence moved on when the other relay took over
