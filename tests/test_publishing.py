@@ -30,12 +30,11 @@ from django_idempotency.messaging.outbox import enqueue_event, enqueue_task
 from django_idempotency.messaging.publishing import argument_repr
 from django_idempotency.messaging.relay import PublishFailed, Relay
 from django_idempotency.models import OutboxMessage
-from tests import test_relay
 from tests.test_relay import RedisServer, enqueue_many, make_app, wait_for
 
 pytestmark = [pytest.mark.timeout(120)]
 
-private_redis = test_relay.private_redis  # the relay tests' fixture: a redis-server of our own
+
 on_the_database = pytest.mark.django_db(transaction=True)
 needs_redis = pytest.mark.skipif(shutil.which("redis-server") is None, reason="needs redis-server")
 

@@ -12,6 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import psycopg
 from psycopg import sql
 
 from django_idempotency.partitions.catalog import DROPPING_COMMENT, PARTITION_COMMENT
@@ -130,6 +131,10 @@ class ServerFaults(Injector):
         raise ValueError(kind)
 
 
+# How long a maintenance run that found the database down is tried again.
+MAINTENANCE_RETRY_SECONDS = 15.0
+
+
 class Maintenance(Injector):
     """``manage.py idempotency_partitions`` again and again while duplicates arrive. Before
     each run the farthest future partition is dropped so that the run has DDL to do."""
@@ -142,11 +147,22 @@ class Maintenance(Injector):
         self.database = database
 
     def inject(self, started: float) -> Fault:
-        dropped = self._drop_farthest_partition()
-        output = manage(self.database, "idempotency_partitions")
+        # A database outage or a connection cut injected at the same moment fails a run; an
+        # operator's cron runs it again, and so do we, until the database is back.
+        attempts = 1
+        while True:
+            try:
+                dropped = self._drop_farthest_partition()
+                output = manage(self.database, "idempotency_partitions")
+                break
+            except (psycopg.OperationalError, RuntimeError):
+                if time.monotonic() - started > MAINTENANCE_RETRY_SECONDS:
+                    raise
+                attempts += 1
+                time.sleep(0.5)
         created = output.count(f"created {TABLE}_p")
-        return Fault("maintenance", started, f"dropped {dropped or 'none'}, created {created}",
-                     unit="partitions created", units=created)  # fmt: skip
+        detail = f"dropped {dropped or 'none'}, created {created}, attempts {attempts}"
+        return Fault("maintenance", started, detail, unit="partitions created", units=created)
 
     def _drop_farthest_partition(self) -> str | None:
         """Drop our farthest partition the way maintenance itself drops one (marked, then
