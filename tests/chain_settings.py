@@ -1,6 +1,6 @@
 """Settings of the side-effect chain's processes (``tests/test_chain.py`` and the reliability
 suite's chain profile): the test settings, with Redis redelivering a task that is still
-running after 2 s (swept every second), a relay lease of 1 s and a redrive after 4 s, so
+running after 2 s (swept every second), a relay lease of 1 s and a redrive after 10 s, so
 that every kind of second delivery happens within a test."""
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ CELERY_WORKER_PREFETCH_MULTIPLIER = 1
 IDEMPOTENCY_OUTBOX_LEASE = timedelta(seconds=1)
 # A message the broker drops (a worker killed as it takes one: celery/kombu#305, a broker
 # restarted) is published again within seconds, not the default ten minutes.
-IDEMPOTENCY_OUTBOX_REDRIVE_AFTER = timedelta(seconds=4)
+IDEMPOTENCY_OUTBOX_REDRIVE_AFTER = timedelta(seconds=10)
 
 # When, and which process: the chain's processes log into files read after a failure.
 LOGGING = {
