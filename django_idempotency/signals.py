@@ -32,3 +32,8 @@ partitions_dropped = Signal()
 # kwargs: ids (list[str]: the message ids, which are the Celery task ids), using (str: the
 # database alias).
 outbox_published = Signal()
+
+# Sent by the outbox relay after its redrive put published messages back to be published
+# again (no exactly-once consumer had recorded them), outside any transaction.
+# kwargs: ids (list[str]: the message ids), using (str: the database alias).
+outbox_redriven = Signal()

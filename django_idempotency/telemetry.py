@@ -80,6 +80,7 @@ CLAIM_DURATION = "idempotency.claim.duration"
 WAIT_DURATION = "idempotency.wait.duration"
 REDELIVERED = "idempotency.messages.redelivered"
 RELAY_LAG = "idempotency.relay.lag"
+OUTBOX_REDRIVEN = "idempotency.outbox.redriven"
 PARTITION_HEADROOM = "idempotency.partitions.headroom"
 OUTBOX_BACKLOG = "idempotency.outbox.backlog"
 OUTBOX_OLDEST_AGE = "idempotency.outbox.oldest_age"
@@ -160,6 +161,7 @@ class _Instruments:
     wait_duration: Any
     redelivered: Any
     relay_lag: Any
+    redriven: Any
 
 
 @functools.cache
@@ -203,6 +205,11 @@ def _instruments() -> _Instruments:
             "s",
             "From a message's enqueue to the relay marking it published.",
             explicit_bucket_boundaries_advisory=LAG_BUCKETS,
+        ),
+        redriven=meter.create_counter(
+            OUTBOX_REDRIVEN,
+            "{message}",
+            "Published outbox messages no exactly-once consumer had recorded, published again.",
         ),
     )
 
@@ -397,6 +404,9 @@ def connect() -> None:
     signals.outbox_published.connect(
         _record_relay_lag, dispatch_uid="django_idempotency.telemetry.relay_lag"
     )
+    signals.outbox_redriven.connect(
+        _count_redriven, dispatch_uid="django_idempotency.telemetry.redriven"
+    )
     with _connecting:
         if _gauges_made:
             return
@@ -433,6 +443,10 @@ def _record_relay_lag(sender: Any, ids: list[str], using: str, **kwargs: Any) ->
     now = time.time()
     for message_id in ids:
         histogram.record(max(0.0, now - message_time(message_id)), {DATABASE: using})
+
+
+def _count_redriven(sender: Any, ids: list[str], using: str, **kwargs: Any) -> None:
+    _instruments().redriven.add(len(ids), {DATABASE: using})
 
 
 # Gauges: a cheap read per database, at most once a GAUGE_CACHE_SECONDS per process.

@@ -24,6 +24,7 @@ from django.db import connection, transaction
 from django.test import override_settings
 from django.utils import timezone
 
+from django_idempotency import signals
 from django_idempotency.messaging.consumers import ExactlyOnceTask, consumer_principal
 from django_idempotency.messaging.outbox import enqueue_event, enqueue_task
 from django_idempotency.messaging.redrive import RedriveResult
@@ -119,8 +120,18 @@ def test_a_message_the_broker_lost_is_published_again_and_its_consumer_runs_it_o
     lose_everything(private_redis)
     assert relay.redrive.run_pass(100).checked == 0  # not due yet
 
-    result = check_when_due(relay)
+    sent: list[dict[str, Any]] = []
+
+    def heard(sender: Any, **kwargs: Any) -> None:
+        sent.append(kwargs)
+
+    signals.outbox_redriven.connect(heard)
+    try:
+        result = check_when_due(relay)
+    finally:
+        signals.outbox_redriven.disconnect(heard)
     assert result.republished == [message_id] and result.consumed == 0
+    assert [(s["ids"], s["using"]) for s in sent] == [([message_id], "default")]
     row.refresh_from_db()
     assert row.published_at is None and row.redrive_at is None and row.redrives == 1
     assert "published again" in row.last_error

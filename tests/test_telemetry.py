@@ -384,8 +384,9 @@ def test_connecting_twice_registers_each_gauge_and_receiver_once(collect: Any) -
     telemetry.connect()
     got = collect()
     assert len(got.gauge(telemetry.OUTBOX_BACKLOG, database="default")) == 1
-    receivers = [r for r in signals.outbox_published.receivers if "telemetry" in str(r[0])]
-    assert len(receivers) == 1
+    for signal in (signals.outbox_published, signals.outbox_redriven):
+        receivers = [r for r in signal.receivers if "telemetry" in str(r[0])]
+        assert len(receivers) == 1
 
 
 def test_covered_until_stops_at_a_gap_and_at_now_when_nothing_holds_now() -> None:
@@ -438,6 +439,14 @@ def test_relay_lag_is_recorded_per_published_message(collect: Any) -> None:
     (lag,) = got.recorded(telemetry.RELAY_LAG, database="default")
     assert lag.count == 3
     assert 0.3 <= lag.sum < 60
+
+
+def test_messages_the_redrive_published_again_are_counted(collect: Any) -> None:
+    signals.outbox_redriven.send_robust(None, ids=["a", "b"], using="default")
+    signals.outbox_redriven.send_robust(None, ids=["c"], using="other")
+    got = collect()
+    assert got.count(telemetry.OUTBOX_REDRIVEN, database="default") == 2
+    assert got.count(telemetry.OUTBOX_REDRIVEN, database="other") == 1
 
 
 def test_a_message_id_tells_when_it_was_enqueued() -> None:

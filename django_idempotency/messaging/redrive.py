@@ -26,6 +26,7 @@ from django.db.models import F
 from django.db.models.functions import Now
 from django.utils import timezone
 
+from django_idempotency import signals
 from django_idempotency.conf import conf
 from django_idempotency.messaging.outbox import CHANNEL
 from django_idempotency.models import IdempotencyRecord, OutboxMessage
@@ -195,6 +196,8 @@ class Redrive:
                 self._publish_again(rows.filter(pk__in=again), now)
                 result.republished = [str(pk) for pk in again]
         self._log(result)
+        if result.republished:
+            signals.outbox_redriven.send_robust(Redrive, ids=result.republished, using=self.using)
         return result
 
     def _recorded(
