@@ -72,15 +72,13 @@ class RedisServer:
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, preexec_fn=die_with_parent,
             start_new_session=True,
         )  # fmt: skip
-        deadline = time.monotonic() + 10
-        while True:
-            try:
-                redis.Redis(port=self.port, socket_timeout=1).ping()
-                return
-            except redis.ConnectionError:
-                if time.monotonic() > deadline:
-                    raise
-                time.sleep(0.02)
+        wait_for(self.answers, timeout=10)
+
+    def answers(self) -> bool:
+        try:
+            return bool(redis.Redis(port=self.port, socket_timeout=1).ping())
+        except redis.ConnectionError:
+            return False
 
     def stop(self) -> None:
         """``kill -9``: what it acknowledged is in its append-only file already."""

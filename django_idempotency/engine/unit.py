@@ -356,17 +356,8 @@ class UnitOfWork:
         else:
             # The transaction is the unit's own, so writes that can wait (an outbox row)
             # travel with the store and its COMMIT instead of a round trip each.
-            postgresql = connections[using].vendor == "postgresql"
-            riders = storage.Riders(using) if outermost and postgresql else None
-            outer = storage.riders_waiting.get()
-            if riders is not None:
-                storage.riders_waiting.set(riders)
-            try:
+            with storage.riding(using, commits=outermost) as riding:
                 result = yield Run()
-            finally:
-                if riders is not None:
-                    storage.riders_waiting.set(outer)
-                    riding = riders.close()
             if isinstance(result, BaseException):
                 raise result
             broken = storage.transaction_broken(using)

@@ -73,6 +73,11 @@ def new_message_id() -> tuple[uuid.UUID, datetime]:
     return uuid.UUID(int=value), datetime.fromtimestamp(millis / 1000, UTC)
 
 
+def task_name(kind: int, name: str) -> str:
+    """The Celery task a message calls: its own for a task, the event task for an event."""
+    return conf.OUTBOX_EVENT_TASK if kind == OutboxMessage.Kind.EVENT else name
+
+
 def _database(using: str | None) -> str:
     alias = using or router.db_for_write(OutboxMessage)
     if not connections[alias].in_atomic_block:

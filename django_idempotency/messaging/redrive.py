@@ -28,7 +28,7 @@ from django.utils import timezone
 
 from django_idempotency import signals
 from django_idempotency.conf import conf
-from django_idempotency.messaging.outbox import CHANNEL
+from django_idempotency.messaging.outbox import CHANNEL, task_name
 from django_idempotency.models import IdempotencyRecord, OutboxMessage
 
 if TYPE_CHECKING:
@@ -84,6 +84,7 @@ class RedriveResult:
     """What one pass over the rows due a check found."""
 
     checked: int = 0
+    # Done with: recorded by their consumer (or whose task is no longer exactly-once).
     consumed: int = 0
     republished: list[str] = field(default_factory=list)
     given_up: list[str] = field(default_factory=list)
@@ -116,23 +117,23 @@ class Redrive:
     def principal(self, kind: int, name: str) -> str | None:
         """The principal under which the exactly-once consumer of such a message records it,
         or None when its task is not exactly-once (or not known to the relay's app)."""
-        task_name = conf.OUTBOX_EVENT_TASK if kind == OutboxMessage.Kind.EVENT else name
+        called = task_name(kind, name)
         with contextlib.suppress(KeyError):
-            return self._principals[task_name]
+            return self._principals[called]
         # Imported here: Celery is an optional extra, and the relay has it.
         from django_idempotency.messaging.consumers import ExactlyOnceTask, consumer_principal
 
         self.import_tasks()
-        task = self.app.tasks.get(task_name)
-        if task is None and task_name not in _unknown:
-            _unknown.add(task_name)  # said once per process, not per relay
+        task = self.app.tasks.get(called)
+        if task is None and called not in _unknown:
+            _unknown.add(called)  # said once per process, not per relay
             logger.warning(
                 "Task %s is not registered in the relay's Celery app, so its messages are "
                 "never published again if the broker loses them.",
-                task_name,
+                called,
             )
         found = consumer_principal(task) if isinstance(task, ExactlyOnceTask) else None
-        self._principals[task_name] = found
+        self._principals[called] = found
         return found
 
     def import_tasks(self) -> None:
@@ -189,8 +190,9 @@ class Redrive:
             if result.given_up:
                 rows.filter(pk__in=result.given_up).update(
                     redrive_at=None,
-                    last_error="No record of its exactly-once consumer after "
-                    f"{conf.OUTBOX_REDRIVE_LIMIT} redrives; not published again.",
+                    last_error="No record of its exactly-once consumer after its redrives "
+                    "(IDEMPOTENCY_OUTBOX_REDRIVE_LIMIT, or the consumer records' retention); "
+                    "not published again.",
                 )
             if again:
                 self._publish_again(rows.filter(pk__in=again), now)
@@ -242,10 +244,10 @@ class Redrive:
             )
         if result.given_up:
             logger.error(
-                "%d outbox messages were published %d times and their exactly-once consumer "
-                "never recorded them; they are not published again: %s",
+                "%d outbox messages were published again up to %d times and their "
+                "exactly-once consumer never recorded them; they are not published again: %s",
                 len(result.given_up),
-                conf.OUTBOX_REDRIVE_LIMIT + 1,
+                conf.OUTBOX_REDRIVE_LIMIT,
                 _some(result.given_up),
             )
 

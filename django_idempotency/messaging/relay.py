@@ -33,7 +33,7 @@ from django.utils.module_loading import import_string
 
 from django_idempotency import signals
 from django_idempotency.conf import conf
-from django_idempotency.messaging.outbox import CHANNEL, TABLE
+from django_idempotency.messaging.outbox import CHANNEL, TABLE, task_name
 from django_idempotency.messaging.redrive import CHECK_AT_SQL, Redrive, check_at
 from django_idempotency.models import OutboxMessage
 
@@ -277,8 +277,9 @@ class Relay:
             marked = held.filter(pk__in=[uuid.UUID(m.id) for m in messages]).update(
                 published_at=now, lease_until=None
             )
+            checked = set(check)
             for message in messages:
-                if message.id in check:
+                if message.id in checked:
                     OutboxMessage.objects.using(self.using).filter(
                         pk=uuid.UUID(message.id), published_at=now
                     ).update(redrive_at=check_at(message, now, after))
@@ -369,9 +370,10 @@ class Relay:
 
     def publish(self, message: Message, sender: TaskSender) -> None:
         if message.kind == OutboxMessage.Kind.EVENT:
-            name, args, kwargs = conf.OUTBOX_EVENT_TASK, [message.name, message.payload], {}
+            args, kwargs = [message.name, message.payload], {}
         else:
-            name, args, kwargs = message.name, message.args, message.kwargs
+            args, kwargs = message.args, message.kwargs
+        name = task_name(message.kind, message.name)
         countdown = message.options.get("countdown")
         # From the enqueue, not from now: a relay that was late does not delay it further.
         eta = None if countdown is None else message.created_at + timedelta(seconds=countdown)

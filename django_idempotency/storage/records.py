@@ -8,12 +8,13 @@ the store (an outbox row) ride in its statement (``Riders``, at the end).
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import functools
 import json
 import threading
 import zlib
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from contextvars import ContextVar
 from dataclasses import dataclass
 from datetime import datetime, timedelta, tzinfo
@@ -452,6 +453,26 @@ class Riders:
 
 
 riders_waiting: ContextVar[Riders | None] = ContextVar("django_idempotency_riders", default=None)
+
+
+@contextlib.contextmanager
+def riding(using: str, *, commits: bool) -> Iterator[list[tuple[str, list[Any]]]]:
+    """While the block runs (a unit of work's work), writes on ``using`` that can wait ride
+    with the store (``ride()``); once it has run, the yielded list holds those to send with
+    it. Only where the store commits the transaction itself, on PostgreSQL."""
+    kept: list[tuple[str, list[Any]]] = []
+    if not commits or connections[using].vendor != "postgresql":
+        yield kept
+        return
+    riders = Riders(using)
+    # set(), not a token's reset(): an async view's work ends in another context.
+    outer = riders_waiting.get()
+    riders_waiting.set(riders)
+    try:
+        yield kept
+    finally:
+        riders_waiting.set(outer)
+        kept += riders.close()
 
 
 def ride(using: str, sql: str, params: list[Any]) -> bool:
