@@ -17,6 +17,7 @@ from django.db import DatabaseError, connection, transaction
 from django_idempotency.models import IdempotencyRecord
 from django_idempotency.partitions import apply, catalog
 from django_idempotency.partitions.tables import RECORDS
+from django_idempotency.storage import records
 from django_idempotency.storage.records import Outcome
 from tests.claims import claim, store_first
 from tests.factories import IdempotencyRecordFactory, new_key
@@ -98,9 +99,19 @@ def test_claim_function_and_key_scope_index_exist() -> None:
     )
 
 
+def _claim_a_new_key() -> None:
+    assert claim("anonymous", new_key()).outcome == Outcome.WON
+
+
+def _look_up_a_new_key() -> None:
+    window = timedelta(days=1)
+    assert records.lookup("default", principal="anonymous", key=new_key(), window=window) is None
+
+
 @pytest.mark.django_db
-def test_the_claim_reads_only_the_partitions_its_window_can_hold() -> None:
-    # auto_explain shows the plans run inside the claim function; LOG goes to the client.
+@pytest.mark.parametrize("call", [_claim_a_new_key, _look_up_a_new_key], ids=["claim", "lookup"])
+def test_the_functions_read_only_the_partitions_their_window_can_hold(call: Any) -> None:
+    # auto_explain shows the plans run inside the functions; LOG goes to the client.
     plans: list[str] = []
     connection.ensure_connection()
     pgconn = connection.connection
@@ -124,15 +135,27 @@ def test_the_claim_reads_only_the_partitions_its_window_can_hold() -> None:
                 ("client_min_messages", "log"),
             ):
                 cursor.execute("SELECT set_config(%s, %s, true)", [setting, value])
-            assert claim("anonymous", new_key()).outcome == Outcome.WON
+            call()
     finally:
         pgconn.remove_notice_handler(keep)
     (lookup,) = [plan for plan in plans if "FROM django_idempotency_record r" in plan]
     scanned = set(re.findall(r" on (django_idempotency_record_p\d{8}) ", lookup))
     today = catalog.utc_today()
-    # The engine's window is a day: yesterday's partition and today's, never the week ahead.
+    # The window is a day: yesterday's partition and today's, never the week ahead.
     window = {RECORDS.partition_name(today + timedelta(days=n)) for n in (-1, 0, 1)}
     assert scanned and scanned <= window, lookup
+
+
+@pytest.mark.django_db(transaction=True)
+def test_the_lookup_keeps_one_generic_plan_and_goes_when_its_migration_is_reversed() -> None:
+    config = "SELECT proconfig FROM pg_proc WHERE proname = 'django_idempotency_lookup'"
+    assert fetch_one(config) == (["plan_cache_mode=force_generic_plan"],)
+    call_command("migrate", "django_idempotency", "0005", verbosity=0)
+    try:
+        assert fetch_one(config) is None
+    finally:
+        call_command("migrate", "django_idempotency", verbosity=0)
+    assert fetch_one(config) == (["plan_cache_mode=force_generic_plan"],)
 
 
 @pytest.mark.django_db(transaction=True)

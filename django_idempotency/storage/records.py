@@ -1,8 +1,9 @@
 """Every query the engine makes on the records table; the only writer of new records.
 
-On PostgreSQL the claim and the store are the functions that the migrations create
-(``django_idempotency_claim`` and ``django_idempotency_store``); elsewhere a plain table
-with a unique ``(key, scope)`` index arbitrates. Writes of other tables that can wait for
+On PostgreSQL the claim, the lock-free lookup and the store are the functions that the
+migrations create (``django_idempotency_claim``, ``django_idempotency_lookup`` and
+``django_idempotency_store``); elsewhere a plain table with a unique ``(key, scope)`` index
+arbitrates. Writes of other tables that can wait for
 the store (an outbox row) ride in its statement (``Riders``, at the end).
 """
 
@@ -192,22 +193,38 @@ def claim(
     return Claimed(outcome, record=row.record())
 
 
-_LOOKUP = (
-    "SELECT 'found', created_at, expires_at, method, path, fingerprint, response_code, "
-    "response_headers, response_body, body_encoding FROM django_idempotency_record "
-    "WHERE scope = %s AND key = %s AND created_at >= %s AND expires_at > %s "
-    "ORDER BY created_at DESC LIMIT 1"
-)
+_LOOKUP = "SELECT * FROM django_idempotency_lookup(%s, %s, %s)"
 
 
 def lookup(using: str, *, principal: str, key: str, window: timedelta) -> Record | None:
     """A replayable record, read without a lock or a transaction of our own: one round
     trip for a duplicate, at the price of one more for a fresh key."""
-    now = timezone.now()
-    with binary_cursor(connections[using]) as cursor:
-        cursor.execute(_LOOKUP, [principal, key, now - window, now])
+    connection = connections[using]
+    if connection.vendor != "postgresql":
+        return _lookup_plain(using, principal, key, window)
+    # psycopg adapts timedelta to interval; django-stubs' parameter types leave it out.
+    params: list[Any] = [principal, key, window]
+    with binary_cursor(connection) as cursor:
+        cursor.execute(_LOOKUP, params)
         row = cursor.fetchone()
     return None if row is None else ClaimRow._make(row).record()
+
+
+def _lookup_plain(using: str, principal: str, key: str, window: timedelta) -> Record | None:
+    now = timezone.now()
+    found = (
+        IdempotencyRecord.objects.using(using)
+        .filter(
+            scope=principal,
+            key=key,
+            status=IdempotencyRecord.Status.COMPLETED,
+            created_at__gte=now - window,
+            expires_at__gt=now,
+        )
+        .order_by("-created_at")
+        .first()
+    )
+    return None if found is None else _record(found)
 
 
 def _claim_plain(
