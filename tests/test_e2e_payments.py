@@ -169,6 +169,28 @@ def test_parallel_identical_requests_execute_once(
     assert (retry.status_code, replayed(retry), retry.content) == (201, True, created[0].content)
 
 
+def test_with_lookup_first_racing_duplicates_execute_once_and_retries_are_replayed_over_http(
+    gunicorn_server: Callable[..., Any], alice: Any
+) -> None:
+    """The lock-free lookup before the claim (IDEMPOTENCY_LOOKUP_FIRST), as a client sees it:
+    the same answers as without it."""
+    env = {"DJANGO_SETTINGS_MODULE": "tests.lookup_first_settings"}
+    with gunicorn_server(workers=2, threads=4, env=env) as server:
+        base_url, key = server.url, str(uuid.uuid4())
+        before = counts(base_url)
+        answers = send_at_once([partial(post, base_url, alice, key, CHARGE)] * 20)
+        statuses = Counter((a.status_code, replayed(a)) for a in answers)
+        assert set(statuses) <= {(201, False), (201, True), (409, False)}, statuses
+        assert statuses[(201, False)] == 1, statuses
+        first = next(a for a in answers if (a.status_code, replayed(a)) == (201, False))
+        retry = post(base_url, alice, key, CHARGE)
+        reused = post(base_url, alice, key, {**CHARGE, "amount": 999})
+        assert (retry.status_code, replayed(retry), retry.content) == (201, True, first.content)
+        assert reused.status_code == 422 and reused.json()["type"].endswith("key-reused")
+        assert counts(base_url) - before == (1, 1)
+    assert records(key) == 1
+
+
 def test_same_key_from_two_principals_executes_once_each_and_never_crosses(
     live_gunicorn: str, alice: Any, bob: Any
 ) -> None:
