@@ -9,6 +9,7 @@ outcome in. ``RequestUnit`` is the same for an HTTP request, which is all the vi
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import time
@@ -657,10 +658,12 @@ def _outcome(response: HttpResponseBase) -> Outcome:
     render = getattr(response, "render", None)
     if render is not None and not getattr(response, "is_rendered", True):
         render()
-    allowed = REPLAY_HEADERS.union(h.lower() for h in conf.REPLAY_HEADERS)
-    headers = [
-        [name, value]
-        for name, value in response.items()
-        if (lowered := name.lower()) in allowed and lowered not in NEVER_STORED_HEADERS
-    ]
+    kept = _kept_headers(conf.REPLAY_HEADERS)
+    headers = [[name, value] for name, value in response.items() if name.lower() in kept]
     return Outcome(response.status_code, headers, response.content)  # type: ignore[attr-defined]
+
+
+@functools.lru_cache(maxsize=16)
+def _kept_headers(extra: tuple[str, ...]) -> frozenset[str]:
+    """The response headers to store, for the setting's value: built once, not per request."""
+    return REPLAY_HEADERS.union(name.lower() for name in extra) - NEVER_STORED_HEADERS
