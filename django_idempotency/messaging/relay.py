@@ -27,7 +27,7 @@ from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Any
 
 from django.db import connections, router, transaction
-from django.db.models import Min, Q
+from django.db.models import Case, DateTimeField, Min, Q, Value, When
 from django.utils import timezone
 from django.utils.module_loading import import_string
 
@@ -268,22 +268,28 @@ class Relay:
                     cursor.execute(MARK, [*params, self.owner, batch.fence])
                     return int(cursor.rowcount)
             now = timezone.now()
-            held = OutboxMessage.objects.using(self.using).filter(
-                lease_owner=self.owner,
-                fence=batch.fence,
-                lease_until__gt=now,
-                published_at__isnull=True,
-            )
-            marked = held.filter(pk__in=[uuid.UUID(m.id) for m in messages]).update(
-                published_at=now, lease_until=None
-            )
             checked = set(check)
-            for message in messages:
-                if message.id in checked:
-                    OutboxMessage.objects.using(self.using).filter(
-                        pk=uuid.UUID(message.id), published_at=now
-                    ).update(redrive_at=check_at(message, now, after))
-            return marked
+            # MARK's CHECK_AT_SQL, in the same one UPDATE: each row's own check time.
+            redrive_at = Case(
+                *(
+                    When(pk=uuid.UUID(m.id), then=Value(check_at(m, now, after)))
+                    for m in messages
+                    if m.id in checked
+                ),
+                default=Value(None),
+                output_field=DateTimeField(),
+            )
+            return (
+                OutboxMessage.objects.using(self.using)
+                .filter(
+                    pk__in=[uuid.UUID(m.id) for m in messages],
+                    lease_owner=self.owner,
+                    fence=batch.fence,
+                    lease_until__gt=now,
+                    published_at__isnull=True,
+                )
+                .update(published_at=now, lease_until=None, redrive_at=redrive_at)
+            )
 
     def fail(self, batch: Batch, message: Message, error: str, *, hold: bool = True) -> None:
         """Count a failed publish and, with ``hold``, hold the row back for a while."""
