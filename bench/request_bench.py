@@ -27,6 +27,8 @@ from dataclasses import dataclass, field
 from multiprocessing.queues import Queue
 from typing import Any
 
+from bench.floor import FLOOR_FRESH, FLOOR_REPLAY
+from bench.floor import PATHS as FLOOR_PATHS
 from bench.report import RESULTS_DIR, Check, Section, median, percentile
 from bench.run import Options
 from bench.server import (
@@ -78,12 +80,15 @@ FIRST_MODES = (
     Mode(FRESH_FIRST, PATHS[FRESH], BODY, NEW_KEY, "charges"),
     Mode(REPLAY_FIRST, PATHS[REPLAY], BODY, STORED_KEY, "charges"),
 )
-SEQUENTIAL_MODES = (*MODES, FRESH_FIRST, REPLAY_FIRST)
 CHARGE_MODES = (
     Mode(PLAIN, PATHS[PLAIN], BODY),
     Mode(FRESH, PATHS[FRESH], BODY, NEW_KEY, "charges"),
     Mode(REPLAY, PATHS[REPLAY], BODY, STORED_KEY, "charges"),
 )
+# The floors of bench/floor.py: a protected request's round trips without the engine.
+FLOOR_MODES = tuple(Mode(name, path, BODY) for name, path in FLOOR_PATHS.items())
+FLOORS = tuple(FLOOR_PATHS)
+SEQUENTIAL_MODES = (*MODES, FRESH_FIRST, REPLAY_FIRST, *FLOORS)
 
 
 def body_mode(kind: str, label: str) -> str:
@@ -473,8 +478,17 @@ def run(options: Options) -> Section:
     trips, failed = count_round_trips(options)
     if failed:
         errors.append(failed)
+    # A floor stands for its mode only while it makes the same round trips.
+    for mode, stand_in in ((FRESH, FLOOR_FRESH), (REPLAY, FLOOR_REPLAY)):
+        counted = {
+            m: trips.get("modes", {}).get(m, {}).get("round_trips") for m in (mode, stand_in)
+        }
+        if not failed and counted[mode] != counted[stand_in]:
+            errors.append(f"round trips of {mode} and {stand_in} differ: {counted}")
     body_rounds = max(20, options.requests // 5)
-    with Gunicorn(options.database_url, options.workers, RESULTS_DIR / "gunicorn.log") as server:
+    with Gunicorn(
+        options.database_url, options.workers, RESULTS_DIR / "gunicorn.log", "bench.settings"
+    ) as server:
         with Gunicorn(
             options.database_url,
             options.workers,
@@ -482,9 +496,9 @@ def run(options: Options) -> Section:
             settings="bench.settings_lookup_first",
         ) as first:
             # Sequential latency: one connection per server, so one worker of each.
-            client = Client(server.address)
+            client = Client(server.address, (*CHARGE_MODES, *FLOOR_MODES))
             first_client = Client(first.address, FIRST_MODES)
-            pairs = [(client, MODES), (first_client, (FRESH_FIRST, REPLAY_FIRST))]
+            pairs = [(client, (*MODES, *FLOORS)), (first_client, (FRESH_FIRST, REPLAY_FIRST))]
             interleaved(pairs, options.warmup, rng)
             cpu = time.process_time()
             seq = interleaved(pairs, options.requests, rng)
@@ -605,9 +619,24 @@ def run(options: Options) -> Section:
     def body_ratio(kind: str) -> float:
         return body_p50[body_mode(kind, "1 MB")] / body_p50[body_mode(PLAIN, "1 MB")]
 
+    def floor_note(stand_in: str) -> str:
+        return f"its round trips alone {p50[stand_in] / p50[PLAIN]:.2f}x (bench/floor.py)"
+
     checks = [
-        Check("sequential fresh key / plain, median", p50[FRESH] / p50[PLAIN], 1.20, True),
-        Check("sequential replay / plain, median", p50[REPLAY] / p50[PLAIN], 0.65, True),
+        Check(
+            "sequential fresh key / plain, median",
+            p50[FRESH] / p50[PLAIN],
+            1.20,
+            True,
+            note=floor_note(FLOOR_FRESH),
+        ),
+        Check(
+            "sequential replay / plain, median",
+            p50[REPLAY] / p50[PLAIN],
+            0.65,
+            True,
+            note=floor_note(FLOOR_REPLAY) + f"; lookup_first {p50[REPLAY_FIRST] / p50[PLAIN]:.2f}x",
+        ),
         Check(
             f"{options.clients} clients, throughput fresh key / plain",
             median(paired[FRESH]),
@@ -646,6 +675,11 @@ def run(options: Options) -> Section:
         f"{options.clients} clients x {options.repeats} repeats x {options.duration:g}s per "
         f"mode, connections per worker {spread}; gunicorn {options.workers} gthread workers "
         f"x 1 thread; PostgreSQL {server_version(options.database_url)}",
+        "floors (bench/floor.py, sequential): a protected request's round trips with "
+        "SELECT 'claim' and SELECT 'store' in place of the claim and the store, no engine and "
+        "no record written: the plain charge in BEGIN, SELECT 'claim' ... SELECT 'store'; "
+        "COMMIT (a fresh key's 7); a stored charge's bytes after BEGIN, SELECT 'claim', COMMIT "
+        "(a replay's 5); the same answer with authentication only (2)",
         "app/db CPU us: CPU time per request of the gunicorn workers and of the database's "
         "backends during the parallel run",
         f"client: {floor * 1e6:.0f} us per request against a server that does nothing "

@@ -30,6 +30,8 @@ from typing import Any
 
 import psutil
 
+from bench.floor import PATHS as FLOOR_PATHS
+
 PLAIN, FRESH, REPLAY = "plain", "fresh key", "replay"
 REPLAY_FIRST, FRESH_FIRST = "replay, lookup_first", "fresh key, lookup_first"
 MODES = (PLAIN, FRESH, REPLAY, REPLAY_FIRST, FRESH_FIRST)
@@ -45,6 +47,7 @@ SENT_LINE = re.compile(r'^F\t\d+\t(?:Query|Parse)\t (?:"[^"]*" )?"(.*)"')
 KNOWN = (
     ("django_idempotency_store", "store"),
     ("django_idempotency_claim", "claim"),
+    ("django_idempotency_lookup", "lookup"),
     ("FROM django_idempotency_record", "lookup"),
     ("authtoken_token", "auth"),
     ("nextval", "nextval"),
@@ -53,11 +56,15 @@ KNOWN = (
 
 
 def label(sql: str) -> str:
-    name = next((known for needle, known in KNOWN if needle in sql), None)
-    if name is None:
-        name = "health check" if sql.strip() == "SELECT 1" else " ".join(sql.split()[:2])
     # The store travels with its COMMIT: one round trip.
-    return name + "+COMMIT" if sql.rstrip().endswith("; COMMIT") else name
+    statement, commits = sql.rstrip(), False
+    if statement.endswith("; COMMIT"):
+        statement, commits = statement.removesuffix("; COMMIT"), True
+    name = next((known for needle, known in KNOWN if needle in statement), None)
+    if name is None:
+        words = statement.split()
+        name = "health check" if statement == "SELECT 1" else " ".join(words[:2])
+    return name + "+COMMIT" if commits else name
 
 
 def parse_trace(text: str) -> tuple[list[str], list[str], int]:
@@ -187,6 +194,7 @@ def count(traced: Traced, samples: int) -> dict[str, Any]:
             lambda: {"Idempotency-Key": str(uuid.uuid4())},
             lookup_first,
         ),
+        **{name: (path, dict, nullcontext) for name, path in FLOOR_PATHS.items()},
     }
     status, _, content, _ = traced.post("/api/charges/", BODY, {"Idempotency-Key": key})
     if status != 201:
@@ -326,6 +334,8 @@ def main(argv: Iterable[str] | None = None) -> int:
     from bench.server import database_url, django_env
 
     os.environ.update(django_env(database_url(args.database_url)))
+    # The testproject's URLs and the floor views, as the benchmark's gunicorn serves them.
+    os.environ["DJANGO_SETTINGS_MODULE"] = "bench.settings"
     import django
 
     django.setup()

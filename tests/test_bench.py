@@ -7,8 +7,12 @@ from __future__ import annotations
 import psycopg
 import pytest
 from django.db import connection
+from django.test import override_settings
 
+from bench.floor import FLOOR_CANNED, FLOOR_FRESH, FLOOR_REPLAY
+from bench.floor import PATHS as FLOOR_PATHS
 from bench.round_trips import label, libpq_trace
+from tests.factories import TokenFactory, new_key
 
 
 @pytest.mark.django_db(transaction=True)
@@ -55,3 +59,35 @@ def test_labels_name_the_request_path_statements() -> None:
     assert label("SELECT django_idempotency_store('a', 'k'); COMMIT") == "store+COMMIT"
     assert label('SELECT "authtoken_token"."key" FROM "authtoken_token"') == "auth"
     assert label("UPDATE foo SET x = 1") == "UPDATE foo"
+
+
+def test_labels_name_the_lookup_and_any_statement_sent_with_its_commit() -> None:
+    assert label("SELECT * FROM django_idempotency_lookup('a', 'k', '1 day')") == "lookup"
+    assert label("SELECT 'store'; COMMIT") == "SELECT 'store'+COMMIT"
+
+
+@pytest.mark.django_db(transaction=True)
+@override_settings(ROOT_URLCONF="bench.floor_views")
+def test_each_floor_makes_the_round_trips_of_the_request_it_stands_for(client) -> None:
+    """The request benchmark's floors (bench/floor.py) stand for a protected request's round
+    trips: the same number, the claim and the store in the same places."""
+    headers = {"Authorization": f"Token {TokenFactory().key}"}
+    body = {"amount": 2499, "currency": "inr"}
+    connection.ensure_connection()
+
+    def sent(path: str, key: str | None = None) -> tuple[list[str], int]:
+        extra = headers if key is None else {**headers, "Idempotency-Key": key}
+        with libpq_trace(connection.connection.pgconn) as trace:
+            response = client.post(path, body, content_type="application/json", headers=extra)
+        assert response.status_code == 201, response.content
+        return trace.sent, trace.round_trips
+
+    key = new_key()
+    fresh, replay = sent("/api/charges/", key), sent("/api/charges/", key)
+    floor_fresh = sent(FLOOR_PATHS[FLOOR_FRESH])
+    floor_replay = sent(FLOOR_PATHS[FLOOR_REPLAY])
+    standing_for = {"claim": "SELECT 'claim'", "store+COMMIT": "SELECT 'store'+COMMIT"}
+    assert [standing_for.get(name, name) for name in fresh[0]] == floor_fresh[0]
+    assert [standing_for.get(name, name) for name in replay[0]] == floor_replay[0]
+    assert fresh[1] == floor_fresh[1] and replay[1] == floor_replay[1]
+    assert sent(FLOOR_PATHS[FLOOR_CANNED]) == (["auth"], 1)
