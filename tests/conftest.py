@@ -26,6 +26,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -102,6 +103,57 @@ def django_db_setup(django_db_setup: None, django_db_blocker: Any) -> Iterator[N
         )
 
 
+# Left as migrate made them when a transactional test's database is emptied (see below).
+KEPT_BY_FLUSH = frozenset({"django_content_type", "auth_permission"})
+
+
+def _flush_keeping_migrated_rows(self: Any) -> None:
+    """``TransactionTestCase``'s teardown without its redundant part. Django's empties
+    every table, content types and permissions too, and then emits ``post_migrate`` to make
+    them again: the same rows after every transactional test, some 80 queries. Here those
+    two tables keep the rows migrate made (no test writes them) and nothing is emitted
+    (the library's own receiver only acts under IDEMPOTENCY_BEAT_REGISTER, which no test
+    leaves on); every other table is emptied by the same statement as before."""
+    from django.core.management.color import no_style
+    from django.db import connections
+
+    for name in self._databases_names(include_mirrors=False):
+        connection = connections[name]
+        tables = connection.introspection.django_table_names(
+            only_existing=True, include_views=False
+        )
+        statements = connection.ops.sql_flush(
+            no_style(),
+            [table for table in tables if table not in KEPT_BY_FLUSH],
+            reset_sequences=False,
+            allow_cascade=self.available_apps is not None,
+        )
+        connection.ops.execute_sql_flush(statements)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def flush_keeping_migrated_rows() -> Iterator[None]:
+    from django.test import TransactionTestCase
+
+    original = TransactionTestCase._fixture_teardown
+    TransactionTestCase._fixture_teardown = _flush_keeping_migrated_rows  # type: ignore[method-assign]
+    yield
+    TransactionTestCase._fixture_teardown = original  # type: ignore[method-assign]
+
+
+@pytest.fixture(scope="session")
+def cleanup_in_background() -> Iterator[Callable[[Callable[[], object]], None]]:
+    """``cleanup_in_background(cleanup)`` runs ``cleanup`` in a thread of its own; the
+    session waits for it, and raises what it raised, at its end. For a cleanup that only
+    waits, such as DROP DATABASE, which waits for a checkpoint (4 s in a full run)."""
+    pool = ThreadPoolExecutor(1, thread_name_prefix="cleanup")
+    running: list[Future[object]] = []
+    yield lambda cleanup: running.append(pool.submit(cleanup))
+    pool.shutdown(wait=True)
+    for cleanup in running:
+        cleanup.result()
+
+
 @pytest.fixture(scope="session")
 def test_database_url(django_db_setup: None) -> str:
     """``DATABASE_URL`` of the test database (the server's URL with the test db name)."""
@@ -151,11 +203,27 @@ class GunicornServer:
         return self.log.read_text(errors="replace")
 
 
+# coverage.py measures a child process whose environment holds this ([tool.coverage]
+# run.patch = ["subprocess"]).
+COVERAGE_CHILD = "COVERAGE_PROCESS_CONFIG"
+
+
+def unmeasured(env: Mapping[str, str]) -> dict[str, str]:
+    """``env`` for a child process that coverage.py must not trace: one whose measurements
+    are never saved, so that tracing it only slows it down. gunicorn's and uvicorn's
+    workers and Celery's pool children are forked (or spawned) from a parent and save, if
+    at all, under their parent's data file name, which the parent overwrites when it stops;
+    processes ended with ``kill -9`` save nothing. Their parents only import what every
+    test process imports."""
+    return {name: value for name, value in env.items() if name != COVERAGE_CHILD}
+
+
 @contextlib.contextmanager
 def serve(
     what: str, command: Callable[[int], list[str]], env: Mapping[str, str], startup_timeout: float
 ) -> Iterator[GunicornServer]:
-    """Run the server ``command(fd)`` on a free 127.0.0.1 port until the block ends."""
+    """Run the server ``command(fd)`` on a free 127.0.0.1 port until the block ends (not
+    traced by coverage.py: ``unmeasured``)."""
     # The parent binds the socket and hands the server the descriptor: no window in which
     # another process can take the port, and requests queue until a worker accepts.
     listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
@@ -167,7 +235,7 @@ def serve(
     process = subprocess.Popen(
         command(listener.fileno()),
         cwd=ROOT,
-        env=dict(env),
+        env=unmeasured(env),
         stdin=subprocess.DEVNULL,
         stdout=log_fd,
         stderr=log_fd,

@@ -50,9 +50,19 @@ def count(url: str, query: str, *params: Any) -> int:
     return int(row[0])
 
 
+def execute(url: str, statement: sql.Composable) -> None:
+    with psycopg.connect(url, autocommit=True) as conn:
+        conn.execute(statement)
+
+
 @pytest.fixture(scope="module")
-def shard_url(test_database_url: str, subprocess_env: dict[str, str]) -> Iterator[str]:
-    """A second database on the test database's server, migrated like ``default``."""
+def shard_url(
+    test_database_url: str,
+    subprocess_env: dict[str, str],
+    cleanup_in_background: Callable[[Callable[[], object]], None],
+) -> Iterator[str]:
+    """A second database on the test database's server, migrated like ``default``; dropped
+    in the background after the module's tests (the drop waits for a checkpoint)."""
     name = database_name(test_database_url) + "_shard"
     server_url = with_database(test_database_url, "postgres")
     drop = sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(name))
@@ -64,8 +74,7 @@ def shard_url(test_database_url: str, subprocess_env: dict[str, str]) -> Iterato
         migrate({**subprocess_env, "SHARD_DATABASE_URL": url}, "--database", "shard")
         yield url
     finally:
-        with psycopg.connect(server_url, autocommit=True) as conn:
-            conn.execute(drop)
+        cleanup_in_background(partial(execute, server_url, drop))
 
 
 def serve(

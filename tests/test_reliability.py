@@ -16,7 +16,7 @@ from tests.reliability.profiles import ATTACK_KINDS, CLIENT_FAULT_KINDS, FAULT_K
 from tests.reliability.report import Report
 from tests.reliability.run import run
 
-# The run takes about 40 s on two shared cores (a minute when they are busy); leave it room.
+# The run takes about 25 s on two shared cores (40 s when they are busy); leave it room.
 pytestmark = pytest.mark.timeout(240)
 
 

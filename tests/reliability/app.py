@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import psutil
 import requests
 
-from tests.conftest import ROOT, GunicornServer, run_gunicorn
+from tests.conftest import ROOT, GunicornServer, run_gunicorn, unmeasured
 from tests.reliability.client import Principal
 from tests.reliability.postgres import APP_NAME, MAINTENANCE_NAME, Database
 from tests.reliability.profiles import Profile, ServerShape
@@ -73,11 +73,16 @@ def django_env(
     return env
 
 
-def manage(database: Database, *args: str, env: dict[str, str] | None = None) -> str:
+def manage(
+    database: Database, *args: str, env: dict[str, str] | None = None, traced: bool = True
+) -> str:
+    """``manage.py *args`` on the run's database; ``traced=False``: not traced by
+    coverage.py (``unmeasured``), for a command the test processes cover already."""
+    env = {**django_env(database, MAINTENANCE_NAME), **(env or {})}
     done = subprocess.run(
         [sys.executable, "manage.py", *args],
         cwd=ROOT,
-        env={**django_env(database, MAINTENANCE_NAME), **(env or {})},
+        env=env if traced else unmeasured(env),
         capture_output=True,
         text=True,
         timeout=300,
@@ -100,7 +105,9 @@ def prepare(database: Database, profile: Profile) -> list[User]:
         for n in range(profile.session_principals)
     ]
     specs = [u.__dict__ for u in users if u.username not in DEMO_USERS]
-    manage(database, "shell", "-c", CREATE_USERS, env={"RELIABILITY_USERS": json.dumps(specs)})
+    # The migrations and seed_demo run in the test processes too: not traced here.
+    users_env = {"RELIABILITY_USERS": json.dumps(specs)}
+    manage(database, "shell", "-c", CREATE_USERS, env=users_env, traced=False)
     return users
 
 

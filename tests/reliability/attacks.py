@@ -10,7 +10,8 @@
 - oversized 4xx: a 2 MB invalid field, echoed in DRF's 400, is answered but not stored.
 - multipart to a JSON-only endpoint: 415, nothing read into the store, the key stays free.
 
-Each exchange goes in the ledger, so the run's invariant covers them too.
+Each exchange goes in the ledger, so the run's invariant covers them too. The flood runs on
+its own server while the forged key's slow charge, which Alice no longer waits on, ends.
 """
 
 from __future__ import annotations
@@ -77,7 +78,11 @@ class Attacks:
 
     def run(self, base_url: str, alice: Principal, bob: Principal) -> list[Check]:
         shape, cap = self.profile.flood_shape, self.profile.flood_max_waiters
-        with ExitStack() as stack, ThreadPoolExecutor(2) as background:
+        with (
+            ExitStack() as stack,
+            ThreadPoolExecutor(2) as background,
+            ThreadPoolExecutor(1) as holding,
+        ):
             # The flood's server starts, and the forged key is found, while the first
             # attacks run.
             flood_server = background.submit(stack.enter_context, serve(
@@ -88,14 +93,19 @@ class Attacks:
             self.timed("rolled-back 2xx", self.rolled_back, base_url, alice)
             self.timed("oversized 4xx", self.oversized_4xx, base_url, alice)
             self.timed("multipart", self.multipart, base_url, alice)
-            self.timed("forged lock key", self.forged_key, base_url, alice, bob, forged.result())
+            judge_forgery = self.timed(
+                "forged lock key", self.forged_key, base_url, alice, bob, forged.result(), holding
+            )
+            # The flood runs on its own server while Bob's forged charge is still held on
+            # this one (Alice has her answer by then); the forgery is judged once it ends.
             self.timed("flood", self.flood, flood_server.result().url, alice, bob)
+            self.timed("forged lock key, the held charge's end", judge_forgery)
         return self.checks
 
-    def timed(self, name: str, attack: Callable[..., None], *args: Any) -> None:
+    def timed(self, name: str, attack: Callable[..., Any], *args: Any) -> Any:
         started = time.monotonic()
         try:
-            attack(*args)
+            return attack(*args)
         finally:
             self.say(f"  {name}: {time.monotonic() - started:.1f}s")
 
@@ -196,9 +206,17 @@ class Attacks:
         bob_key = forge_colliding_key(victim, alice_key, forger, random.Random(self.rng.random()))
         return Forged(victim, alice_key, forger, bob_key, time.monotonic() - started)
 
-    def forged_key(self, base_url: str, alice: Principal, bob: Principal, forged: Forged) -> None:
+    def forged_key(
+        self,
+        base_url: str,
+        alice: Principal,
+        bob: Principal,
+        forged: Forged,
+        holding: ThreadPoolExecutor,
+    ) -> Callable[[], None]:
         """Bob holds a slow charge under a key forged to share the old lock id of Alice's
-        next key; Alice's request must not wait for it."""
+        next key; Alice's request must not wait for it. Returns what judges the attack once
+        Bob's charge has ended (his request runs on ``holding``)."""
         victim, alice_key, forger, bob_key = forged.victim, forged.key, forged.forger, forged.forged
         with self.database.connect() as conn:
             row = conn.execute(
@@ -210,26 +228,30 @@ class Attacks:
         slow = self.ledger.new(bob, key=bob_key, kind="forged lock key", delay_ms=delay)
         fresh = self.ledger.new(alice, key=alice_key, kind="forged lock key victim")
         before = _executions(base_url)
-        with ThreadPoolExecutor(1) as pool:
-            holder = pool.submit(self.client(base_url, read_timeout=30).attempt, slow)
-            self.wait_for_handler(base_url, before)
-            started = time.monotonic()
-            answer = self.client(base_url).attempt(fresh)
-            waited = time.monotonic() - started
-            held = holder.result()
+        holder = holding.submit(self.client(base_url, read_timeout=30).attempt, slow)
+        self.wait_for_handler(base_url, before)
+        started = time.monotonic()
+        answer = self.client(base_url).attempt(fresh)
+        waited = time.monotonic() - started
         self.made["forged lock key"] += 1
-        self.checks.append(Check(
-            "forged lock key: collides under the old unkeyed lock id",
-            collides,
-            f"hashtextextended(principal || chr(1) || key, 0) equal for Alice's key and "
-            f"Bob's {len(bob_key)}-character key (forged in {forged.seconds:.1f}s): {collides}",
-        ))  # fmt: skip
-        self.checks.append(Check(
-            "forged lock key: another principal is not blocked",
-            answer.ok and not answer.replayed and waited < PROMPT_SECONDS and held.ok,
-            f"Alice answered {answer.outcome} in {waited:.2f}s while Bob's forged key held "
-            f"a {delay} ms charge (answered {held.outcome})",
-        ))  # fmt: skip
+
+        def judge() -> None:
+            held = holder.result()
+            self.checks.append(Check(
+                "forged lock key: collides under the old unkeyed lock id",
+                collides,
+                f"hashtextextended(principal || chr(1) || key, 0) equal for Alice's key and "
+                f"Bob's {len(bob_key)}-character key (forged in {forged.seconds:.1f}s): "
+                f"{collides}",
+            ))  # fmt: skip
+            self.checks.append(Check(
+                "forged lock key: another principal is not blocked",
+                answer.ok and not answer.replayed and waited < PROMPT_SECONDS and held.ok,
+                f"Alice answered {answer.outcome} in {waited:.2f}s while Bob's forged key "
+                f"held a {delay} ms charge (answered {held.outcome})",
+            ))  # fmt: skip
+
+        return judge
 
     def flood(self, url: str, alice: Principal, bob: Principal) -> None:
         """One slow charge, ``flood_duplicates`` duplicates willing to wait 10 s, and,

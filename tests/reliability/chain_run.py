@@ -107,7 +107,6 @@ class ChainRunner(Runner):
                     database,
                     processor_captures(self.chain.processor_url),
                     self.chain.read_deliveries(),
-                    self.chain.supervisor.logs(WORKER),
                     self.chain.broker_log(),
                 )
                 self.processor = processor_stats(self.chain.processor_url)

@@ -1,5 +1,5 @@
 """How hard a run pushes: the short profile runs in every test run (every kind of fault
-once, back to back, in about half a minute), the long one is the proof; the chain profiles
+once, back to back, in about 25 s), the long one is the proof; the chain profiles
 take the side-effect chain beyond the request (processor, outbox, relays, Celery workers)."""
 
 from __future__ import annotations
@@ -111,6 +111,9 @@ class Profile:
     hot_key_clients: int = 100
     # Longer than the default 2 s a duplicate waits: some duplicates get 409 and retry.
     hot_key_delay_ms: int = 2500
+    # How long the hot key's clients wait for an answer (None: the retry policy's read
+    # timeout): the phase is about one execution under contention, not client timeouts.
+    hot_key_read_timeout: float | None = None
     # Concurrent distinct keys per batch in the scaling measurement, and the handler delay.
     scaling_batches: tuple[int, ...] = (1, 4, 8, 16)
     scaling_delay_ms: int = 400
@@ -192,23 +195,28 @@ PROFILES = {
     "short": Profile(
         name="short",
         # Faults back to back rather than on timers: every kind comes in the first
-        # seconds, and the outages are crash-like stops with a short pause.
-        traffic_seconds=6.0,
+        # seconds (the third fault starts within 3.2 s, maintenance within 3 s), and the
+        # outages are crash-like stops with a short pause.
+        traffic_seconds=4.0,
         shapes=(ServerShape(workers=4),),
-        clients=8,
+        clients=12,
         token_principals=4,
         session_principals=1,
-        fault_every=(0.3, 0.8),
+        fault_every=(0.3, 0.6),
         fault_weights={"worker-kill": 5, "db-outage": 1, "connection-cut": 3},
         outage_modes=("immediate",),
         outage_seconds=(0.1, 0.4),
         hot_key_clients=40,
         hot_key_delay_ms=2300,
+        hot_key_read_timeout=3.0,
         scaling_batches=(1, 4),
         maintenance_every=2.0,
         # A slow handler never outlives back-to-back faults: the recovery finishes it.
-        stragglers_seconds=2.0,
+        stragglers_seconds=1.0,
         flood_delay_ms=2500,
+        # Clients give up on an attempt after 1.5 s, and slow handlers outlast that by
+        # 0.2 to 0.5 s: the same timeouts and retries as 3 s would make, sooner.
+        policy=RetryPolicy(read_timeout=1.5, max_delay=1.5),
         slow_extra_seconds=(0.2, 0.5),
     ),
     # Several app server processes whose connections share a few server connections
@@ -241,21 +249,26 @@ PROFILES = {
         fault_every=(2.0, 5.0),
         maintenance_every=20.0,
     ),
-    # The same, every kind of fault back to back in a few seconds: in the test suite.
+    # The same, every kind of fault back to back in a few seconds: in the test suite. Each
+    # kind comes within about 5 s (a new kind first, each 0.3 to 0.7 s after the last
+    # chain fault and 0.5 to 1 s after the last server fault; maintenance within 4.5 s);
+    # the traffic goes on after them, so that an armed relay has rows to die on.
     "chain-short": Profile(
         name="chain-short",
-        traffic_seconds=10.0,
+        traffic_seconds=7.0,
         shapes=(ServerShape(workers=3),),
         chain=ChainShape(
-            fault_every=(0.5, 1.0), broker_down_seconds=(0.2, 0.6), drain_timeout=90.0
+            fault_every=(0.3, 0.7), broker_down_seconds=(0.2, 0.6), drain_timeout=90.0
         ),
         **CHAIN_TRAFFIC,
         clients=6,
-        fault_every=(0.6, 1.2),
+        fault_every=(0.5, 1.0),
         outage_modes=("immediate", "fast"),
         outage_seconds=(0.1, 0.4),
-        maintenance_every=4.0,
-        stragglers_seconds=3.0,
+        maintenance_every=3.0,
+        stragglers_seconds=1.0,
+        # As in the short profile: timeouts at 1.5 s, slow handlers 0.2 to 0.5 s longer.
+        policy=RetryPolicy(read_timeout=1.5, max_delay=1.5),
         slow_extra_seconds=(0.2, 0.5),
     ),
     "long": Profile(

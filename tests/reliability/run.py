@@ -20,6 +20,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import html
 import os
 import platform
@@ -115,8 +116,11 @@ class Runner:
         finally:
             self.phases[name] = round(time.monotonic() - started, 1)
 
-    def client(self, base_url: str) -> SDKClient:
-        return SDKClient(base_url, self.profile.policy, random.Random(self.rng.random()))
+    def client(self, base_url: str, read_timeout: float | None = None) -> SDKClient:
+        policy = self.profile.policy
+        if read_timeout is not None:
+            policy = dataclasses.replace(policy, read_timeout=read_timeout)
+        return SDKClient(base_url, policy, random.Random(self.rng.random()))
 
     def run(self, database: Database, traffic_seconds: float) -> Report:
         report = Report(
@@ -367,7 +371,10 @@ class Runner:
             ]
             before = self.executions(base_url)
             started = time.monotonic()
-            self.at_once(base_url, copies, lambda client, e: client.send(e))
+            self.at_once(
+                base_url, copies, lambda client, e: client.send(e),
+                read_timeout=self.profile.hot_key_read_timeout,
+            )  # fmt: skip
             elapsed = time.monotonic() - started
             ran = self.executions(base_url) - before
             answers = [e.success for e in copies]
@@ -517,6 +524,7 @@ class Runner:
         exchanges: Sequence[Exchange],
         action: Callable[[SDKClient, Exchange], object],
         limit: int | None = None,
+        read_timeout: float | None = None,
     ) -> None:
         """Each exchange from its own thread; without ``limit``, released together."""
         if not exchanges:
@@ -524,7 +532,7 @@ class Runner:
         barrier = threading.Barrier(len(exchanges)) if limit is None else None
 
         def one(exchange: Exchange) -> None:
-            client = self.client(base_url)
+            client = self.client(base_url, read_timeout)
             try:
                 if barrier is not None:
                     barrier.wait()
