@@ -6,7 +6,8 @@ replayed command by command: kombu publishes with ``LPUSH``, a worker takes a me
 and a message given back (visibility timeout, a rejected delivery, a lost worker) is pushed
 again with the same delivery tag. kombu's Redis transport pops a message before it records it:
 a worker killed in between, or a broker killed before the record arrives, drops the message,
-and nothing redelivers it. The replay finds those messages.
+and nothing redelivers it. The replay finds those messages. A worker that took a message and
+lived runs it all the same: only a dropped delivery no worker received is lost.
 """
 
 from __future__ import annotations
@@ -26,8 +27,9 @@ class BrokerLog:
     tags: dict[str, str] = field(default_factory=dict)
     # pushes of a tag already seen: messages given back to the queue
     given_back: int = 0
-    # task ids popped by a worker that never recorded them as unacknowledged
-    dropped: set[str] = field(default_factory=set)
+    # delivery tag -> task id, for messages popped by a worker that never recorded them as
+    # unacknowledged
+    dropped: dict[str, str] = field(default_factory=dict)
 
     def publishes(self, message: str) -> int:
         return sum(task == message for task in self.tags.values())
@@ -52,7 +54,7 @@ def replay(directory: Path) -> BrokerLog:
             popped[tag] = log.tags[tag]
         elif name == b"HSET" and command[1] == UNACKED.encode():
             popped.pop(command[2].decode(), None)
-    log.dropped = set(popped.values())
+    log.dropped = popped
     return log
 
 

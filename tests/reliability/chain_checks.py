@@ -9,9 +9,7 @@ processor captured nothing for a charge that never committed.
 
 from __future__ import annotations
 
-import re
 from collections import Counter
-from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -26,11 +24,6 @@ from tests.reliability.checks import (
 )
 from tests.reliability.postgres import Database
 
-# What a Celery worker logs when it acknowledges a delivery (Celery's trace messages: a
-# success, a failure, a rejection not requeued).
-ACKNOWLEDGED = re.compile(
-    r"\[([0-9a-f-]{36})\] (?:succeeded in|raised unexpected|reject requeue=False)"
-)
 # Messages queued again: a visibility timeout ran out, a delivery was rejected, a worker lost.
 GIVEN_BACK = "messages the broker queued again (visibility timeout, rejected, worker lost)"
 
@@ -60,8 +53,6 @@ class ChainState:
     # message id -> the ledger row id the exactly-once task's stored result names
     results: dict[str, Any]
     deliveries: list[Delivery]
-    # message ids a worker acknowledged (succeeded, or failed: Celery acknowledges both)
-    acknowledged: set[str] = field(default_factory=set)
     # what the broker did with each message (its append-only file, replayed)
     broker: BrokerLog = field(default_factory=BrokerLog)
     # outbox message id -> how often the relay's redrive put it back to be published again
@@ -72,7 +63,6 @@ def collect(
     database: Database,
     captures: list[dict[str, Any]],
     deliveries: list[Delivery],
-    worker_logs: Iterable[str],
     broker: BrokerLog,
 ) -> ChainState:
     with database.connect() as conn:
@@ -102,10 +92,7 @@ def collect(
             )
         }
     captured = Counter(int(c["amount"]) for c in captures)
-    acknowledged = {m for log in worker_logs for m in ACKNOWLEDGED.findall(log)}
-    return ChainState(
-        charges, captured, outbox, ledger, results, deliveries, acknowledged, broker, redriven
-    )
+    return ChainState(charges, captured, outbox, ledger, results, deliveries, broker, redriven)
 
 
 def check_chain(state: ChainState) -> Findings:
@@ -124,10 +111,11 @@ def check_chain(state: ChainState) -> Findings:
             findings.add(OTHER, "capture without a committed charge",
                          f"amount {amount}: {count} captures")  # fmt: skip
     delivered = {d.id for d in state.deliveries}
+    dropped = set(state.broker.dropped.values())
     for message, (charge, published) in sorted(state.outbox.items()):
         if not published:
             findings.add(OTHER, "outbox row never published", f"message {message}")
-        elif message not in delivered and message not in state.broker.dropped:
+        elif message not in delivered and message not in dropped:
             findings.add(OTHER, "published outbox row never delivered", f"message {message}")
         if charge not in state.charges:
             findings.add(OTHER, "outbox row without its charge", f"message {message}: {charge}")
@@ -135,6 +123,8 @@ def check_chain(state: ChainState) -> Findings:
         if message not in state.outbox:
             findings.add(OTHER, "ledger row from no outbox message",
                          f"charge {charge}: message {message}")  # fmt: skip
+    for message in sorted(set(lost(state).values()) - recovered(state)):
+        findings.add(OTHER, "message the broker lost, never delivered again", f"message {message}")
     # A task's stored result, which a redelivery is answered with, must name its committed row.
     for message, entry in sorted(state.results.items()):
         if state.ledger.get(entry, (None, None))[1] != message:
@@ -144,6 +134,20 @@ def check_chain(state: ChainState) -> Findings:
     findings.checked["outbox rows"] = len(state.outbox)
     findings.checked["task results"] = len(state.results)
     return findings
+
+
+def lost(state: ChainState) -> dict[str, str]:
+    """Delivery tag -> message id: the deliveries the broker dropped and no worker received
+    (one that received its message runs it, though the broker never recorded it)."""
+    received = {d.tag for d in state.deliveries}
+    return {tag: m for tag, m in state.broker.dropped.items() if tag not in received}
+
+
+def recovered(state: ChainState) -> set[str]:
+    """The lost messages a worker received from another publish (the relay's redrive, or a
+    relay killed before marking its batch)."""
+    lost_tags = lost(state)
+    return {d.id for d in state.deliveries if d.id in lost_tags.values() and d.tag not in lost_tags}
 
 
 def _exactly_one(findings: Findings, count: int, what: str, label: str) -> None:
@@ -166,6 +170,8 @@ def figures(state: ChainState) -> dict[str, int]:
         "outbox rows published more than once": sum(n > 1 for n in published.values()),
         GIVEN_BACK: state.broker.given_back,
         "messages the broker dropped after a worker took them": len(state.broker.dropped),
+        "dropped messages no worker received (lost)": len(set(lost(state).values())),
+        "lost messages delivered again by another publish": len(recovered(state)),
         "outbox rows the redrive published again": len(state.redriven),
         "deliveries to workers": len(state.deliveries),
         "deliveries flagged redelivered": sum(d.redelivered for d in state.deliveries),
