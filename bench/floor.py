@@ -12,6 +12,17 @@ database), and the floor's distance from the plain request what the round trips 
 - ``POST /bench/floor/replay/``: the same authentication, then ``BEGIN``, ``SELECT 'claim'``
   and ``COMMIT``, answering a stored charge's bytes, as a replay does (5 round trips).
 - ``POST /bench/floor/canned/``: the same authentication and answer, nothing else (2).
+
+Two more send the design's real statements without the engine: the claim and the store
+functions, called through ``django_idempotency.storage`` with the request's key, a constant
+fingerprint and no options, telemetry or decisions. Their distance from the round-trip floors
+is what the functions cost (in the database, and adapting their parameters and rows); a
+mode's distance from them is the engine's Python.
+
+- ``POST /bench/floor/fresh-statements/``: the plain charge handler between the real claim
+  and the real store with its ``COMMIT``, storing the rendered charge (a fresh key's 7).
+- ``POST /bench/floor/replay-statements/``: the same authentication, the real claim of a key
+  the previous floor stored, and its stored response (a replay's 5).
 """
 
 from __future__ import annotations
@@ -20,8 +31,22 @@ from __future__ import annotations
 FLOOR_FRESH = "floor: fresh key's round trips"
 FLOOR_REPLAY = "floor: replay's round trips"
 FLOOR_CANNED = "floor: auth and answer only"
+FLOOR_FRESH_STATEMENTS = "floor: fresh key's statements"
+FLOOR_REPLAY_STATEMENTS = "floor: replay's statements"
 PATHS = {
     FLOOR_FRESH: "/bench/floor/fresh/",
     FLOOR_REPLAY: "/bench/floor/replay/",
     FLOOR_CANNED: "/bench/floor/canned/",
+    FLOOR_FRESH_STATEMENTS: "/bench/floor/fresh-statements/",
+    FLOOR_REPLAY_STATEMENTS: "/bench/floor/replay-statements/",
+}
+# The floors that take an Idempotency-Key: a new one, and one the first stored.
+NEW_KEY_FLOORS = (FLOOR_FRESH_STATEMENTS,)
+STORED_KEY_FLOORS = (FLOOR_REPLAY_STATEMENTS,)
+# Which mode of the benchmark each floor stands for (the same round trips).
+STANDS_FOR = {
+    FLOOR_FRESH: "fresh key",
+    FLOOR_FRESH_STATEMENTS: "fresh key",
+    FLOOR_REPLAY: "replay",
+    FLOOR_REPLAY_STATEMENTS: "replay",
 }

@@ -3,7 +3,9 @@ testproject's."""
 
 from __future__ import annotations
 
-from django.db import connection, transaction
+from datetime import timedelta
+
+from django.db import DEFAULT_DB_ALIAS, connection, transaction
 from django.http import HttpResponse
 from django.urls import include, path
 from rest_framework.authentication import TokenAuthentication
@@ -12,7 +14,17 @@ from rest_framework.request import Request
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
-from bench.floor import FLOOR_CANNED, FLOOR_FRESH, FLOOR_REPLAY, PATHS
+from bench.floor import (
+    FLOOR_CANNED,
+    FLOOR_FRESH,
+    FLOOR_FRESH_STATEMENTS,
+    FLOOR_REPLAY,
+    FLOOR_REPLAY_STATEMENTS,
+    PATHS,
+)
+from django_idempotency.conf import conf
+from django_idempotency.engine.hashing import lock_id
+from django_idempotency.storage import records as storage
 from testproject.payments.parsers import JSONParser
 from testproject.payments.views import PaymentCreateView
 
@@ -24,15 +36,19 @@ STORED = (
 
 
 class FreshFloorView(PaymentCreateView):
+    def charge(self, request: Request) -> Response:
+        """The plain charge, rendered: as the engine renders before it stores."""
+        response = super().post(request)
+        response.accepted_renderer = request.accepted_renderer
+        response.accepted_media_type = request.accepted_media_type
+        response.renderer_context = self.get_renderer_context()  # type: ignore[attr-defined]
+        response.render()
+        return response
+
     def post(self, request: Request) -> Response:
         with transaction.atomic(), connection.cursor() as cursor:
             cursor.execute("SELECT 'claim'")
-            response = super().post(request)
-            # Rendered before the commit, as the engine renders before it stores.
-            response.accepted_renderer = request.accepted_renderer
-            response.accepted_media_type = request.accepted_media_type
-            response.renderer_context = self.get_renderer_context()
-            response.render()
+            response = self.charge(request)
             # psycopg's commit() then sends nothing: the server is already idle.
             cursor.execute("SELECT 'store'; COMMIT")
         return response
@@ -54,9 +70,73 @@ class ReplayFloorView(APIView):
         return response
 
 
+# What the engine would have stored as the request's fingerprint: the floor computes none.
+FINGERPRINT = {"method": "POST", "path": "/api/charges/", "body": "0" * 64}
+KEPT_HEADERS = ("Content-Type", "Vary", "Allow")
+
+
+def claim(request: Request) -> tuple[str, str, storage.Claimed]:
+    """The real claim of the request's key, as the engine sends it, inside the caller's
+    transaction: (principal, key, what it found)."""
+    principal, key = f"user:{request.user.pk}", request.META["HTTP_IDEMPOTENCY_KEY"]
+    found = storage.claim(
+        DEFAULT_DB_ALIAS,
+        lock=lock_id(principal, key),
+        principal=principal,
+        key=key,
+        window=conf.MAX_TTL + conf.EXPIRED_WINDOW,
+        gone=conf.EXPIRED_WINDOW,
+        wait=timedelta(0),
+    )
+    return principal, key, found
+
+
+class FreshStatementsFloorView(FreshFloorView):
+    def post(self, request: Request) -> Response:
+        with transaction.atomic():
+            principal, key, claimed = claim(request)
+            if claimed.created_at is None:
+                return Response({"claimed": claimed.outcome.value}, status=409)
+            response = self.charge(request)
+            body, encoding = storage.encode_body(
+                DEFAULT_DB_ALIAS, response.content, conf.COMPRESS_MIN_BYTES
+            )
+            finished = storage.Finished(
+                principal=principal,
+                key=key,
+                method="POST",
+                path=request.path,
+                fingerprint=FINGERPRINT,
+                created_at=claimed.created_at,
+                expires_at=claimed.created_at + conf.TTL,
+                code=response.status_code,
+                headers=[[n, v] for n, v in response.items() if n in KEPT_HEADERS],
+                body=body,
+                body_encoding=encoding,
+            )
+            storage.store(DEFAULT_DB_ALIAS, finished, row_id=None, commit=True)
+        return response
+
+
+class ReplayStatementsFloorView(ReplayFloorView):
+    def post(self, request: Request) -> HttpResponse:
+        with transaction.atomic():
+            _, _, claimed = claim(request)
+        if claimed.record is None:
+            return HttpResponse(status=409)
+        record = claimed.record
+        response = HttpResponse(record.body(), status=record.response_code)
+        for name, value in record.response_headers:
+            response[name] = value
+        response["Idempotent-Replayed"] = "true"
+        return response
+
+
 urlpatterns = [
     path(PATHS[FLOOR_FRESH].lstrip("/"), FreshFloorView.as_view()),
     path(PATHS[FLOOR_REPLAY].lstrip("/"), ReplayFloorView.as_view()),
     path(PATHS[FLOOR_CANNED].lstrip("/"), ReplayFloorView.as_view(opens_transaction=False)),
+    path(PATHS[FLOOR_FRESH_STATEMENTS].lstrip("/"), FreshStatementsFloorView.as_view()),
+    path(PATHS[FLOOR_REPLAY_STATEMENTS].lstrip("/"), ReplayStatementsFloorView.as_view()),
     path("", include("testproject.urls")),
 ]

@@ -27,7 +27,15 @@ from dataclasses import dataclass, field
 from multiprocessing.queues import Queue
 from typing import Any
 
-from bench.floor import FLOOR_FRESH, FLOOR_REPLAY
+from bench.floor import (
+    FLOOR_FRESH,
+    FLOOR_FRESH_STATEMENTS,
+    FLOOR_REPLAY,
+    FLOOR_REPLAY_STATEMENTS,
+    NEW_KEY_FLOORS,
+    STANDS_FOR,
+    STORED_KEY_FLOORS,
+)
 from bench.floor import PATHS as FLOOR_PATHS
 from bench.report import RESULTS_DIR, Check, Section, median, percentile
 from bench.run import Options
@@ -85,10 +93,21 @@ CHARGE_MODES = (
     Mode(FRESH, PATHS[FRESH], BODY, NEW_KEY, "charges"),
     Mode(REPLAY, PATHS[REPLAY], BODY, STORED_KEY, "charges"),
 )
-# The floors of bench/floor.py: a protected request's round trips without the engine.
-FLOOR_MODES = tuple(Mode(name, path, BODY) for name, path in FLOOR_PATHS.items())
+
+
+def floor_mode(name: str) -> Mode:
+    """A floor of bench/floor.py: a protected request's round trips, or its statements,
+    without the engine. The statement floors replay the keys they stored themselves."""
+    key = NEW_KEY if name in NEW_KEY_FLOORS else STORED_KEY if name in STORED_KEY_FLOORS else ""
+    return Mode(name, FLOOR_PATHS[name], BODY, key or NO_KEY, "floor" if key else "")
+
+
+FLOOR_MODES = tuple(floor_mode(name) for name in FLOOR_PATHS)
 FLOORS = tuple(FLOOR_PATHS)
 SEQUENTIAL_MODES = (*MODES, FRESH_FIRST, REPLAY_FIRST, *FLOORS)
+# In the parallel run too: how far a fresh key's round trips alone, and its statements
+# alone, let its throughput go, and the CPU each adds.
+PARALLEL_MODES = (*MODES, FLOOR_FRESH, FLOOR_FRESH_STATEMENTS)
 
 
 def body_mode(kind: str, label: str) -> str:
@@ -378,7 +397,9 @@ def parallel(clients: list[Client], mode: str, duration: float, meter: CpuMeter)
     return Segment(mode, len(merged.latencies[mode]), seconds, merged, app_cpu, db_cpu)
 
 
-def balanced_clients(server: Gunicorn, count: int, timeout: float = 60) -> list[Client]:
+def balanced_clients(
+    server: Gunicorn, count: int, modes: Sequence[Mode], timeout: float = 60
+) -> list[Client]:
     """``count`` connections, as evenly spread over the workers as they can be.
 
     A keep-alive connection stays with the worker that accepted it, and which worker
@@ -390,7 +411,7 @@ def balanced_clients(server: Gunicorn, count: int, timeout: float = 60) -> list[
     per_worker: Counter[int] = Counter()
     deadline = time.monotonic() + timeout
     while len(kept) < count:
-        client = Client(server.address)
+        client = Client(server.address, modes)
         client.send(PLAIN)  # the connection is accepted and served before we look
         pid = server.worker_of(client.local_port)
         if pid is not None and per_worker[pid] < quota:
@@ -479,7 +500,7 @@ def run(options: Options) -> Section:
     if failed:
         errors.append(failed)
     # A floor stands for its mode only while it makes the same round trips.
-    for mode, stand_in in ((FRESH, FLOOR_FRESH), (REPLAY, FLOOR_REPLAY)):
+    for stand_in, mode in STANDS_FOR.items():
         counted = {
             m: trips.get("modes", {}).get(m, {}).get("round_trips") for m in (mode, stand_in)
         }
@@ -510,17 +531,17 @@ def run(options: Options) -> Section:
         bodies, body_client, identical = found.tally, found.client, found.identical
         body_client.close()
 
-        clients = balanced_clients(server, options.clients)
+        clients = balanced_clients(server, options.clients, (*CHARGE_MODES, *FLOOR_MODES))
         spread = sorted(Counter(server.worker_of(c.local_port) for c in clients).values())
         # Warm every connection's worker: its database connection and the claim
         # function's cached plan are per worker process.
         for c in clients:
-            sequential(c, 10, rng)
+            sequential(c, 10, rng, PARALLEL_MODES)
         meter = CpuMeter(server, options.database_url)
         segments: list[Segment] = []
         cpu, wall = time.process_time(), time.perf_counter()
         for repeat in range(options.repeats):
-            order = MODES if repeat % 2 == 0 else MODES[::-1]
+            order = PARALLEL_MODES if repeat % 2 == 0 else PARALLEL_MODES[::-1]
             segments += [parallel(clients, mode, options.duration, meter) for mode in order]
         par_cpu = (time.process_time() - cpu) / (time.perf_counter() - wall)
         reconnects = sum(c.reconnects for c in clients)
@@ -540,15 +561,16 @@ def run(options: Options) -> Section:
     lat = {m: [x * 1000 for x in seq.latencies[m]] for m in SEQUENTIAL_MODES}
     p50 = {m: median(lat[m]) for m in SEQUENTIAL_MODES}
     p99 = {m: percentile(lat[m], 99) for m in SEQUENTIAL_MODES}
-    mine = {m: [s for s in segments if s.mode == m] for m in MODES}
-    tput = {m: [s.throughput for s in mine[m]] for m in MODES}
-    tput_median = {m: median(tput[m]) for m in MODES}
+    ran = PARALLEL_MODES
+    mine = {m: [s for s in segments if s.mode == m] for m in ran}
+    tput = {m: [s.throughput for s in mine[m]] for m in ran}
+    tput_median = {m: median(tput[m]) for m in ran}
     # Each repeat's cells ran next to each other: their ratio is paired against drift.
-    paired = {m: [t / p for t, p in zip(tput[m], tput[PLAIN], strict=True)] for m in MODES}
-    requests = {m: sum(s.requests for s in mine[m]) for m in MODES}
-    app_us = {m: sum(s.app_cpu for s in mine[m]) / requests[m] * 1e6 for m in MODES}
-    db_cpu = {m: [s.db_cpu for s in mine[m] if s.db_cpu is not None] for m in MODES}
-    db_us = {m: sum(db_cpu[m]) / requests[m] * 1e6 if db_cpu[m] else None for m in MODES}
+    paired = {m: [t / p for t, p in zip(tput[m], tput[PLAIN], strict=True)] for m in ran}
+    requests = {m: sum(s.requests for s in mine[m]) for m in ran}
+    app_us = {m: sum(s.app_cpu for s in mine[m]) / requests[m] * 1e6 for m in ran}
+    db_cpu = {m: [s.db_cpu for s in mine[m] if s.db_cpu is not None] for m in ran}
+    db_us = {m: sum(db_cpu[m]) / requests[m] * 1e6 if db_cpu[m] else None for m in ran}
 
     def us(value: float | None) -> str:
         return "-" if value is None else f"{value:.0f}"
@@ -562,10 +584,10 @@ def run(options: Options) -> Section:
             f"{p99[m] / p99[PLAIN]:.2f}x",
             *(
                 [f"{tput_median[m]:.0f}", f"{median(paired[m]):.2f}x", us(app_us[m])]
-                if m in MODES
+                if m in ran
                 else ["-", "-", "-"]
             ),
-            us(db_us[m]) if m in MODES else "-",
+            us(db_us[m]) if m in ran else "-",
         ]
         for m in SEQUENTIAL_MODES
     ]
@@ -619,8 +641,11 @@ def run(options: Options) -> Section:
     def body_ratio(kind: str) -> float:
         return body_p50[body_mode(kind, "1 MB")] / body_p50[body_mode(PLAIN, "1 MB")]
 
-    def floor_note(stand_in: str) -> str:
-        return f"its round trips alone {p50[stand_in] / p50[PLAIN]:.2f}x (bench/floor.py)"
+    def floor_note(trips: str, statements: str) -> str:
+        return (
+            f"its round trips alone {p50[trips] / p50[PLAIN]:.2f}x, its statements without "
+            f"the engine {p50[statements] / p50[PLAIN]:.2f}x (bench/floor.py)"
+        )
 
     checks = [
         Check(
@@ -628,21 +653,25 @@ def run(options: Options) -> Section:
             p50[FRESH] / p50[PLAIN],
             1.20,
             True,
-            note=floor_note(FLOOR_FRESH),
+            note=floor_note(FLOOR_FRESH, FLOOR_FRESH_STATEMENTS),
         ),
         Check(
             "sequential replay / plain, median",
             p50[REPLAY] / p50[PLAIN],
             0.65,
             True,
-            note=floor_note(FLOOR_REPLAY) + f"; lookup_first {p50[REPLAY_FIRST] / p50[PLAIN]:.2f}x",
+            note=floor_note(FLOOR_REPLAY, FLOOR_REPLAY_STATEMENTS)
+            + f"; lookup_first {p50[REPLAY_FIRST] / p50[PLAIN]:.2f}x",
         ),
         Check(
             f"{options.clients} clients, throughput fresh key / plain",
             median(paired[FRESH]),
             0.83,
             False,
-            note="median of the repeats: " + ", ".join(f"{r:.2f}" for r in paired[FRESH]),
+            note="median of the repeats: "
+            + ", ".join(f"{r:.2f}" for r in paired[FRESH])
+            + f"; its round trips alone {median(paired[FLOOR_FRESH]):.2f}x, its statements "
+            f"without the engine {median(paired[FLOOR_FRESH_STATEMENTS]):.2f}x",
         ),
         Check(
             f"{options.clients} clients, throughput replay / plain",
@@ -679,7 +708,9 @@ def run(options: Options) -> Section:
         "SELECT 'claim' and SELECT 'store' in place of the claim and the store, no engine and "
         "no record written: the plain charge in BEGIN, SELECT 'claim' ... SELECT 'store'; "
         "COMMIT (a fresh key's 7); a stored charge's bytes after BEGIN, SELECT 'claim', COMMIT "
-        "(a replay's 5); the same answer with authentication only (2)",
+        "(a replay's 5); the same answer with authentication only (2); and the statement "
+        "floors: the real claim and store functions through django_idempotency.storage, with "
+        "the request's key and no engine (a fresh key's charge stored, then replayed)",
         "app/db CPU us: CPU time per request of the gunicorn workers and of the database's "
         "backends during the parallel run",
         f"client: {floor * 1e6:.0f} us per request against a server that does nothing "
@@ -717,7 +748,7 @@ def run(options: Options) -> Section:
             }
             for s in segments
         ],
-        "cpu_us_per_request": {m: {"app": app_us[m], "db": db_us[m]} for m in MODES},
+        "cpu_us_per_request": {m: {"app": app_us[m], "db": db_us[m]} for m in ran},
         "client_floor_seconds": floor,
         "client_cpu_seconds_per_request": seq_cpu,
         "client_cpus_parallel": par_cpu,

@@ -30,6 +30,7 @@ from typing import Any
 
 import psutil
 
+from bench.floor import NEW_KEY_FLOORS, STORED_KEY_FLOORS
 from bench.floor import PATHS as FLOOR_PATHS
 
 PLAIN, FRESH, REPLAY = "plain", "fresh key", "replay"
@@ -196,9 +197,20 @@ def count(traced: Traced, samples: int) -> dict[str, Any]:
         ),
         **{name: (path, dict, nullcontext) for name, path in FLOOR_PATHS.items()},
     }
-    status, _, content, _ = traced.post("/api/charges/", BODY, {"Idempotency-Key": key})
-    if status != 201:
-        raise SystemExit(f"priming the replay key: {status} {content[:300]!r}")
+    floor_key = str(uuid.uuid4())
+    for name in NEW_KEY_FLOORS:
+        modes[name] = (
+            FLOOR_PATHS[name],
+            lambda: {"Idempotency-Key": str(uuid.uuid4())},
+            nullcontext,
+        )
+    for name in STORED_KEY_FLOORS:
+        modes[name] = (FLOOR_PATHS[name], lambda: {"Idempotency-Key": floor_key}, nullcontext)
+    replays = (REPLAY, REPLAY_FIRST, *STORED_KEY_FLOORS)
+    for path, primed in (("/api/charges/", key), (FLOOR_PATHS[NEW_KEY_FLOORS[0]], floor_key)):
+        status, _, content, _ = traced.post(path, BODY, {"Idempotency-Key": primed})
+        if status != 201:
+            raise SystemExit(f"priming a replay key at {path}: {status} {content[:300]!r}")
     found: dict[str, Any] = {}
     for mode, (path, headers, context) in modes.items():
         runs = []
@@ -211,7 +223,7 @@ def count(traced: Traced, samples: int) -> dict[str, Any]:
                     trace=n >= 2,  # two warm-ups: plans, caches
                 )
             replayed = head.get("idempotent-replayed") == "true"
-            if status != 201 or replayed != (mode in (REPLAY, REPLAY_FIRST)):
+            if status != 201 or replayed != (mode in replays):
                 raise SystemExit(f"{mode}: {status} replayed={replayed} {content[:300]!r}")
             if n >= 2:
                 runs.append(parsed)

@@ -4,12 +4,20 @@ CommandComplete."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import psycopg
 import pytest
 from django.db import connection
 from django.test import override_settings
 
-from bench.floor import FLOOR_CANNED, FLOOR_FRESH, FLOOR_REPLAY
+from bench.floor import (
+    FLOOR_CANNED,
+    FLOOR_FRESH,
+    FLOOR_FRESH_STATEMENTS,
+    FLOOR_REPLAY,
+    FLOOR_REPLAY_STATEMENTS,
+)
 from bench.floor import PATHS as FLOOR_PATHS
 from bench.round_trips import label, libpq_trace
 from tests.factories import TokenFactory, new_key
@@ -91,3 +99,26 @@ def test_each_floor_makes_the_round_trips_of_the_request_it_stands_for(client) -
     assert [standing_for.get(name, name) for name in replay[0]] == floor_replay[0]
     assert fresh[1] == floor_fresh[1] and replay[1] == floor_replay[1]
     assert sent(FLOOR_PATHS[FLOOR_CANNED]) == (["auth"], 1)
+    # The statement floors send the very statements, without the engine.
+    floor_key = new_key()
+    assert sent(FLOOR_PATHS[FLOOR_FRESH_STATEMENTS], floor_key) == fresh
+    assert sent(FLOOR_PATHS[FLOOR_REPLAY_STATEMENTS], floor_key) == replay
+
+
+@pytest.mark.django_db(transaction=True)
+@override_settings(ROOT_URLCONF="bench.floor_views")
+def test_the_statement_floors_store_and_replay_a_real_record(client) -> None:
+    headers = {"Authorization": f"Token {TokenFactory().key}", "Idempotency-Key": new_key()}
+    body = {"amount": 2499, "currency": "inr"}
+
+    def post(floor: str) -> Any:
+        path = FLOOR_PATHS[floor]
+        return client.post(path, body, content_type="application/json", headers=headers)
+
+    first = post(FLOOR_FRESH_STATEMENTS)
+    again = post(FLOOR_REPLAY_STATEMENTS)
+    assert (first.status_code, again.status_code) == (201, 201)
+    assert again.content == first.content and again["Content-Type"] == first["Content-Type"]
+    assert again["Idempotent-Replayed"] == "true"
+    # The key is claimed: the fresh floor refuses it as the engine would replay it.
+    assert post(FLOOR_FRESH_STATEMENTS).status_code == 409
