@@ -40,6 +40,10 @@ PATHS = {
     FLOOR_FRESH_STATEMENTS: "/bench/floor/fresh-statements/",
     FLOOR_REPLAY_STATEMENTS: "/bench/floor/replay-statements/",
 }
+# Not a floor: the protected charges with lookup_first on (per view, as ``lookup_first=``
+# sets it), served beside them by the same gunicorn, so that both modes run on the same
+# workers with the same warm caches.
+LOOKUP_FIRST_PATH = "/bench/charges-lookup-first/"
 # The floors that take an Idempotency-Key: a new one, and one the first stored.
 NEW_KEY_FLOORS = (FLOOR_FRESH_STATEMENTS,)
 STORED_KEY_FLOORS = (FLOOR_REPLAY_STATEMENTS,)

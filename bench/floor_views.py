@@ -1,5 +1,5 @@
-"""The floor views of ``bench/floor.py``, and the benchmark's URLs: those and the
-testproject's."""
+"""The floor views of ``bench/floor.py``, and the benchmark's URLs: those, the charges with
+``lookup_first`` on, and the testproject's."""
 
 from __future__ import annotations
 
@@ -20,13 +20,14 @@ from bench.floor import (
     FLOOR_FRESH_STATEMENTS,
     FLOOR_REPLAY,
     FLOOR_REPLAY_STATEMENTS,
+    LOOKUP_FIRST_PATH,
     PATHS,
 )
 from django_idempotency.conf import conf
 from django_idempotency.engine.hashing import lock_id
 from django_idempotency.storage import records as storage
 from testproject.payments.parsers import JSONParser
-from testproject.payments.views import PaymentCreateView
+from testproject.payments.views import ChargeCreateView, PaymentCreateView
 
 # A charge as the protected endpoint stores it, answered as stored bytes.
 STORED = (
@@ -138,5 +139,6 @@ urlpatterns = [
     path(PATHS[FLOOR_CANNED].lstrip("/"), ReplayFloorView.as_view(opens_transaction=False)),
     path(PATHS[FLOOR_FRESH_STATEMENTS].lstrip("/"), FreshStatementsFloorView.as_view()),
     path(PATHS[FLOOR_REPLAY_STATEMENTS].lstrip("/"), ReplayStatementsFloorView.as_view()),
+    path(LOOKUP_FIRST_PATH.lstrip("/"), ChargeCreateView.as_view(idempotency_lookup_first=True)),
     path("", include("testproject.urls")),
 ]

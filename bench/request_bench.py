@@ -32,6 +32,7 @@ from bench.floor import (
     FLOOR_FRESH_STATEMENTS,
     FLOOR_REPLAY,
     FLOOR_REPLAY_STATEMENTS,
+    LOOKUP_FIRST_PATH,
     NEW_KEY_FLOORS,
     STANDS_FOR,
     STORED_KEY_FLOORS,
@@ -82,11 +83,11 @@ class Mode:
     size: int | None = None
 
 
-# The same charges on a second gunicorn whose settings turn IDEMPOTENCY_LOOKUP_FIRST on.
+# The same charges with lookup_first on, served beside them (bench/floor_views.py).
 FRESH_FIRST, REPLAY_FIRST = "fresh key, lookup_first", "replay, lookup_first"
 FIRST_MODES = (
-    Mode(FRESH_FIRST, PATHS[FRESH], BODY, NEW_KEY, "charges"),
-    Mode(REPLAY_FIRST, PATHS[REPLAY], BODY, STORED_KEY, "charges"),
+    Mode(FRESH_FIRST, LOOKUP_FIRST_PATH, BODY, NEW_KEY, "charges, lookup_first"),
+    Mode(REPLAY_FIRST, LOOKUP_FIRST_PATH, BODY, STORED_KEY, "charges, lookup_first"),
 )
 CHARGE_MODES = (
     Mode(PLAIN, PATHS[PLAIN], BODY),
@@ -106,8 +107,8 @@ FLOOR_MODES = tuple(floor_mode(name) for name in FLOOR_PATHS)
 FLOORS = tuple(FLOOR_PATHS)
 SEQUENTIAL_MODES = (*MODES, FRESH_FIRST, REPLAY_FIRST, *FLOORS)
 # In the parallel run too: how far a fresh key's round trips alone, and its statements
-# alone, let its throughput go, and the CPU each adds.
-PARALLEL_MODES = (*MODES, FLOOR_FRESH, FLOOR_FRESH_STATEMENTS)
+# alone, let its throughput go, and the CPU each adds; and a replay's statements alone.
+PARALLEL_MODES = (*MODES, FLOOR_FRESH, FLOOR_FRESH_STATEMENTS, FLOOR_REPLAY_STATEMENTS)
 
 
 def body_mode(kind: str, label: str) -> str:
@@ -510,22 +511,13 @@ def run(options: Options) -> Section:
     with Gunicorn(
         options.database_url, options.workers, RESULTS_DIR / "gunicorn.log", "bench.settings"
     ) as server:
-        with Gunicorn(
-            options.database_url,
-            options.workers,
-            RESULTS_DIR / "gunicorn-lookup-first.log",
-            settings="bench.settings_lookup_first",
-        ) as first:
-            # Sequential latency: one connection per server, so one worker of each.
-            client = Client(server.address, (*CHARGE_MODES, *FLOOR_MODES))
-            first_client = Client(first.address, FIRST_MODES)
-            pairs = [(client, (*MODES, *FLOORS)), (first_client, (FRESH_FIRST, REPLAY_FIRST))]
-            interleaved(pairs, options.warmup, rng)
-            cpu = time.process_time()
-            seq = interleaved(pairs, options.requests, rng)
-            seq_cpu = (time.process_time() - cpu) / sum(len(v) for v in seq.latencies.values())
-            client.close()
-            first_client.close()
+        # Sequential latency: one connection, so one worker serves every mode.
+        client = Client(server.address, (*CHARGE_MODES, *FIRST_MODES, *FLOOR_MODES))
+        sequential(client, options.warmup, rng, SEQUENTIAL_MODES)
+        cpu = time.process_time()
+        seq = sequential(client, options.requests, rng, SEQUENTIAL_MODES)
+        seq_cpu = (time.process_time() - cpu) / sum(len(v) for v in seq.latencies.values())
+        client.close()
 
         found = large_bodies(server, options.database_url, body_rounds, rng)
         bodies, body_client, identical = found.tally, found.client, found.identical
@@ -678,7 +670,9 @@ def run(options: Options) -> Section:
             median(paired[REPLAY]),
             1.4,
             False,
-            note="median of the repeats: " + ", ".join(f"{r:.2f}" for r in paired[REPLAY]),
+            note="median of the repeats: "
+            + ", ".join(f"{r:.2f}" for r in paired[REPLAY])
+            + f"; its statements without the engine {median(paired[FLOOR_REPLAY_STATEMENTS]):.2f}x",
         ),
         Check("replay of a 1 MB body / plain, median", body_ratio(REPLAY), 1.0, True),
         Check("replay of 1 MB, deflate accepted / plain", body_ratio(DEFLATE), 1.0, True),
@@ -698,9 +692,8 @@ def run(options: Options) -> Section:
         )
     notes = [
         f"sequential: {options.requests} requests per mode after {options.warmup} warm-up "
-        f"rounds, modes shuffled in each round, one keep-alive connection per server (the "
-        f"lookup_first modes: a second gunicorn with IDEMPOTENCY_LOOKUP_FIRST = True, "
-        f"bench/settings_lookup_first.py); parallel: "
+        f"rounds, modes shuffled in each round, one keep-alive connection (the lookup_first "
+        f"modes: the same charges with lookup_first=True, {LOOKUP_FIRST_PATH}); parallel: "
         f"{options.clients} clients x {options.repeats} repeats x {options.duration:g}s per "
         f"mode, connections per worker {spread}; gunicorn {options.workers} gthread workers "
         f"x 1 thread; PostgreSQL {server_version(options.database_url)}",

@@ -6,7 +6,7 @@ it (so ``request_started``/``request_finished`` run, with the connection health 
 schedule), with libpq's trace on the database connection. In the trace, every
 ``ReadyForQuery`` the server sends ends one round trip and every ``CommandComplete`` ends
 one statement: a store pipelined with its ``COMMIT`` is two statements in one round trip. The
-modes with ``lookup_first`` run under ``override_settings(IDEMPOTENCY_LOOKUP_FIRST=True)``.
+modes with ``lookup_first`` post to the charges that ``bench.floor_views`` serves with it on.
 """
 
 from __future__ import annotations
@@ -23,14 +23,14 @@ import tempfile
 import time
 import uuid
 from collections.abc import Callable, Iterable, Iterator
-from contextlib import AbstractContextManager, contextmanager, nullcontext
+from contextlib import contextmanager, nullcontext
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import psutil
 
-from bench.floor import NEW_KEY_FLOORS, STORED_KEY_FLOORS
+from bench.floor import LOOKUP_FIRST_PATH, NEW_KEY_FLOORS, STORED_KEY_FLOORS
 from bench.floor import PATHS as FLOOR_PATHS
 
 PLAIN, FRESH, REPLAY = "plain", "fresh key", "replay"
@@ -179,49 +179,40 @@ class Traced:
 
 def count(traced: Traced, samples: int) -> dict[str, Any]:
     """Statements and round trips of each mode, the same in every sample or flagged."""
-    from django.test import override_settings
 
-    def lookup_first() -> AbstractContextManager[Any]:
-        return override_settings(IDEMPOTENCY_LOOKUP_FIRST=True)
+    def new_key() -> dict[str, str]:
+        return {"Idempotency-Key": str(uuid.uuid4())}
 
-    key = str(uuid.uuid4())
-    modes: dict[str, tuple[str, Callable[[], dict[str, str]], Callable[[], Any]]] = {
-        PLAIN: ("/api/charges-plain/", dict, nullcontext),
-        FRESH: ("/api/charges/", lambda: {"Idempotency-Key": str(uuid.uuid4())}, nullcontext),
-        REPLAY: ("/api/charges/", lambda: {"Idempotency-Key": key}, nullcontext),
-        REPLAY_FIRST: ("/api/charges/", lambda: {"Idempotency-Key": key}, lookup_first),
-        FRESH_FIRST: (
-            "/api/charges/",
-            lambda: {"Idempotency-Key": str(uuid.uuid4())},
-            lookup_first,
-        ),
-        **{name: (path, dict, nullcontext) for name, path in FLOOR_PATHS.items()},
+    # A stored key per path that replays: the charges, with lookup_first, the floors'.
+    stored = {path: str(uuid.uuid4()) for path in ("/api/charges/", LOOKUP_FIRST_PATH)}
+    stored[FLOOR_PATHS[NEW_KEY_FLOORS[0]]] = floor_key = str(uuid.uuid4())
+
+    def key_of(path: str) -> Callable[[], dict[str, str]]:
+        return lambda: {"Idempotency-Key": stored[path]}
+
+    modes: dict[str, tuple[str, Callable[[], dict[str, str]]]] = {
+        PLAIN: ("/api/charges-plain/", dict),
+        FRESH: ("/api/charges/", new_key),
+        REPLAY: ("/api/charges/", key_of("/api/charges/")),
+        REPLAY_FIRST: (LOOKUP_FIRST_PATH, key_of(LOOKUP_FIRST_PATH)),
+        FRESH_FIRST: (LOOKUP_FIRST_PATH, new_key),
+        **{name: (path, dict) for name, path in FLOOR_PATHS.items()},
     }
-    floor_key = str(uuid.uuid4())
     for name in NEW_KEY_FLOORS:
-        modes[name] = (
-            FLOOR_PATHS[name],
-            lambda: {"Idempotency-Key": str(uuid.uuid4())},
-            nullcontext,
-        )
+        modes[name] = (FLOOR_PATHS[name], new_key)
     for name in STORED_KEY_FLOORS:
-        modes[name] = (FLOOR_PATHS[name], lambda: {"Idempotency-Key": floor_key}, nullcontext)
+        modes[name] = (FLOOR_PATHS[name], lambda: {"Idempotency-Key": floor_key})
     replays = (REPLAY, REPLAY_FIRST, *STORED_KEY_FLOORS)
-    for path, primed in (("/api/charges/", key), (FLOOR_PATHS[NEW_KEY_FLOORS[0]], floor_key)):
+    for path, primed in stored.items():
         status, _, content, _ = traced.post(path, BODY, {"Idempotency-Key": primed})
         if status != 201:
             raise SystemExit(f"priming a replay key at {path}: {status} {content[:300]!r}")
     found: dict[str, Any] = {}
-    for mode, (path, headers, context) in modes.items():
+    for mode, (path, headers) in modes.items():
         runs = []
         for n in range(samples + 2):
-            with context():
-                status, head, content, parsed = traced.post(
-                    path,
-                    BODY,
-                    headers(),
-                    trace=n >= 2,  # two warm-ups: plans, caches
-                )
+            # Two warm-ups: plans, caches.
+            status, head, content, parsed = traced.post(path, BODY, headers(), trace=n >= 2)
             replayed = head.get("idempotent-replayed") == "true"
             if status != 201 or replayed != (mode in replays):
                 raise SystemExit(f"{mode}: {status} replayed={replayed} {content[:300]!r}")
