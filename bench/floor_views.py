@@ -76,11 +76,10 @@ FINGERPRINT = {"method": "POST", "path": "/api/charges/", "body": "0" * 64}
 KEPT_HEADERS = ("Content-Type", "Vary", "Allow")
 
 
-def claim(request: Request) -> tuple[str, str, storage.Claimed]:
-    """The real claim of the request's key, as the engine sends it, inside the caller's
-    transaction: (principal, key, what it found)."""
-    principal, key = f"user:{request.user.pk}", request.META["HTTP_IDEMPOTENCY_KEY"]
-    found = storage.claim(
+def claim_key(principal: str, key: str) -> storage.Claimed:
+    """The real claim of (principal, key), as the engine sends it for a request that does
+    not wait, inside the caller's transaction."""
+    return storage.claim(
         DEFAULT_DB_ALIAS,
         lock=lock_id(principal, key),
         principal=principal,
@@ -89,7 +88,12 @@ def claim(request: Request) -> tuple[str, str, storage.Claimed]:
         gone=conf.EXPIRED_WINDOW,
         wait=timedelta(0),
     )
-    return principal, key, found
+
+
+def claim(request: Request) -> tuple[str, str, storage.Claimed]:
+    """The claim of the request's key: (principal, key, what it found)."""
+    principal, key = f"user:{request.user.pk}", request.META["HTTP_IDEMPOTENCY_KEY"]
+    return principal, key, claim_key(principal, key)
 
 
 class FreshStatementsFloorView(FreshFloorView):

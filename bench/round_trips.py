@@ -24,7 +24,6 @@ import time
 import uuid
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager, nullcontext
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -235,8 +234,8 @@ def store_time(traced: Traced, samples: int) -> dict[str, Any]:
     testproject."""
     from django.db import transaction
 
+    from bench.floor_views import claim_key
     from django_idempotency.conf import conf
-    from django_idempotency.engine.hashing import lock_id
     from django_idempotency.storage import records as storage
 
     body = json.dumps({"amount": 2499, "currency": "inr", "size": STORED_BYTES}).encode()
@@ -250,15 +249,7 @@ def store_time(traced: Traced, samples: int) -> dict[str, Any]:
     for n in range(samples + 2):
         principal, key = "bench:store", str(uuid.uuid4())
         with transaction.atomic():
-            claimed = storage.claim(
-                "default",
-                lock=lock_id(principal, key),
-                principal=principal,
-                key=key,
-                window=conf.MAX_TTL + conf.EXPIRED_WINDOW,
-                gone=conf.EXPIRED_WINDOW,
-                wait=timedelta(0),
-            )
+            claimed = claim_key(principal, key)
             assert claimed.created_at is not None
             backend = _backend_cpu(connection.connection.info.backend_pid)
             cpu = time.thread_time()
