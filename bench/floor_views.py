@@ -137,12 +137,22 @@ class ReplayStatementsFloorView(ReplayFloorView):
         return response
 
 
+def _route(url: str) -> str:
+    return url.removeprefix("/bench/")
+
+
+bench_patterns = [
+    path(_route(PATHS[FLOOR_FRESH]), FreshFloorView.as_view()),
+    path(_route(PATHS[FLOOR_REPLAY]), ReplayFloorView.as_view()),
+    path(_route(PATHS[FLOOR_CANNED]), ReplayFloorView.as_view(opens_transaction=False)),
+    path(_route(PATHS[FLOOR_FRESH_STATEMENTS]), FreshStatementsFloorView.as_view()),
+    path(_route(PATHS[FLOOR_REPLAY_STATEMENTS]), ReplayStatementsFloorView.as_view()),
+    path(_route(LOOKUP_FIRST_PATH), ChargeCreateView.as_view(idempotency_lookup_first=True)),
+]
+# The benchmark's views nested as deep as the testproject's charges (in the bench/ prefix,
+# which the charges' paths leave at once), so that both resolve alike: at the top level, a
+# floor resolved about 40 us faster than a charge (measured in-process).
 urlpatterns = [
-    path(PATHS[FLOOR_FRESH].lstrip("/"), FreshFloorView.as_view()),
-    path(PATHS[FLOOR_REPLAY].lstrip("/"), ReplayFloorView.as_view()),
-    path(PATHS[FLOOR_CANNED].lstrip("/"), ReplayFloorView.as_view(opens_transaction=False)),
-    path(PATHS[FLOOR_FRESH_STATEMENTS].lstrip("/"), FreshStatementsFloorView.as_view()),
-    path(PATHS[FLOOR_REPLAY_STATEMENTS].lstrip("/"), ReplayStatementsFloorView.as_view()),
-    path(LOOKUP_FIRST_PATH.lstrip("/"), ChargeCreateView.as_view(idempotency_lookup_first=True)),
+    path("", include([path("bench/", include(bench_patterns))])),
     path("", include("testproject.urls")),
 ]
