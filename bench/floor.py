@@ -15,7 +15,8 @@ database), and the floor's distance from the plain request what the round trips 
 
 Two more send the design's real statements without the engine: the claim and the store
 functions, called through ``django_idempotency.storage`` with the request's key, a constant
-fingerprint and no options, telemetry or decisions. Their distance from the round-trip floors
+fingerprint (a replay's body is neither read nor hashed) and no options, telemetry or
+decisions. Their distance from the round-trip floors
 is what the functions cost (in the database, and adapting their parameters and rows); a
 mode's distance from them is the engine's Python.
 
