@@ -99,8 +99,11 @@ CHARGE_MODES = (
 def floor_mode(name: str) -> Mode:
     """A floor of bench/floor.py: a protected request's round trips, or its statements,
     without the engine. The statement floors replay the keys they stored themselves."""
-    key = NEW_KEY if name in NEW_KEY_FLOORS else STORED_KEY if name in STORED_KEY_FLOORS else ""
-    return Mode(name, FLOOR_PATHS[name], BODY, key or NO_KEY, "floor" if key else "")
+    if name in NEW_KEY_FLOORS:
+        return Mode(name, FLOOR_PATHS[name], BODY, NEW_KEY, "floor")
+    if name in STORED_KEY_FLOORS:
+        return Mode(name, FLOOR_PATHS[name], BODY, STORED_KEY, "floor")
+    return Mode(name, FLOOR_PATHS[name], BODY)
 
 
 FLOOR_MODES = tuple(floor_mode(name) for name in FLOOR_PATHS)
@@ -553,16 +556,15 @@ def run(options: Options) -> Section:
     lat = {m: [x * 1000 for x in seq.latencies[m]] for m in SEQUENTIAL_MODES}
     p50 = {m: median(lat[m]) for m in SEQUENTIAL_MODES}
     p99 = {m: percentile(lat[m], 99) for m in SEQUENTIAL_MODES}
-    ran = PARALLEL_MODES
-    mine = {m: [s for s in segments if s.mode == m] for m in ran}
-    tput = {m: [s.throughput for s in mine[m]] for m in ran}
-    tput_median = {m: median(tput[m]) for m in ran}
+    mine = {m: [s for s in segments if s.mode == m] for m in PARALLEL_MODES}
+    tput = {m: [s.throughput for s in mine[m]] for m in PARALLEL_MODES}
+    tput_median = {m: median(tput[m]) for m in PARALLEL_MODES}
     # Each repeat's cells ran next to each other: their ratio is paired against drift.
-    paired = {m: [t / p for t, p in zip(tput[m], tput[PLAIN], strict=True)] for m in ran}
-    requests = {m: sum(s.requests for s in mine[m]) for m in ran}
-    app_us = {m: sum(s.app_cpu for s in mine[m]) / requests[m] * 1e6 for m in ran}
-    db_cpu = {m: [s.db_cpu for s in mine[m] if s.db_cpu is not None] for m in ran}
-    db_us = {m: sum(db_cpu[m]) / requests[m] * 1e6 if db_cpu[m] else None for m in ran}
+    paired = {m: [t / p for t, p in zip(tput[m], tput[PLAIN], strict=True)] for m in PARALLEL_MODES}
+    requests = {m: sum(s.requests for s in mine[m]) for m in PARALLEL_MODES}
+    app_us = {m: sum(s.app_cpu for s in mine[m]) / requests[m] * 1e6 for m in PARALLEL_MODES}
+    db_cpu = {m: [s.db_cpu for s in mine[m] if s.db_cpu is not None] for m in PARALLEL_MODES}
+    db_us = {m: sum(db_cpu[m]) / requests[m] * 1e6 if db_cpu[m] else None for m in PARALLEL_MODES}
 
     def us(value: float | None) -> str:
         return "-" if value is None else f"{value:.0f}"
@@ -576,10 +578,10 @@ def run(options: Options) -> Section:
             f"{p99[m] / p99[PLAIN]:.2f}x",
             *(
                 [f"{tput_median[m]:.0f}", f"{median(paired[m]):.2f}x", us(app_us[m])]
-                if m in ran
+                if m in PARALLEL_MODES
                 else ["-", "-", "-"]
             ),
-            us(db_us[m]) if m in ran else "-",
+            us(db_us[m]) if m in PARALLEL_MODES else "-",
         ]
         for m in SEQUENTIAL_MODES
     ]
@@ -741,7 +743,7 @@ def run(options: Options) -> Section:
             }
             for s in segments
         ],
-        "cpu_us_per_request": {m: {"app": app_us[m], "db": db_us[m]} for m in ran},
+        "cpu_us_per_request": {m: {"app": app_us[m], "db": db_us[m]} for m in PARALLEL_MODES},
         "client_floor_seconds": floor,
         "client_cpu_seconds_per_request": seq_cpu,
         "client_cpus_parallel": par_cpu,
