@@ -96,6 +96,34 @@ def claim(request: Request) -> tuple[str, str, storage.Claimed]:
     return principal, key, claim_key(principal, key)
 
 
+def finished(
+    principal: str,
+    key: str,
+    claimed: storage.Claimed,
+    *,
+    path: str,
+    code: int,
+    headers: list[list[str]],
+    body: bytes,
+    encoding: str,
+) -> storage.Finished:
+    """A record to store as the engine writes one, with a constant fingerprint."""
+    assert claimed.created_at is not None  # the claim was won
+    return storage.Finished(
+        principal=principal,
+        key=key,
+        method="POST",
+        path=path,
+        fingerprint=FINGERPRINT,
+        created_at=claimed.created_at,
+        expires_at=claimed.created_at + conf.TTL,
+        code=code,
+        headers=headers,
+        body=body,
+        body_encoding=encoding,
+    )
+
+
 class FreshStatementsFloorView(FreshFloorView):
     def post(self, request: Request) -> Response:
         with transaction.atomic():
@@ -106,20 +134,17 @@ class FreshStatementsFloorView(FreshFloorView):
             body, encoding = storage.encode_body(
                 DEFAULT_DB_ALIAS, response.content, conf.COMPRESS_MIN_BYTES
             )
-            finished = storage.Finished(
-                principal=principal,
-                key=key,
-                method="POST",
+            record = finished(
+                principal,
+                key,
+                claimed,
                 path=request.path,
-                fingerprint=FINGERPRINT,
-                created_at=claimed.created_at,
-                expires_at=claimed.created_at + conf.TTL,
                 code=response.status_code,
                 headers=[[n, v] for n, v in response.items() if n in KEPT_HEADERS],
                 body=body,
-                body_encoding=encoding,
+                encoding=encoding,
             )
-            storage.store(DEFAULT_DB_ALIAS, finished, row_id=None, commit=True)
+            storage.store(DEFAULT_DB_ALIAS, record, row_id=None, commit=True)
         return response
 
 

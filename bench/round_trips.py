@@ -29,14 +29,16 @@ from typing import Any
 
 import psutil
 
-from bench.floor import LOOKUP_FIRST_PATH, NEW_KEY_FLOORS, STORED_KEY_FLOORS
-from bench.floor import PATHS as FLOOR_PATHS
+from bench.request_bench import (
+    CHARGE_MODES,
+    FIRST_MODES,
+    FLOOR_MODES,
+    NEW_KEY,
+    STORED_KEY,
+    TOKEN,
+    Mode,
+)
 
-PLAIN, FRESH, REPLAY = "plain", "fresh key", "replay"
-REPLAY_FIRST, FRESH_FIRST = "replay, lookup_first", "fresh key, lookup_first"
-MODES = (PLAIN, FRESH, REPLAY, REPLAY_FIRST, FRESH_FIRST)
-TOKEN = "a" * 40  # alice's token (seed_demo)
-BODY = json.dumps({"amount": 2499, "currency": "inr"}).encode()
 STORED_BYTES = 1024 * 1024
 # "B   25 CommandComplete	 "INSERT 0 1"" (the timestamps are suppressed).
 TRACE_LINE = re.compile(r"^B\t\d+\t(CommandComplete|ReadyForQuery)\t(.*)$")
@@ -177,48 +179,41 @@ class Traced:
 
 
 def count(traced: Traced, samples: int) -> dict[str, Any]:
-    """Statements and round trips of each mode, the same in every sample or flagged."""
+    """Statements and round trips of each mode of the request benchmark (its sequential
+    ones, the floors included), the same in every sample or flagged."""
+    modes = (*CHARGE_MODES, *FIRST_MODES, *FLOOR_MODES)
+    # A stored key per pool that a mode replays from, stored by the mode that feeds it.
+    stored: dict[str, str] = {}
+    for feeder in modes:
+        if feeder.key == NEW_KEY and any(
+            m.pool == feeder.pool for m in modes if m.key == STORED_KEY
+        ):
+            stored[feeder.pool] = key = str(uuid.uuid4())
+            status, _, content, _ = traced.post(feeder.path, feeder.body, {"Idempotency-Key": key})
+            if status != 201:
+                raise SystemExit(f"priming {feeder.pool}: {status} {content[:300]!r}")
 
-    def new_key() -> dict[str, str]:
-        return {"Idempotency-Key": str(uuid.uuid4())}
+    def headers(mode: Mode) -> dict[str, str]:
+        if mode.key == NEW_KEY:
+            return {"Idempotency-Key": str(uuid.uuid4())}
+        if mode.key == STORED_KEY:
+            return {"Idempotency-Key": stored[mode.pool]}
+        return {}
 
-    # A stored key per path that replays: the charges, with lookup_first, the floors'.
-    stored = {path: str(uuid.uuid4()) for path in ("/api/charges/", LOOKUP_FIRST_PATH)}
-    stored[FLOOR_PATHS[NEW_KEY_FLOORS[0]]] = floor_key = str(uuid.uuid4())
-
-    def key_of(path: str) -> Callable[[], dict[str, str]]:
-        return lambda: {"Idempotency-Key": stored[path]}
-
-    modes: dict[str, tuple[str, Callable[[], dict[str, str]]]] = {
-        PLAIN: ("/api/charges-plain/", dict),
-        FRESH: ("/api/charges/", new_key),
-        REPLAY: ("/api/charges/", key_of("/api/charges/")),
-        REPLAY_FIRST: (LOOKUP_FIRST_PATH, key_of(LOOKUP_FIRST_PATH)),
-        FRESH_FIRST: (LOOKUP_FIRST_PATH, new_key),
-        **{name: (path, dict) for name, path in FLOOR_PATHS.items()},
-    }
-    for name in NEW_KEY_FLOORS:
-        modes[name] = (FLOOR_PATHS[name], new_key)
-    for name in STORED_KEY_FLOORS:
-        modes[name] = (FLOOR_PATHS[name], lambda: {"Idempotency-Key": floor_key})
-    replays = (REPLAY, REPLAY_FIRST, *STORED_KEY_FLOORS)
-    for path, primed in stored.items():
-        status, _, content, _ = traced.post(path, BODY, {"Idempotency-Key": primed})
-        if status != 201:
-            raise SystemExit(f"priming a replay key at {path}: {status} {content[:300]!r}")
     found: dict[str, Any] = {}
-    for mode, (path, headers) in modes.items():
+    for mode in modes:
         runs = []
         for n in range(samples + 2):
             # Two warm-ups: plans, caches.
-            status, head, content, parsed = traced.post(path, BODY, headers(), trace=n >= 2)
+            sent = traced.post(mode.path, mode.body, headers(mode), trace=n >= 2)
+            status, head, content, parsed = sent
             replayed = head.get("idempotent-replayed") == "true"
-            if status != 201 or replayed != (mode in replays):
-                raise SystemExit(f"{mode}: {status} replayed={replayed} {content[:300]!r}")
+            if status != 201 or replayed != (mode.key == STORED_KEY):
+                raise SystemExit(f"{mode.name}: {status} replayed={replayed} {content[:300]!r}")
             if n >= 2:
                 runs.append(parsed)
         tags, sent, trips = runs[-1]
-        found[mode] = {
+        found[mode.name] = {
             "statements": len(tags),
             "round_trips": trips,
             "commands": tags,
@@ -234,7 +229,7 @@ def store_time(traced: Traced, samples: int) -> dict[str, Any]:
     testproject."""
     from django.db import transaction
 
-    from bench.floor_views import claim_key
+    from bench.floor_views import claim_key, finished
     from django_idempotency.conf import conf
     from django_idempotency.storage import records as storage
 
@@ -250,30 +245,22 @@ def store_time(traced: Traced, samples: int) -> dict[str, Any]:
         principal, key = "bench:store", str(uuid.uuid4())
         with transaction.atomic():
             claimed = claim_key(principal, key)
-            assert claimed.created_at is not None
             backend = _backend_cpu(connection.connection.info.backend_pid)
             cpu = time.thread_time()
             started = time.perf_counter()
             stored, encoding = storage.encode_body("default", content, conf.COMPRESS_MIN_BYTES)
             encoded = time.perf_counter()
-            storage.store(
-                "default",
-                storage.Finished(
-                    principal=principal,
-                    key=key,
-                    method="POST",
-                    path="/api/receipts/",
-                    fingerprint={"body": "0" * 64},
-                    created_at=claimed.created_at,
-                    expires_at=claimed.created_at + conf.TTL,
-                    code=201,
-                    headers=[["Content-Type", "application/json"]],
-                    body=stored,
-                    body_encoding=encoding,
-                ),
-                row_id=None,
-                commit=True,
+            record = finished(
+                principal,
+                key,
+                claimed,
+                path="/api/receipts/",
+                code=201,
+                headers=[["Content-Type", "application/json"]],
+                body=stored,
+                encoding=encoding,
             )
+            storage.store("default", record, row_id=None, commit=True)
             done = time.perf_counter()
             cpu = time.thread_time() - cpu
             backend_used = _backend_cpu(connection.connection.info.backend_pid) - backend

@@ -193,30 +193,25 @@ def test_the_stripe_preset_documents_stripe_errors_without_hiding_the_views_own(
     assert "422" not in responses
 
 
-def test_the_testproject_schema_validates_and_documents_its_idempotent_endpoints(tmp_path):
-    # The project's own settings, which add drf-spectacular as a user does: nothing of
-    # ours is imported by hand, so this proves the AppConfig wiring too.
-    out = tmp_path / "schema.json"
-    done = subprocess.run(
-        [
-            sys.executable,
-            "manage.py",
-            "spectacular",
-            "--validate",
-            "--format",
-            "openapi-json",
-            "--file",
-            str(out),
-        ],
+def spectacular(*args: str) -> subprocess.CompletedProcess[str]:
+    """``manage.py spectacular *args`` under the test settings. Not traced by coverage.py:
+    the schema's generation runs in this process too."""
+    env = {**os.environ, "DJANGO_SETTINGS_MODULE": "tests.settings", "PYTHONPATH": str(ROOT)}
+    return subprocess.run(
+        [sys.executable, "manage.py", "spectacular", *args],
         cwd=ROOT,
-        # Not traced by coverage.py: the schema's generation runs in this process too.
-        env=unmeasured(
-            {**os.environ, "DJANGO_SETTINGS_MODULE": "tests.settings", "PYTHONPATH": str(ROOT)}
-        ),
+        env=unmeasured(env),
         capture_output=True,
         text=True,
         timeout=120,
     )
+
+
+def test_the_testproject_schema_validates_and_documents_its_idempotent_endpoints(tmp_path):
+    # The project's own settings, which add drf-spectacular as a user does: nothing of
+    # ours is imported by hand, so this proves the AppConfig wiring too.
+    out = tmp_path / "schema.json"
+    done = spectacular("--validate", "--format", "openapi-json", "--file", str(out))
     assert done.returncode == 0, done.stderr
     paths = json.loads(out.read_text())["paths"]
 
@@ -230,23 +225,7 @@ def test_the_testproject_schema_validates_and_documents_its_idempotent_endpoints
 def test_the_testproject_schema_generates_without_a_warning_or_error(tmp_path):
     # drf-spectacular prints what it cannot describe ("unable to guess serializer") and,
     # with --fail-on-warn, exits non-zero for it.
-    done = subprocess.run(
-        [
-            sys.executable,
-            "manage.py",
-            "spectacular",
-            "--fail-on-warn",
-            "--file",
-            str(tmp_path / "schema.yaml"),
-        ],
-        cwd=ROOT,
-        env=unmeasured(
-            {**os.environ, "DJANGO_SETTINGS_MODULE": "tests.settings", "PYTHONPATH": str(ROOT)}
-        ),
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    done = spectacular("--fail-on-warn", "--file", str(tmp_path / "schema.yaml"))
 
     assert done.returncode == 0, done.stderr
     assert "unable to guess serializer" not in done.stderr

@@ -269,10 +269,11 @@ class Relay:
                     return int(cursor.rowcount)
             now = timezone.now()
             checked = set(check)
+            ids = {m.id: uuid.UUID(m.id) for m in messages}
             # MARK's CHECK_AT_SQL, in the same one UPDATE: each row's own check time.
             redrive_at = Case(
                 *(
-                    When(pk=uuid.UUID(m.id), then=Value(check_at(m, now, after)))
+                    When(pk=ids[m.id], then=Value(check_at(m, now, after)))
                     for m in messages
                     if m.id in checked
                 ),
@@ -282,7 +283,7 @@ class Relay:
             return (
                 OutboxMessage.objects.using(self.using)
                 .filter(
-                    pk__in=[uuid.UUID(m.id) for m in messages],
+                    pk__in=list(ids.values()),
                     lease_owner=self.owner,
                     fence=batch.fence,
                     lease_until__gt=now,

@@ -180,11 +180,8 @@ def claim(
     if connection.vendor != "postgresql":
         return _claim_plain(using, principal, key, gone, now)
     wait_ms = max(0, int(wait.total_seconds() * 1000))
-    # psycopg adapts timedelta to interval; django-stubs' parameter types leave it out.
-    params: list[Any] = [lock, principal, key, window, gone, wait_ms, now]
-    with binary_cursor(connection) as cursor:
-        cursor.execute(_CLAIM, params)
-        row = ClaimRow._make(cursor.fetchone())
+    row = _call(connection, _CLAIM, [lock, principal, key, window, gone, wait_ms, now])
+    assert row is not None  # the claim answers every call with one row
     outcome = Outcome(row.outcome)
     if outcome is Outcome.WON:
         return Claimed(outcome, created_at=row.created_at)
@@ -202,12 +199,17 @@ def lookup(using: str, *, principal: str, key: str, window: timedelta) -> Record
     connection = connections[using]
     if connection.vendor != "postgresql":
         return _lookup_plain(using, principal, key, window)
-    # psycopg adapts timedelta to interval; django-stubs' parameter types leave it out.
-    params: list[Any] = [principal, key, window]
+    row = _call(connection, _LOOKUP, [principal, key, window])
+    return None if row is None else row.record()
+
+
+def _call(connection: BaseDatabaseWrapper, sql: str, params: list[Any]) -> ClaimRow | None:
+    """The row a function of the migrations answers, read in binary; None if it has none.
+    (psycopg adapts timedelta to interval; django-stubs' parameter types leave it out.)"""
     with binary_cursor(connection) as cursor:
-        cursor.execute(_LOOKUP, params)
+        cursor.execute(sql, params)
         row = cursor.fetchone()
-    return None if row is None else ClaimRow._make(row).record()
+    return None if row is None else ClaimRow._make(row)
 
 
 def _lookup_plain(using: str, principal: str, key: str, window: timedelta) -> Record | None:

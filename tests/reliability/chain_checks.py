@@ -123,7 +123,8 @@ def check_chain(state: ChainState) -> Findings:
         if message not in state.outbox:
             findings.add(OTHER, "ledger row from no outbox message",
                          f"charge {charge}: message {message}")  # fmt: skip
-    for message in sorted(set(lost(state).values()) - recovered(state)):
+    dropped_unseen = lost(state)
+    for message in sorted(set(dropped_unseen.values()) - recovered(state, dropped_unseen)):
         findings.add(OTHER, "message the broker lost, never delivered again", f"message {message}")
     # A task's stored result, which a redelivery is answered with, must name its committed row.
     for message, entry in sorted(state.results.items()):
@@ -143,11 +144,11 @@ def lost(state: ChainState) -> dict[str, str]:
     return {tag: m for tag, m in state.broker.dropped.items() if tag not in received}
 
 
-def recovered(state: ChainState) -> set[str]:
-    """The lost messages a worker received from another publish (the relay's redrive, or a
-    relay killed before marking its batch)."""
-    lost_tags = lost(state)
-    return {d.id for d in state.deliveries if d.id in lost_tags.values() and d.tag not in lost_tags}
+def recovered(state: ChainState, lost_tags: dict[str, str]) -> set[str]:
+    """The messages of ``lost_tags`` (``lost()``) a worker received from another publish
+    (the relay's redrive, or a relay killed before marking its batch)."""
+    messages = set(lost_tags.values())
+    return {d.id for d in state.deliveries if d.id in messages and d.tag not in lost_tags}
 
 
 def _exactly_one(findings: Findings, count: int, what: str, label: str) -> None:
@@ -160,6 +161,7 @@ def _exactly_one(findings: Findings, count: int, what: str, label: str) -> None:
 def figures(state: ChainState) -> dict[str, int]:
     """The chain's counts for the report."""
     published = Counter(state.broker.tags.values())
+    dropped_unseen = lost(state)
     return {
         "charges committed": len(state.charges),
         "captures at the processor": sum(state.captures.values()),
@@ -170,8 +172,8 @@ def figures(state: ChainState) -> dict[str, int]:
         "outbox rows published more than once": sum(n > 1 for n in published.values()),
         GIVEN_BACK: state.broker.given_back,
         "messages the broker dropped after a worker took them": len(state.broker.dropped),
-        "dropped messages no worker received (lost)": len(set(lost(state).values())),
-        "lost messages delivered again by another publish": len(recovered(state)),
+        "dropped messages no worker received (lost)": len(set(dropped_unseen.values())),
+        "lost messages delivered again by another publish": len(recovered(state, dropped_unseen)),
         "outbox rows the redrive published again": len(state.redriven),
         "deliveries to workers": len(state.deliveries),
         "deliveries flagged redelivered": sum(d.redelivered for d in state.deliveries),
