@@ -34,6 +34,28 @@ def claim(
     )  # fmt: skip
 
 
+def body_of(size: int) -> bytes:
+    """Bytes of every value, so that any text escaping of the body would show."""
+    return (bytes(range(256)) * (size // 256 + 1))[:size]
+
+
+def store_body(scope: str, key: str, body: bytes, *, commit: bool) -> None:
+    """Claim (scope, key) and store ``body`` for it, in the caller's transaction."""
+    claimed = claim(scope, key)
+    assert claimed.created_at is not None
+    storage.store(
+        DEFAULT_DB_ALIAS,
+        storage.Finished(
+            principal=scope, key=key, method="POST", path="/drf/", fingerprint={"body": "x"},
+            created_at=claimed.created_at, expires_at=claimed.created_at + timedelta(hours=24),
+            code=201, headers=[["Content-Type", "application/octet-stream"]], body=body,
+            body_encoding="",
+        ),
+        row_id=None,
+        commit=commit,
+    )  # fmt: skip
+
+
 def store_first(scope: str, key: str, claimed: storage.Claimed, *, ttl: timedelta) -> None:
     """Store a finished record for a claim that won: 201 ``first``, as text."""
     assert claimed.created_at is not None

@@ -15,9 +15,18 @@ from psycopg.pq import Format, TransactionStatus
 
 from django_idempotency.models import IdempotencyRecord
 from django_idempotency.partitions.tables import RECORDS
+from django_idempotency.storage import cursors
 from django_idempotency.storage import records as storage
 from django_idempotency.storage.records import Outcome
-from tests.claims import ClaimThread, claim, held_claim, store_first, wait_for_lock_waiters
+from tests.claims import (
+    ClaimThread,
+    body_of,
+    claim,
+    held_claim,
+    store_body,
+    store_first,
+    wait_for_lock_waiters,
+)
 from tests.factories import new_key
 
 TTL = timedelta(hours=24)
@@ -184,27 +193,6 @@ def test_waiter_gives_up_busy_when_its_wait_runs_out() -> None:
 # on the server and reads binary results.
 
 
-def body_of(size: int) -> bytes:
-    """Bytes of every value, so that any text escaping of the body would show."""
-    return (bytes(range(256)) * (size // 256 + 1))[:size]
-
-
-def store_body(scope: str, key: str, body: bytes, *, commit: bool) -> None:
-    claimed = claim(scope, key)
-    assert claimed.created_at is not None
-    storage.store(
-        DEFAULT_DB_ALIAS,
-        storage.Finished(
-            principal=scope, key=key, method="POST", path="/drf/", fingerprint={"body": "x"},
-            created_at=claimed.created_at, expires_at=claimed.created_at + TTL, code=201,
-            headers=[["Content-Type", "application/octet-stream"]], body=body,
-            body_encoding="",
-        ),
-        row_id=None,
-        commit=commit,
-    )  # fmt: skip
-
-
 @pytest.mark.django_db(transaction=True)
 def test_bodies_travel_in_binary_both_ways() -> None:
     cursors: list[tuple[str, Any]] = []
@@ -297,11 +285,13 @@ def test_binary_timestamps_load_as_djangos_own(settings, use_tz: bool) -> None:
     with connection.cursor() as cursor:
         cursor.execute(sql)
         (django_loaded,) = cursor.fetchone()
-    with storage.binary_cursor(connection) as cursor:
+    with cursors.binary_cursor(connection) as cursor:
         cursor.execute(sql)
         (binary_loaded,) = cursor.fetchone()
-    assert binary_loaded == django_loaded
-    assert binary_loaded.tzinfo == django_loaded.tzinfo
+    # The kept cursor too, though it was made under the other setting in the other run.
+    (kept_loaded,) = cursors.fetch_one(connection, sql, [])
+    assert binary_loaded == kept_loaded == django_loaded
+    assert binary_loaded.tzinfo == kept_loaded.tzinfo == django_loaded.tzinfo
     assert (binary_loaded.tzinfo is None) is not use_tz
 
 

@@ -11,25 +11,23 @@ from __future__ import annotations
 
 import contextlib
 import enum
-import functools
 import json
 import threading
 import zlib
 from collections.abc import Iterator, Sequence
 from contextvars import ContextVar
 from dataclasses import dataclass
-from datetime import datetime, timedelta, tzinfo
-from typing import TYPE_CHECKING, Any, NamedTuple, cast
+from datetime import datetime, timedelta
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from django.db import DatabaseError, IntegrityError, connections, transaction
 from django.utils import timezone
 
 from django_idempotency.models import IdempotencyRecord
+from django_idempotency.storage import cursors
 
 if TYPE_CHECKING:
     from django.db.backends.base.base import BaseDatabaseWrapper
-    from django.db.backends.utils import CursorWrapper
-    from psycopg.adapt import Loader
 
 # SQLSTATE of "no partition of relation ... found for row": maintenance has not run.
 NO_PARTITION_SQLSTATE = "23514"
@@ -113,52 +111,6 @@ def _jsonb(value: Any) -> Any:
     return json.loads(value) if isinstance(value, str) else value
 
 
-def binary_cursor(connection: BaseDatabaseWrapper) -> CursorWrapper:
-    """A cursor on Django's PostgreSQL connection that binds parameters on the server and
-    reads results in binary, so that a body travels as its bytes both ways (Django's
-    cursor binds on the client: a hex literal out, hex text back, each several times
-    slower per MB). Its statements are unnamed, as PgBouncer's transaction pooling needs.
-    Wrapped as Django wraps its own cursors: query logging, execute wrappers and errors
-    work alike. Other databases get Django's own cursor."""
-    if connection.vendor != "postgresql":
-        return connection.cursor()
-    from psycopg import Cursor
-    from psycopg.pq import Format
-
-    # What BaseDatabaseWrapper.cursor() does, with our cursor in place of create_cursor()'s.
-    connection.close_if_health_check_failed()
-    connection.ensure_connection()
-    with connection.wrap_database_errors:
-        # On the connection, before the cursor copies its adapters: Django never asks for
-        # binary results itself, so its own queries are untouched.
-        adapters = connection.connection.adapters
-        loader = _timestamptz_loader(connection.timezone)
-        if adapters.get_loader(_TIMESTAMPTZ_OID, Format.BINARY) is not loader:
-            adapters.register_loader("timestamptz", loader)
-        raw = Cursor(connection.connection)
-        raw.format = Format.BINARY
-        connection.validate_thread_sharing()
-        # django-stubs type these as taking a CursorWrapper; they wrap a driver's cursor.
-        wrap = connection.make_debug_cursor if connection.queries_logged else connection.make_cursor
-        return wrap(cast("CursorWrapper", raw))
-
-
-_TIMESTAMPTZ_OID = 1184
-
-
-@functools.cache
-def _timestamptz_loader(zone: tzinfo | None) -> type[Loader]:
-    """Binary timestamptz loaded as Django loads the text form on its connection: in
-    Django's time zone (UTC under USE_TZ), or naive without USE_TZ."""
-    from psycopg.types.datetime import TimestamptzBinaryLoader
-
-    class DjangoTimestamptzBinaryLoader(TimestamptzBinaryLoader):
-        def load(self, data: Any) -> datetime:
-            return super().load(data).replace(tzinfo=zone)
-
-    return DjangoTimestamptzBinaryLoader
-
-
 _CLAIM = "SELECT * FROM django_idempotency_claim(%s, %s, %s, %s, %s, %s, %s)"
 
 
@@ -206,9 +158,7 @@ def lookup(using: str, *, principal: str, key: str, window: timedelta) -> Record
 def _call(connection: BaseDatabaseWrapper, sql: str, params: list[Any]) -> ClaimRow | None:
     """The row a function of the migrations answers, read in binary; None if it has none.
     (psycopg adapts timedelta to interval; django-stubs' parameter types leave it out.)"""
-    with binary_cursor(connection) as cursor:
-        cursor.execute(sql, params)
-        row = cursor.fetchone()
+    row = cursors.fetch_one(connection, sql, params)
     return None if row is None else ClaimRow._make(row)
 
 
@@ -386,12 +336,11 @@ def store(
             # Bound on the client: the statements travel as one string.
             sql = "; ".join([*(statement for statement, _ in riders), sql])
             params = [*(value for _, values in riders for value in values), *params]
-        with connection.cursor() as cursor:
-            cursor.execute(sql, params)
+        cursors.execute(connection, sql, params)
         return
     from psycopg import Pipeline
 
-    with binary_cursor(connection) as cursor:
+    with cursors.binary_cursor(connection) as cursor:
         if not (commit and Pipeline.is_supported()):
             for statement, values in riders:
                 cursor.execute(statement, values)
