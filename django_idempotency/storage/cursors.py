@@ -10,13 +10,14 @@ Two kinds, whatever cursor the project's ``OPTIONS`` give Django:
 
 Their statements are unnamed, as PgBouncer's transaction pooling needs.
 
-The request path's statements (``fetch_one()``, ``execute()``) run on a driver cursor kept per
-connection: a cursor that runs the same SQL again keeps its adapters for the parameters and
-the row, which a new cursor looks up and builds afresh (about 25 µs per statement). While
-something observes Django's cursors (query logging, ``connection.execute_wrapper()``, an agent
-that patched ``CursorWrapper.execute``), the kept cursor is wrapped as Django wraps its own,
-so each statement reaches them; otherwise it runs inside Django's error wrapping alone, which
-saves as much again.
+The request path's statements (``fetch_one()``, ``execute()``) run on driver cursors kept per
+connection: a cursor that runs the same SQL again keeps the adapters of its parameters and
+its row, which a new cursor looks up and builds afresh. While something observes Django's
+cursors (query logging, ``connection.execute_wrapper()``, an agent that patched
+``CursorWrapper.execute``), the kept cursor is wrapped as Django wraps its own, so that each
+statement reaches them; otherwise it runs inside Django's error wrapping alone. Measured
+in-process, ``BEGIN``, a claim that finds a record and ``COMMIT`` took 137 µs of CPU through a
+new wrapped cursor, 124 through the kept one wrapped, and 100 through the kept one alone.
 """
 
 from __future__ import annotations
