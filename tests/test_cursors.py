@@ -93,6 +93,20 @@ def test_a_new_connection_gets_new_cursors(driver_statements) -> None:
 
 
 @pytest.mark.django_db(transaction=True)
+def test_a_connection_shared_by_threads_keeps_no_cursor(driver_statements) -> None:
+    # Two threads on one kept cursor could each fetch the other's row.
+    connection.inc_thread_sharing()
+    try:
+        key = claim_and_store()
+        assert replay(key) == replay(key) == body_of(100)
+    finally:
+        connection.dec_thread_sharing()
+    claims = cursors_of(driver_statements, "claim")
+    # The spy holds every cursor, so no id is reused.
+    assert len(claims) == 3 and len({id(cursor) for cursor in claims}) == 3
+
+
+@pytest.mark.django_db(transaction=True)
 def test_a_failed_statement_is_djangos_error_and_the_cursor_serves_the_next() -> None:
     key = new_key()
     with pytest.raises(IntegrityError) as failed, transaction.atomic():

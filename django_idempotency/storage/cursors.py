@@ -115,8 +115,12 @@ _KEPT = "_django_idempotency_cursors"
 
 
 def _kept(connection: BaseDatabaseWrapper) -> _Kept:
-    """This connection's kept cursors; new ones after Django reconnected."""
+    """This connection's kept cursors; new ones after Django reconnected, and for each
+    statement while threads share the connection."""
     raw = connection.connection
+    if connection.allow_thread_sharing:
+        # Threads that share the connection would read each other's rows: a cursor each.
+        return _Kept(raw)
     kept: _Kept | None = getattr(connection, _KEPT, None)
     if kept is None or kept.raw is not raw:
         kept = _Kept(raw)
