@@ -65,15 +65,7 @@ def fetch_one(
         with connection.wrap_database_errors:
             cursor = kept.binary = _binary(connection)
         kept.zone = connection.timezone
-    if _observed(connection):
-        wrapped = _wrapped(connection, cursor)
-        wrapped.execute(sql, params)
-        row = cast("tuple[Any, ...] | None", wrapped.fetchone())
-    else:
-        connection.validate_no_broken_transaction()
-        with connection.wrap_database_errors:
-            cursor.execute(sql, params)
-            row = cursor.fetchone()
+    row = cast("tuple[Any, ...] | None", _run(connection, cursor, sql, params).fetchone())
     if row is not None and _large(row):
         kept.binary = None
         cursor.close()
@@ -91,12 +83,20 @@ def execute(connection: BaseDatabaseWrapper, sql: str, params: list[Any]) -> Non
 
         with connection.wrap_database_errors:
             cursor = kept.client = ClientCursor(connection.connection)
+    _run(connection, cursor, sql, params)
+
+
+def _run(connection: BaseDatabaseWrapper, cursor: Any, sql: str, params: list[Any]) -> Any:
+    """Execute on a kept cursor, through Django's wrapper while something observes it;
+    what to read the result from."""
     if _observed(connection):
-        _wrapped(connection, cursor).execute(sql, params)
-        return
+        wrapped = _wrapped(connection, cursor)
+        wrapped.execute(sql, params)
+        return wrapped
     connection.validate_no_broken_transaction()
     with connection.wrap_database_errors:
         cursor.execute(sql, params)
+    return cursor
 
 
 class _Kept:
