@@ -4,17 +4,15 @@ large body or outlive their connection, and seen by whatever observes Django's c
 from __future__ import annotations
 
 from collections.abc import Iterator
-from datetime import timedelta
 from typing import Any
 
 import psycopg
 import pytest
-from django.db import DEFAULT_DB_ALIAS, IntegrityError, connection, transaction
+from django.db import connection, transaction
 from django.db.backends.utils import CursorWrapper
 from psycopg.pq import Format, TransactionStatus
 
 from django_idempotency.storage import cursors
-from django_idempotency.storage import records as storage
 from tests.claims import body_of, claim, store_body
 from tests.factories import new_key
 
@@ -104,28 +102,6 @@ def test_a_connection_shared_by_threads_keeps_no_cursor(driver_statements) -> No
     claims = cursors_of(driver_statements, "claim")
     # The spy holds every cursor, so no id is reused.
     assert len(claims) == 3 and len({id(cursor) for cursor in claims}) == 3
-
-
-@pytest.mark.django_db(transaction=True)
-def test_a_failed_statement_is_djangos_error_and_the_cursor_serves_the_next() -> None:
-    key = new_key()
-    with pytest.raises(IntegrityError) as failed, transaction.atomic():
-        claimed = claim("anonymous", key)
-        assert claimed.created_at is not None
-        storage.store(
-            DEFAULT_DB_ALIAS,
-            storage.Finished(
-                principal="anonymous", key=key, method="POST", path="/drf/",
-                fingerprint={}, created_at=claimed.created_at - timedelta(days=3650),
-                expires_at=claimed.created_at, code=201, headers=[], body=b"small",
-                body_encoding="",
-            ),
-            row_id=None,
-            commit=True,
-        )  # fmt: skip
-    assert storage.missing_partition(failed.value)
-    assert connection.connection.info.transaction_status == TransactionStatus.IDLE
-    assert replay(claim_and_store()) == body_of(100)
 
 
 @pytest.fixture

@@ -257,7 +257,8 @@ def test_without_pipelines_the_commit_is_left_to_django(monkeypatch) -> None:
 
 
 @pytest.mark.django_db(transaction=True)
-def test_a_failed_pipelined_store_is_a_django_error_and_commits_nothing() -> None:
+@pytest.mark.parametrize("size", [100, LARGE])  # in one string with its COMMIT, or pipelined
+def test_a_failed_store_is_a_django_error_and_commits_nothing(size: int) -> None:
     key = new_key()
     with pytest.raises(IntegrityError) as failed, transaction.atomic():
         claimed = claim("anonymous", key)
@@ -267,14 +268,22 @@ def test_a_failed_pipelined_store_is_a_django_error_and_commits_nothing() -> Non
             storage.Finished(
                 principal="anonymous", key=key, method="POST", path="/drf/",
                 fingerprint={}, created_at=claimed.created_at - timedelta(days=3650),
-                expires_at=claimed.created_at, code=201, headers=[], body=body_of(LARGE),
+                expires_at=claimed.created_at, code=201, headers=[], body=body_of(size),
                 body_encoding="",
             ),
             row_id=None,
             commit=True,
         )  # fmt: skip
     assert storage.missing_partition(failed.value)
+    assert connection.connection.info.transaction_status == TransactionStatus.IDLE
     assert not IdempotencyRecord.objects.filter(key=key).exists()
+    # The connection's kept cursors serve the next claim and store.
+    key = new_key()
+    with transaction.atomic():
+        store_body("anonymous", key, body_of(100), commit=True)
+    with transaction.atomic():
+        found = claim("anonymous", key)
+    assert found.record is not None and found.record.body() == body_of(100)
 
 
 @pytest.mark.django_db
