@@ -25,6 +25,7 @@ from bench.floor import (
 )
 from django_idempotency.conf import conf
 from django_idempotency.engine.hashing import lock_id
+from django_idempotency.engine.unit import Replay
 from django_idempotency.storage import records as storage
 from testproject.payments.parsers import JSONParser
 from testproject.payments.views import ChargeCreateView, PaymentCreateView
@@ -154,12 +155,8 @@ class ReplayStatementsFloorView(ReplayFloorView):
             _, _, claimed = claim(request)
         if claimed.record is None:
             return HttpResponse(status=409)
-        record = claimed.record
-        response = HttpResponse(record.body(), status=record.response_code)
-        for name, value in record.response_headers:
-            response[name] = value
-        response["Idempotent-Replayed"] = "true"
-        return response
+        # The stored response as every replay builds it, with no decision about it.
+        return Replay(claimed.record).response()
 
 
 def _route(url: str) -> str:

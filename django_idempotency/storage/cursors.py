@@ -43,10 +43,7 @@ KEPT_RESULT_MAX_BYTES = 32 * 1024
 
 def binary_cursor(connection: BaseDatabaseWrapper) -> CursorWrapper:
     """A new binary cursor on Django's PostgreSQL connection, wrapped as Django wraps its
-    own cursors: query logging, execute wrappers and errors work alike. Other databases get
-    Django's own cursor."""
-    if connection.vendor != "postgresql":
-        return connection.cursor()
+    own cursors: query logging, execute wrappers and errors work alike."""
     _ready(connection)
     with connection.wrap_database_errors:
         raw = _binary(connection)
