@@ -13,8 +13,10 @@ from django.db.backends.utils import CursorWrapper
 from psycopg.pq import Format, TransactionStatus
 
 from django_idempotency.storage import cursors
+from testproject.payments.models import Charge
 from tests.claims import body_of, claim, store_body
-from tests.factories import new_key
+from tests.client import replayed
+from tests.factories import TokenFactory, new_key
 
 
 @pytest.fixture
@@ -154,3 +156,20 @@ def test_the_store_and_its_commit_travel_as_one_string_under_server_side_binding
         store_body("anonymous", key, body_of(100), commit=True)
         assert connection.connection.info.transaction_status == TransactionStatus.IDLE
     assert replay(key) == body_of(100)
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_charge_is_stored_and_replayed_over_http_under_server_side_binding(
+    server_side_binding, client
+) -> None:
+    headers = {"Authorization": f"Token {TokenFactory().key}", "Idempotency-Key": new_key()}
+    body = {"amount": 2499, "currency": "inr"}
+
+    def charge() -> Any:
+        return client.post("/api/charges/", body, content_type="application/json", headers=headers)
+
+    first, again = charge(), charge()
+    assert first.status_code == again.status_code == 201
+    assert not replayed(first) and replayed(again)
+    assert again.content == first.content
+    assert Charge.objects.count() == 1
