@@ -59,6 +59,13 @@ class PrincipalMissing(IdempotencyError):
     stripe_status, stripe_type, stripe_code = 500, "api_error", "idempotency_principal_missing"
 
 
+class Misconfigured(IdempotencyError):
+    # The deployment cannot keep the promise (an isolation level, an anonymous principal on a
+    # request with credentials): refused before anything runs, and logged with the fix.
+    status, name, title = 500, "misconfigured", "The idempotency guarantee cannot hold here"
+    stripe_status, stripe_type, stripe_code = 500, "api_error", "idempotency_misconfigured"
+
+
 class RolledBack(IdempotencyError):
     status, name, title = 500, "rolled-back", "The request's work was rolled back"
     stripe_status, stripe_type, stripe_code = 500, "api_error", "idempotency_rolled_back"
