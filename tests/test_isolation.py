@@ -15,11 +15,17 @@ commit). Each server below is gunicorn (2 workers x 4 threads) serving the payme
 A slow charge (3 s) holds the key while 5 duplicates wait for it (``Prefer: wait=10``):
 every keyed request is answered ``500`` ``misconfigured``, the charge never executes, and
 the server logs an error naming the view and the fix.
+
+On the ``ALTER DATABASE`` one, a prefork Celery worker on a private Redis: the exactly-once
+ledger task does not run, its message goes back to the broker on every delivery, and once the
+database is fixed it runs, once.
 """
 
 from __future__ import annotations
 
 import contextlib
+import shutil
+import time
 import uuid
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -30,8 +36,11 @@ from typing import Any
 import psycopg
 import pytest
 import requests
+from celery import Celery
 from psycopg import sql
 
+from testproject.payments.tasks import POST_LEDGER_ENTRY
+from tests.chain_processes import CHAIN_SETTINGS, CeleryWorker, RedisServer, wait_for
 from tests.client import replayed
 from tests.conftest import GunicornServer, TokenUser
 from tests.servers import count, database_name, insert_token_user, private_database, with_options
@@ -74,14 +83,17 @@ def repeatable_read_database(
         lambda url: {**subprocess_env, "DATABASE_URL": url},
         cleanup_in_background,
     ) as url:
-        name = sql.Identifier(database_name(url))
-        with psycopg.connect(url, autocommit=True) as conn:
-            conn.execute(
-                sql.SQL(
-                    "ALTER DATABASE {} SET default_transaction_isolation = 'repeatable read'"
-                ).format(name)
-            )
+        alter_default(url, "SET default_transaction_isolation = 'repeatable read'")
         yield url
+
+
+def alter_default(url: str, change: str) -> None:
+    """``ALTER DATABASE <that of url> <change>``: what new connections to it get."""
+    with psycopg.connect(url, autocommit=True) as conn:
+        conn.execute(
+            sql.SQL("ALTER DATABASE {} ").format(sql.Identifier(database_name(url)))
+            + sql.SQL(change)
+        )
 
 
 def repeatable_read_by_alter_database(
@@ -164,3 +176,52 @@ def test_requests_without_a_key_still_run(deployment: Deployment) -> None:
     )
     assert plain.status_code == 201, plain.text
     assert counts(url) - before == (1, 1)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.skipif(shutil.which("redis-server") is None, reason="needs redis-server")
+def test_an_exactly_once_task_does_not_run_and_its_message_waits_in_the_broker_for_the_fix(
+    repeatable_read_database: str, subprocess_env: dict[str, str], private_redis: RedisServer
+) -> None:
+    url = repeatable_read_database
+    user_id, _ = insert_token_user(url)
+    with psycopg.connect(url, autocommit=True) as conn:
+        row = conn.execute(
+            "INSERT INTO payments_charge (amount, currency, user_id, created, description) "
+            "VALUES (2499, 'inr', %s, now(), '') RETURNING id",
+            [user_id],
+        ).fetchone()
+    assert row is not None
+    charge_id = row[0]
+    env = {
+        **subprocess_env,
+        "DATABASE_URL": url,
+        "CELERY_BROKER_URL": private_redis.url,
+        "DJANGO_SETTINGS_MODULE": CHAIN_SETTINGS,
+    }
+    ledger = "SELECT count(*) FROM payments_ledgerentry WHERE message_id = %s"
+    message_id = str(uuid.uuid4())
+    publisher = Celery(f"isolation-{message_id[:6]}", set_as_current=False)
+    publisher.conf.update(broker_url=private_redis.url)
+
+    worker = CeleryWorker(env, concurrency=1)
+    try:
+        publisher.send_task(POST_LEDGER_ENTRY, (charge_id, 2499, "inr"), task_id=message_id)
+        # Delivered, refused and given back, then delivered again: never acknowledged.
+        wait_for(lambda: worker.count(f"[{message_id}] received") >= 2, timeout=60)
+        assert f"[{message_id}] cannot run at this database's isolation level" in worker.text()
+        assert count(url, ledger, message_id) == 0
+        assert "task testproject.payments.tasks.post_ledger_entry was not run" in worker.text()
+    finally:
+        worker.stop()
+
+    # Fixed (new connections run at READ COMMITTED): the message that waited runs, once.
+    alter_default(url, "RESET default_transaction_isolation")
+    fixed = CeleryWorker(env, concurrency=1)
+    try:
+        wait_for(lambda: count(url, ledger, message_id), timeout=60)
+        time.sleep(1)
+        assert count(url, ledger, message_id) == 1
+    finally:
+        fixed.stop()
+        alter_default(url, "SET default_transaction_isolation = 'repeatable read'")
