@@ -6,6 +6,7 @@ import contextlib
 import importlib.util
 import os
 import re
+import secrets
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -358,13 +359,15 @@ def connection_settings_at(route: str, level: str) -> Iterator[str]:
     from testproject.database import database_url
 
     name = f"{connection.settings_dict['NAME']}_{route.replace(' ', '_')}"
+    # For servers that ask a password over TCP (CI's PostgreSQL 15).
+    password = secrets.token_hex(16)
     statements: dict[str, tuple[str, ...]] = {
         "alter database": (
             "CREATE DATABASE {name}",
             f"ALTER DATABASE {{name}} SET default_transaction_isolation = '{level}'",
         ),
         "alter role": (
-            "CREATE ROLE {name} LOGIN",
+            f"CREATE ROLE {{name}} LOGIN PASSWORD '{password}'",
             f"ALTER ROLE {{name}} SET default_transaction_isolation = '{level}'",
         ),
     }
@@ -372,7 +375,7 @@ def connection_settings_at(route: str, level: str) -> Iterator[str]:
     option = "-c default_transaction_isolation=" + level.replace(" ", "\\ ")
     settings = {
         "alter database": f"DATABASES['default']['NAME'] = {name!r}\n",
-        "alter role": f"DATABASES['default']['USER'] = {name!r}\n",
+        "alter role": f"DATABASES['default'].update(USER={name!r}, PASSWORD={password!r})\n",
         "options": "DATABASES['default']['OPTIONS'] = "
         f"{{**DATABASES['default'].get('OPTIONS', {{}}), 'options': {option!r}}}\n",
     }[route]
