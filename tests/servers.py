@@ -32,12 +32,14 @@ import time
 import uuid
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 from urllib.parse import quote, unquote, urlsplit, urlunsplit
 
 import psycopg
 import pytest
+from psycopg import sql
 
 from tests.conftest import ROOT, GunicornServer, TokenUser, die_with_parent, serve, stop
 
@@ -58,6 +60,71 @@ def with_database(url: str, name: str) -> str:
 
 def database_name(url: str) -> str:
     return unquote(urlsplit(url).path.lstrip("/"))
+
+
+def with_options(url: str, options: str) -> str:
+    """``url`` with libpq ``options`` (``-c name=value``), which dj-database-url puts in
+    ``OPTIONS``."""
+    parts = urlsplit(url)
+    query = "&".join(filter(None, [parts.query, "options=" + quote(options, safe="")]))
+    return urlunsplit(parts._replace(query=query))
+
+
+@contextlib.contextmanager
+def private_database(
+    test_database_url: str,
+    suffix: str,
+    migrate_env: Callable[[str], Mapping[str, str]],
+    cleanup_in_background: Callable[[Callable[[], object]], None],
+    *migrate_args: str,
+) -> Iterator[str]:
+    """A database of the test's own on the test database's server, migrated with the
+    environment ``migrate_env(url)`` gives; its URL. Dropped in the background after the
+    block (the drop waits for a checkpoint)."""
+    name = database_name(test_database_url) + suffix
+    server_url = with_database(test_database_url, "postgres")
+    drop = sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(name))
+    with psycopg.connect(server_url, autocommit=True) as conn:
+        conn.execute(drop)
+        conn.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(name)))
+    url = with_database(test_database_url, name)
+    try:
+        migrate(migrate_env(url), *migrate_args)
+        yield url
+    finally:
+        cleanup_in_background(partial(_execute, server_url, drop))
+
+
+def count(url: str, query: str, *params: Any) -> int:
+    """The number that ``query`` answers on the database at ``url``."""
+    with psycopg.connect(url, autocommit=True, connect_timeout=5) as conn:
+        row = conn.execute(query, params).fetchone()
+    assert row is not None
+    return int(row[0])
+
+
+def _execute(url: str, statement: sql.Composable) -> None:
+    with psycopg.connect(url, autocommit=True) as conn:
+        conn.execute(statement)
+
+
+def insert_token_user(url: str, username: str | None = None) -> tuple[int, str]:
+    """A user with a DRF token, committed on the database at ``url``: (its id, the token)."""
+    token = secrets.token_hex(20)
+    # Its own connection: a test's transaction would hide the user from the servers.
+    with psycopg.connect(url, autocommit=True) as conn:
+        row = conn.execute(
+            "INSERT INTO auth_user (password, is_superuser, username, first_name, last_name, "
+            "email, is_staff, is_active, date_joined) "
+            "VALUES ('!', false, %s, '', '', '', false, true, now()) RETURNING id",
+            [username or f"live-{uuid.uuid4().hex[:12]}"],
+        ).fetchone()
+        assert row is not None
+        conn.execute(
+            "INSERT INTO authtoken_token (key, created, user_id) VALUES (%s, now(), %s)",
+            [token, row[0]],
+        )
+    return row[0], token
 
 
 def run_uvicorn(
@@ -156,21 +223,8 @@ def live_user(db: None, flush_after_module: None, test_database_url: str) -> Tok
     """
     from django.contrib.auth.models import User
 
-    token = secrets.token_hex(20)
-    # Its own connection: the test's transaction would hide the user from the servers.
-    with psycopg.connect(test_database_url, autocommit=True) as conn:
-        row = conn.execute(
-            "INSERT INTO auth_user (password, is_superuser, username, first_name, last_name, "
-            "email, is_staff, is_active, date_joined) "
-            "VALUES ('!', false, %s, '', '', '', false, true, now()) RETURNING id",
-            [f"live-{uuid.uuid4().hex[:12]}"],
-        ).fetchone()
-        assert row is not None
-        conn.execute(
-            "INSERT INTO authtoken_token (key, created, user_id) VALUES (%s, now(), %s)",
-            [token, row[0]],
-        )
-    return TokenUser(User.objects.get(pk=row[0]), token)
+    user_id, token = insert_token_user(test_database_url)
+    return TokenUser(User.objects.get(pk=user_id), token)
 
 
 # ---------------------------------------------------------------------------------------

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import os
 import re
+import secrets
 import subprocess
 import sys
+from collections.abc import Iterator
 from datetime import timedelta
 from io import StringIO
 from pathlib import Path
@@ -192,14 +195,14 @@ def database_ids() -> list[str]:
     return ids(checks.check_databases(None))
 
 
-def manage_py_check(tmp_path: Path, extra_settings: str) -> str:
+def manage_py_check(tmp_path: Path, extra_settings: str, *args: str) -> str:
     """``manage.py check`` in a child process whose settings are the tests' plus
     ``extra_settings``: for DATABASES layouts a running test cannot switch to."""
     (tmp_path / "check_settings.py").write_text(
         "from tests.settings import *  # noqa\n" + extra_settings
     )
     done = subprocess.run(
-        [sys.executable, "manage.py", "check"],
+        [sys.executable, "manage.py", "check", *args],
         cwd=ROOT,
         env={
             **os.environ,
@@ -311,40 +314,111 @@ def test_unsafe_methods_in_any_case_are_fine() -> None:
     assert setting_ids() == []
 
 
-def test_e007_isolation_level_other_than_read_committed(monkeypatch) -> None:
+@pytest.mark.parametrize(
+    ("level", "said"),
+    [("REPEATABLE_READ", "REPEATABLE READ"), ("SERIALIZABLE", "SERIALIZABLE")],
+)
+def test_e007_isolation_level_in_options_that_the_claim_refuses(
+    monkeypatch, level: str, said: str
+) -> None:
     from django.db import connection
     from django.db.backends.postgresql.psycopg_any import IsolationLevel
 
     options = {**connection.settings_dict.get("OPTIONS", {})}
     monkeypatch.setitem(connection.settings_dict, "OPTIONS", options)
-    options["isolation_level"] = IsolationLevel.READ_COMMITTED
-    assert database_ids() == []
-    options["isolation_level"] = IsolationLevel.REPEATABLE_READ
+    options["isolation_level"] = getattr(IsolationLevel, level)
     (message,) = checks.check_databases(None)
     assert message.id == "django_idempotency.E007"
-    assert "READ COMMITTED" in message.msg and "isolation_level" in message.hint
+    assert said in message.msg and "'isolation_level' in DATABASES['default']" in message.msg
+    assert "READ COMMITTED" in message.hint and "isolation_level" in message.hint
+    # Said once: the live check leaves a level set in OPTIONS to this one.
+    assert ids(checks.check_isolation(None, databases=["default"])) == []
 
 
-@pytest.mark.django_db(transaction=True)
-def test_e007_is_right_that_the_claim_cannot_hold_above_read_committed() -> None:
-    # What the check saves users from: a REPEATABLE READ snapshot taken before another
-    # request stored its record never sees it, so the key would run a second time.
-    from django.db import connection, transaction
+@pytest.mark.parametrize("level", ["READ_COMMITTED", "READ_UNCOMMITTED"])
+def test_read_committed_in_options_is_fine(monkeypatch, level: str) -> None:
+    # PostgreSQL runs READ UNCOMMITTED as READ COMMITTED.
+    from django.db import connection
+    from django.db.backends.postgresql.psycopg_any import IsolationLevel
 
-    from django_idempotency.storage.records import Outcome
-    from tests.claims import ClaimThread, claim
-    from tests.factories import new_key
+    options = {**connection.settings_dict.get("OPTIONS", {})}
+    monkeypatch.setitem(connection.settings_dict, "OPTIONS", options)
+    options["isolation_level"] = getattr(IsolationLevel, level)
+    assert database_ids() == []
+    assert ids(checks.check_isolation(None, databases=["default"])) == []
 
-    key = new_key()
-    with transaction.atomic():
-        with connection.cursor() as cursor:
-            cursor.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ")
-            cursor.execute("SELECT 1")  # the snapshot is taken here
-        other = ClaimThread("anonymous", key, complete=True)
-        other.start()
-        assert other.result() is Outcome.WON  # stored and committed
-        assert claim("anonymous", key).outcome is Outcome.WON  # blind to it: a duplicate
-    assert claim("anonymous", key).outcome is Outcome.FOUND  # READ COMMITTED sees it
+
+@contextlib.contextmanager
+def connection_settings_at(route: str, level: str) -> Iterator[str]:
+    """Settings for ``DATABASES['default']`` whose connections start transactions at
+    ``level``, set where ``route`` says; a private database or role, dropped after."""
+    import psycopg
+    from django.db import connection
+    from psycopg import sql
+
+    from testproject.database import database_url
+
+    name = f"{connection.settings_dict['NAME']}_{route.replace(' ', '_')}"
+    # For servers that ask a password over TCP (CI's PostgreSQL 15).
+    password = secrets.token_hex(16)
+    statements: dict[str, tuple[str, ...]] = {
+        "alter database": (
+            "CREATE DATABASE {name}",
+            f"ALTER DATABASE {{name}} SET default_transaction_isolation = '{level}'",
+        ),
+        "alter role": (
+            f"CREATE ROLE {{name}} LOGIN PASSWORD '{password}'",
+            f"ALTER ROLE {{name}} SET default_transaction_isolation = '{level}'",
+        ),
+    }
+    # libpq reads a space in an option's value escaped by a backslash.
+    option = "-c default_transaction_isolation=" + level.replace(" ", "\\ ")
+    settings = {
+        "alter database": f"DATABASES['default']['NAME'] = {name!r}\n",
+        "alter role": f"DATABASES['default'].update(USER={name!r}, PASSWORD={password!r})\n",
+        "options": "DATABASES['default']['OPTIONS'] = "
+        f"{{**DATABASES['default'].get('OPTIONS', {{}}), 'options': {option!r}}}\n",
+    }[route]
+    drop = {"alter database": "DROP DATABASE {name} WITH (FORCE)", "alter role": "DROP ROLE {name}"}
+    with psycopg.connect(database_url(), autocommit=True) as conn:
+        for statement in statements.get(route, ()):
+            conn.execute(sql.SQL(statement).format(name=sql.Identifier(name)))
+    try:
+        yield settings
+    finally:
+        if route in drop:
+            with psycopg.connect(database_url(), autocommit=True) as conn:
+                conn.execute(sql.SQL(drop[route]).format(name=sql.Identifier(name)))
+
+
+@pytest.mark.parametrize(
+    ("route", "level", "said"),
+    [
+        ("alter database", "repeatable read", "ALTER DATABASE ... SET"),
+        ("alter role", "repeatable read", "ALTER ROLE ... SET"),
+        ("options", "serializable", "the connection's options"),
+    ],
+)
+def test_e007_reads_the_level_a_live_connection_has(
+    tmp_path: Path, route: str, level: str, said: str
+) -> None:
+    with connection_settings_at(route, level) as settings:
+        output = manage_py_check(tmp_path, settings, "--database", "default")
+        # Without --database Django runs no database check (migrate runs them all).
+        without = manage_py_check(tmp_path, settings)
+    assert "django_idempotency.E007" in output, output
+    assert f"runs transactions at {level.upper()} (set by {said}" in output
+    assert "django_idempotency.E007" not in without, without
+
+
+@pytest.mark.parametrize("level", ["read committed", "read uncommitted"])
+def test_e007_stays_silent_for_a_live_connection_at_read_committed(
+    tmp_path: Path, level: str
+) -> None:
+    with connection_settings_at("alter role", level) as settings:
+        output = manage_py_check(tmp_path, settings, "--database", "default")
+    assert "django_idempotency.E007" not in output, output
+    assert "System check identified no issues" in output or "WARNING" in output, output
 
 
 @pytest.mark.parametrize(

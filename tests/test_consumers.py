@@ -377,3 +377,30 @@ def test_consumer_durations_are_checked(setting: str, value: Any) -> None:
     with override_settings(**{setting: value}):
         errors = [m for m in checks.run_checks() if m.id == "django_idempotency.E003"]
     assert [setting in m.msg for m in errors] == [True]
+
+
+def test_a_delivery_at_repeatable_read_runs_nothing_and_keeps_its_message(
+    monkeypatch: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    # The level ALTER DATABASE, ALTER ROLE or libpq's options give every transaction of the
+    # worker's connection. The deployment is at fault, not the message: it goes back to the
+    # broker (never acknowledged as done) and runs once the database is fixed.
+    monkeypatch.setattr(consumers, "STORE_DOWN_PAUSE", 0)
+    message_id = str(uuid.uuid4())
+    with connection.cursor() as cursor:
+        cursor.execute("SET SESSION default_transaction_isolation = 'repeatable read'")
+    try:
+        refused = deliver(note, message_id, 7)
+    finally:
+        with connection.cursor() as cursor:
+            cursor.execute("RESET default_transaction_isolation")
+    assert refused.state == "REJECTED" and refused.result.requeue
+    assert RAN == []
+    assert not IdempotencyRecord.objects.exists() and not OutboxMessage.objects.exists()
+    (error,) = [r for r in caplog.records if r.levelname == "ERROR"]
+    assert error.name == "django_idempotency"
+    assert "task tests.test_consumers.note was not run" in error.getMessage()
+    assert "REPEATABLE READ" in error.getMessage() and "READ COMMITTED" in error.getMessage()
+
+    redelivered = deliver(note, message_id, 7)
+    assert redelivered.state == "SUCCESS" and [("note", message_id, 7)] == RAN

@@ -652,6 +652,35 @@ def test_unreachable_store_is_503_with_retry_after_and_the_view_does_not_run(
     assert business_rows(script["tag"]) == 0
 
 
+@pytest.mark.django_db(transaction=True)
+@ENDPOINTS
+def test_a_claim_at_repeatable_read_is_500_misconfigured_and_the_view_does_not_run(
+    client, caplog: pytest.LogCaptureFixture, atomic_requests: bool, path: str
+) -> None:
+    # The session's default is what ALTER DATABASE, ALTER ROLE and libpq's options set.
+    key, script = new_key(), ScriptFactory()
+    with connection.cursor() as cursor:
+        cursor.execute("SET SESSION default_transaction_isolation = 'repeatable read'")
+    try:
+        refused = send(client, "POST", path, script, key=key)
+        unkeyed = send(client, "POST", path, ScriptFactory())
+    finally:
+        with connection.cursor() as cursor:
+            cursor.execute("RESET default_transaction_isolation")
+    assert refused.status_code == 500
+    assert problem(refused)["type"].endswith(":misconfigured")
+    assert CALLS[script["tag"]] == 0 and business_rows(script["tag"]) == 0
+    assert not IdempotencyRecord.objects.exists()
+    (error,) = [r for r in caplog.records if r.name == "django_idempotency"]
+    assert error.levelname == "ERROR"
+    assert "was not run" in error.getMessage() and "tests.views." in error.getMessage()
+    assert "REPEATABLE READ" in error.getMessage() and "READ COMMITTED" in error.getMessage()
+    assert unkeyed.status_code == 201  # only the claim refuses
+    # Fixed, the same key runs, once.
+    again = send(client, "POST", path, script, key=key)
+    assert (again.status_code, CALLS[script["tag"]]) == (201, 1)
+
+
 @pytest.mark.django_db
 @ENDPOINTS
 def test_unreachable_store_does_not_affect_requests_without_a_key(

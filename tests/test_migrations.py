@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import re
 import subprocess
 import sys
@@ -171,6 +172,38 @@ def test_the_claim_keeps_one_generic_plan_until_its_migration_is_reversed() -> N
     finally:
         call_command("migrate", "django_idempotency", verbosity=0)
     assert fetch_one(config) == generic
+
+
+def function_body(migration: str) -> str:
+    """The plpgsql body of the claim function that ``migration`` creates."""
+    module = importlib.import_module(f"django_idempotency.migrations.{migration}")
+    sql: str = module.CLAIM_FUNCTION
+    return sql.split("AS $$", 1)[1].rsplit("$$", 1)[0]
+
+
+def claim_at_repeatable_read() -> Outcome:
+    with transaction.atomic():
+        with connection.cursor() as cursor:
+            cursor.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ")
+        return claim("anonymous", new_key()).outcome
+
+
+@pytest.mark.django_db(transaction=True)
+def test_the_claim_refuses_repeatable_read_until_its_migration_is_reversed() -> None:
+    source = "SELECT prosrc FROM pg_proc WHERE oid = 'django_idempotency_claim'::regproc"
+    assert fetch_one(source) == (function_body("0007_claim_refuses_repeatable_read"),)
+    with pytest.raises(records.IsolationRefused):
+        claim_at_repeatable_read()
+    call_command("migrate", "django_idempotency", "0006", verbosity=0)
+    try:
+        # 0004's function exactly, which does not look at the level.
+        assert fetch_one(source) == (function_body("0004_claim_prunes_future_partitions"),)
+        assert claim_at_repeatable_read() is Outcome.WON
+    finally:
+        call_command("migrate", "django_idempotency", verbosity=0)
+    assert fetch_one(source) == (function_body("0007_claim_refuses_repeatable_read"),)
+    with pytest.raises(records.IsolationRefused):
+        claim_at_repeatable_read()
 
 
 def assert_migrated_schema_works() -> None:

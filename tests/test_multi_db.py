@@ -33,26 +33,13 @@ from typing import Any
 import psycopg
 import pytest
 import requests
-from psycopg import sql
 
 from testproject.payments import executions
 from testproject.payments.models import Charge
 from tests.client import replayed
 from tests.conftest import GunicornServer, TokenUser
-from tests.servers import database_name, migrate, with_database
+from tests.servers import count, private_database
 from tests.test_e2e_payments import CHARGE, send_at_once
-
-
-def count(url: str, query: str, *params: Any) -> int:
-    with psycopg.connect(url, autocommit=True, connect_timeout=5) as conn:
-        row = conn.execute(query, params).fetchone()
-    assert row is not None
-    return int(row[0])
-
-
-def execute(url: str, statement: sql.Composable) -> None:
-    with psycopg.connect(url, autocommit=True) as conn:
-        conn.execute(statement)
 
 
 @pytest.fixture(scope="module")
@@ -63,18 +50,15 @@ def shard_url(
 ) -> Iterator[str]:
     """A second database on the test database's server, migrated like ``default``; dropped
     in the background after the module's tests (the drop waits for a checkpoint)."""
-    name = database_name(test_database_url) + "_shard"
-    server_url = with_database(test_database_url, "postgres")
-    drop = sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(name))
-    with psycopg.connect(server_url, autocommit=True) as conn:
-        conn.execute(drop)
-        conn.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(name)))
-    url = with_database(test_database_url, name)
-    try:
-        migrate({**subprocess_env, "SHARD_DATABASE_URL": url}, "--database", "shard")
+    with private_database(
+        test_database_url,
+        "_shard",
+        lambda url: {**subprocess_env, "SHARD_DATABASE_URL": url},
+        cleanup_in_background,
+        "--database",
+        "shard",
+    ) as url:
         yield url
-    finally:
-        cleanup_in_background(partial(execute, server_url, drop))
 
 
 def serve(

@@ -189,6 +189,50 @@ def test_waiter_gives_up_busy_when_its_wait_runs_out() -> None:
         assert waiter.result() == Outcome.BUSY
 
 
+@pytest.mark.django_db(transaction=True)
+@pytest.mark.parametrize("level", ["REPEATABLE READ", "SERIALIZABLE"])
+def test_claim_refuses_to_run_where_its_snapshot_predates_the_lock(level: str) -> None:
+    # A duplicate that waited for the lock would look the key up in a snapshot taken before
+    # the holder committed: it must refuse rather than win blind (migration 0007).
+    key = new_key()
+    with transaction.atomic():
+        with connection.cursor() as cursor:
+            cursor.execute(f"SET TRANSACTION ISOLATION LEVEL {level}")
+            cursor.execute("SELECT 1")  # the snapshot is taken here
+        other = ClaimThread("anonymous", key, complete=True)
+        other.start()
+        assert other.result() is Outcome.WON  # stored and committed
+        with pytest.raises(storage.IsolationRefused) as refused:
+            claim("anonymous", key)
+        transaction.set_rollback(True)
+    assert (refused.value.using, refused.value.level) == ("default", level.lower())
+    with transaction.atomic():
+        assert claim("anonymous", key).outcome is Outcome.FOUND  # READ COMMITTED sees it
+
+
+@pytest.mark.django_db(transaction=True)
+def test_claim_refuses_a_level_set_as_the_sessions_default() -> None:
+    # What ALTER DATABASE, ALTER ROLE and libpq's options set: the session's default.
+    with connection.cursor() as cursor:
+        cursor.execute("SET SESSION default_transaction_isolation = 'repeatable read'")
+    try:
+        with pytest.raises(storage.IsolationRefused), transaction.atomic():
+            claim("anonymous", new_key())
+        # Nothing held: the refusal came before the lock, and the transaction is gone.
+        assert connection.connection.info.transaction_status == TransactionStatus.IDLE
+    finally:
+        with connection.cursor() as cursor:
+            cursor.execute("RESET default_transaction_isolation")
+
+
+@pytest.mark.django_db(transaction=True)
+def test_claim_runs_at_read_uncommitted_which_postgresql_runs_as_read_committed() -> None:
+    with transaction.atomic():
+        with connection.cursor() as cursor:
+            cursor.execute("SET TRANSACTION ISOLATION LEVEL READ UNCOMMITTED")
+        assert claim("anonymous", new_key()).outcome is Outcome.WON
+
+
 # Bodies in binary both ways: the claim, the lookup and the store run on a cursor that binds
 # on the server and reads binary results.
 

@@ -33,6 +33,7 @@ from django_idempotency.engine.errors import (
     InProgress,
     KeyExpired,
     KeyReused,
+    Misconfigured,
     MissingKey,
     PrincipalMissing,
     RolledBack,
@@ -224,6 +225,7 @@ class UnitOfWork:
         using: str | None = None,
         lookup_first: bool = False,
         now: datetime | None = None,
+        kind: str = "view",
     ) -> None:
         self.work = work
         self.wait = wait
@@ -233,6 +235,8 @@ class UnitOfWork:
         self.using = using or router.db_for_write(IdempotencyRecord)
         self.lookup_first = lookup_first
         self.now = now
+        # What the work is, for the logs: a "view", a "task".
+        self.kind = kind
         self._steps: Generator[Decision, Outcome | BaseException, bool]
         self._thread = 0
         self._thrown: BaseException | None = None
@@ -318,6 +322,8 @@ class UnitOfWork:
                         return (yield from self._run(claimed, outermost))
                     finally:
                         current_work.set(outer)
+        except storage.IsolationRefused as exc:
+            raise self._misconfigured(exc) from exc
         except _LOST_STORE as exc:
             # The work's own exception goes back to the glue as it was; a connection lost
             # while ending the transaction means nothing was saved.
@@ -368,7 +374,7 @@ class UnitOfWork:
                 "An idempotent %s answered %s, but its transaction was marked for rollback, "
                 "so nothing it did was committed; answered 500 instead. Catch database "
                 "errors inside transaction.atomic() (a savepoint).",
-                _name(self.sender),
+                _name(self.sender, self.kind),
                 result.status,
             )
             raise RolledBack(
@@ -413,6 +419,22 @@ class UnitOfWork:
             )
             raise store_unavailable("No partition accepts today's records.") from exc
         return True
+
+    def _misconfigured(self, refused: storage.IsolationRefused) -> Misconfigured:
+        logger.error(
+            "The idempotent %s was not run: its claim on database %r ran at isolation level "
+            "%s, whose snapshot predates the key's lock and cannot see a duplicate's "
+            "committed record. Run that database at READ COMMITTED: ALTER DATABASE/ALTER "
+            "ROLE ... RESET default_transaction_isolation, no default_transaction_isolation "
+            "in the connection's 'options', no 'isolation_level' in DATABASES OPTIONS.",
+            _name(self.sender, self.kind),
+            refused.using,
+            refused.level.upper(),
+        )
+        return Misconfigured(
+            "This deployment's database isolation level cannot keep the idempotency "
+            "guarantee, so nothing was run. Retry with the same key once it is fixed."
+        )
 
     def _keeps(self, result: Outcome) -> bool:
         code = result.status
@@ -474,10 +496,10 @@ class UnitOfWork:
         return Replay(record)
 
 
-def _name(sender: Any) -> str:
+def _name(sender: Any, kind: str = "view") -> str:
     module = getattr(sender, "__module__", "")
     name = getattr(sender, "__qualname__", None) or repr(sender)
-    return f"view {module}.{name}" if module else f"view {name}"
+    return f"{kind} {module}.{name}" if module else f"{kind} {name}"
 
 
 def accepts_deflate(header: str) -> bool:

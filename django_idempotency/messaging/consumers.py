@@ -24,7 +24,12 @@ from django.core.serializers.json import DjangoJSONEncoder
 from django.db import InterfaceError, OperationalError
 
 from django_idempotency.conf import conf
-from django_idempotency.engine.errors import InProgress, KeyExpired, StoreUnavailable
+from django_idempotency.engine.errors import (
+    InProgress,
+    KeyExpired,
+    Misconfigured,
+    StoreUnavailable,
+)
 from django_idempotency.engine.unit import Outcome, Refuse, Replay, UnitOfWork, Work
 
 logger = logging.getLogger("django_idempotency.consumers")
@@ -101,11 +106,17 @@ def consume(
         fingerprint={"arguments": arguments_digest(args, kwargs)},
         ttl=conf.CONSUMER_TTL,
     )
-    unit = UnitOfWork(work, wait=conf.CONSUMER_WAIT, sender=type(task), context=task.request)
+    unit = UnitOfWork(
+        work, wait=conf.CONSUMER_WAIT, sender=type(task), context=task.request, kind="task"
+    )
     try:
         decision = unit.open()
     except StoreUnavailable as exc:
         _give_back(task, message_id, exc)
+    except Misconfigured as exc:
+        # The engine logged the fix. The deployment is at fault, not the message: it stays
+        # with the broker, and runs once the database runs at READ COMMITTED.
+        _give_back(task, message_id, exc, "cannot run at this database's isolation level")
     if isinstance(decision, Replay):
         logger.info("Task %s[%s] already ran; acknowledged with its result.", task.name, message_id)
         return json.loads(decision.record.body() or b"null")
@@ -134,11 +145,14 @@ def consume(
     return result
 
 
-def _give_back(task: Task[Any, Any], message_id: str, exc: Exception) -> NoReturn:
+def _give_back(
+    task: Task[Any, Any],
+    message_id: str,
+    exc: Exception,
+    why: str = "found the idempotency store unavailable",
+) -> NoReturn:
     logger.warning(
-        "Task %s[%s] found the idempotency store unavailable; the message goes back to the broker.",
-        task.name,
-        message_id,
+        "Task %s[%s] %s; the message goes back to the broker.", task.name, message_id, why
     )
     time.sleep(STORE_DOWN_PAUSE)
     raise Reject(exc, requeue=True) from exc

@@ -24,6 +24,7 @@ from django.db import DatabaseError, IntegrityError, connections, transaction
 from django.utils import timezone
 
 from django_idempotency.models import IdempotencyRecord
+from django_idempotency.partitions.apply import sqlstate
 from django_idempotency.storage import cursors
 
 if TYPE_CHECKING:
@@ -31,6 +32,8 @@ if TYPE_CHECKING:
 
 # SQLSTATE of "no partition of relation ... found for row": maintenance has not run.
 NO_PARTITION_SQLSTATE = "23514"
+# SQLSTATE the claim raises at REPEATABLE READ or SERIALIZABLE (migration 0007).
+ISOLATION_REFUSED_SQLSTATE = "0AI01"
 ZLIB = "zlib"
 # zlib level 1 compresses JSON about as well as level 6 at a third of the CPU.
 ZLIB_LEVEL = 1
@@ -45,6 +48,16 @@ class Outcome(enum.Enum):
     FOUND = "found"  # a stored response to replay
     EXPIRED = "expired"  # a stored response past its lifetime, within the 410 window
     BUSY = "busy"  # another transaction holds the key, and the wait ran out
+
+
+class IsolationRefused(Exception):
+    """The claim refused to run: the transaction's isolation level (``level``) takes its
+    snapshot before the key's lock, so it could not see a record committed meanwhile."""
+
+    def __init__(self, using: str, level: str) -> None:
+        super().__init__(f"database {using!r} runs the claim at isolation level {level}")
+        self.using = using
+        self.level = level
 
 
 @dataclass(frozen=True, slots=True)
@@ -132,7 +145,12 @@ def claim(
     if connection.vendor != "postgresql":
         return _claim_plain(using, principal, key, gone, now)
     wait_ms = max(0, int(wait.total_seconds() * 1000))
-    row = _call(connection, _CLAIM, [lock, principal, key, window, gone, wait_ms, now])
+    try:
+        row = _call(connection, _CLAIM, [lock, principal, key, window, gone, wait_ms, now])
+    except DatabaseError as exc:
+        if sqlstate(exc) == ISOLATION_REFUSED_SQLSTATE:
+            raise IsolationRefused(using, _detail(exc)) from exc
+        raise
     assert row is not None  # the claim answers every call with one row
     outcome = Outcome(row.outcome)
     if outcome is Outcome.WON:
@@ -360,6 +378,11 @@ def missing_partition(exc: BaseException) -> bool:
     """Whether a failed store found no partition for its row."""
     cause = exc.__cause__ if isinstance(exc, DatabaseError) else None
     return getattr(cause, "sqlstate", None) == NO_PARTITION_SQLSTATE and "partition" in str(exc)
+
+
+def _detail(exc: BaseException) -> str:
+    diag = getattr(exc.__cause__, "diag", None)
+    return str(getattr(diag, "message_detail", None) or "unknown")
 
 
 def transaction_broken(using: str) -> bool:
