@@ -32,10 +32,12 @@ from django.core.exceptions import PermissionDenied
 from django.db import IntegrityError, connection, transaction
 from django.http import Http404, HttpRequest, HttpResponse, JsonResponse, StreamingHttpResponse
 from django.http.response import HttpResponseBase
+from django.utils.decorators import method_decorator
+from django.views import View
 from django.views.decorators.csrf import csrf_exempt
 from rest_framework import serializers, viewsets
 from rest_framework.authentication import SessionAuthentication, TokenAuthentication
-from rest_framework.decorators import action, api_view, permission_classes
+from rest_framework.decorators import action, api_view, authentication_classes, permission_classes
 from rest_framework.exceptions import NotFound, ValidationError
 from rest_framework.parsers import FormParser, JSONParser, MultiPartParser
 from rest_framework.permissions import AllowAny, BasePermission, IsAuthenticated
@@ -47,6 +49,7 @@ from rest_framework.views import APIView
 
 from django_idempotency.decorators import idempotent
 from django_idempotency.rest_framework import IdempotencyMixin
+from testproject.payments.views import token_required
 
 # How long a gated handler waits for the test before giving up (a test that forgot to
 # open its gate must not hang the live server forever).
@@ -416,3 +419,64 @@ plain_tenant = csrf_exempt(idempotent(principal=tenant_principal)(_plain))
 plain_excluding = csrf_exempt(idempotent(exclude_fields=["client_ts", "meta.sent_at"])(_plain))
 # login_required outside: access control runs before the replay.
 plain_login_required = csrf_exempt(login_required(idempotent(_plain)))
+
+
+class TokenOnlyView(ScriptedView):
+    """Open to anonymous clients, and authenticates by token only: a logged-in session
+    cookie does not make its client known."""
+
+    authentication_classes = [TokenAuthentication]
+
+
+class AnonymousKeysView(TokenOnlyView):
+    idempotency_allow_anonymous = True
+
+
+plain_anonymous_keys = csrf_exempt(idempotent(allow_anonymous=True)(_plain))
+
+
+def _iban(request: HttpRequest) -> JsonResponse:
+    """An account's IBAN: what a replay must never hand to another client."""
+    user = request.user
+    CALLS.hit(f"iban:{user.pk}")
+    return JsonResponse({"iban": f"DE89370400440532{user.pk:06d}", "owner": user.username})
+
+
+def _iban_drf(request: Request) -> Response:
+    user = request.user
+    CALLS.hit(f"iban:{user.pk}")
+    return Response({"iban": f"DE89370400440532{user.pk:06d}", "owner": user.username})
+
+
+def _token_api_view(view: Any) -> Any:
+    return api_view(["POST"])(
+        authentication_classes([TokenAuthentication])(permission_classes([IsAuthenticated])(view))
+    )
+
+
+# Misplaced on purpose: @idempotent above the view's own authentication claims the key
+# before anyone is authenticated, so every caller is the anonymous principal.
+iban_above_token_required = csrf_exempt(idempotent(token_required(_iban)))
+iban_above_api_view = idempotent(_token_api_view(_iban_drf))
+# The same views, decorated as the docs say.
+iban_below_token_required = csrf_exempt(token_required(idempotent(_iban)))
+iban_below_api_view = _token_api_view(idempotent(_iban_drf))
+
+
+@method_decorator(csrf_exempt, name="dispatch")
+@method_decorator(idempotent, name="post")
+class MethodDecoratedView(View):
+    """A plain class-based view whose POST is idempotent."""
+
+    def post(self, request: HttpRequest) -> HttpResponseBase:
+        return _plain(request)
+
+
+@method_decorator(idempotent(methods=["PUT"]), name="put")
+class MethodDecoratedAPIView(APIView):
+    """A DRF view protected by method_decorator instead of the mixin."""
+
+    permission_classes = [AllowAny]
+
+    def put(self, request: Request) -> Response:
+        return Response({"put": True})
