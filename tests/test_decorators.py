@@ -234,3 +234,18 @@ def test_a_setting_of_the_wrong_type_refuses_idempotent_requests_as_misconfigure
     assert CALLS[script["tag"]] == 0
     logged = [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
     assert any(setting in message for message in logged), logged
+
+
+@pytest.mark.urls("tests.urls")
+def test_a_method_decorator_view_keeps_one_policy_however_many_requests() -> None:
+    # method_decorator() decorates a new partial of the method on every request: each one
+    # cached a policy, holding its request, for ever.
+    from django_idempotency.engine import options
+
+    client = Client()
+    first = send(client, "POST", "/cbv/method-decorated/", ScriptFactory(), key=new_key())
+    assert first.status_code == 201
+    cached = len(options._policies)
+    for _ in range(5):
+        send(client, "POST", "/cbv/method-decorated/", ScriptFactory(), key=new_key())
+    assert len(options._policies) == cached
