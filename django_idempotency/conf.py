@@ -337,6 +337,7 @@ REQUEST_SETTINGS = (
     "MAX_RESPONSE_BYTES",
     "MAX_STORED_ERROR_BYTES",
 )
+_UNSET = object()
 
 
 def wrong_type(name: str) -> str | None:
@@ -349,6 +350,3 @@ def wrong_type(name: str) -> str | None:
     return (
         f"IDEMPOTENCY_{name} is {value!r} ({type(value).__name__}); it must be {kind.description}."
     )
-
-
-_UNSET = object()

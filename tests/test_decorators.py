@@ -216,7 +216,8 @@ def test_idempotent_below_authentication_scopes_each_users_key_to_them(
 @pytest.mark.parametrize(
     ("setting", "value"),
     [("IDEMPOTENCY_TTL", 3600), ("IDEMPOTENCY_REQUIRED", "False"),
-     ("IDEMPOTENCY_PRINCIPAL", "nowhere.principal")],
+     ("IDEMPOTENCY_PRINCIPAL", "nowhere.principal"),
+     ("IDEMPOTENCY_PRINCIPAL", "tests.views.CALLS")],
 )  # fmt: skip
 @pytest.mark.parametrize("path", ["/plain/", "/drf/", "/adrf/", "/ninja/open/"])
 def test_a_setting_of_the_wrong_type_refuses_idempotent_requests_as_misconfigured(

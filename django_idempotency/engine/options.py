@@ -99,9 +99,12 @@ def _require_valid_settings() -> None:
     problems = [problem for name in REQUEST_SETTINGS if (problem := wrong_type(name))]
     if not problems:
         try:
-            conf.PRINCIPAL  # noqa: B018 (imports the dotted path)
+            principal: Any = conf.PRINCIPAL  # imports a dotted path
         except ImportError as exc:
             problems.append(f"IDEMPOTENCY_PRINCIPAL cannot be imported ({exc}).")
+        else:
+            if principal is not None and not callable(principal):
+                problems.append("IDEMPOTENCY_PRINCIPAL is not callable.")
     if problems:
         logger.error(
             "Idempotent requests are refused until the settings are fixed (`manage.py "
