@@ -588,6 +588,7 @@ def test_w004_sees_every_view_style_and_allow_anonymous_silences_it() -> None:
 def test_e014_idempotent_outside_the_views_own_authentication() -> None:
     errors = [m for m in checks.check_views(None) if m.id == "django_idempotency.E014"]
     assert [re.search(r"view (\S+) ", m.msg)[1] for m in errors] == [  # type: ignore[index]
-        "/iban/above-api-view/"
+        "/iban/above-api-view/",  # above @api_view
+        "/drf/dispatch-decorated/",  # method_decorator on an APIView's dispatch()
     ]
     assert "below @api_view" in errors[0].hint

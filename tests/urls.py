@@ -56,6 +56,7 @@ urlpatterns = [
     path("iban/below-api-view/", views.iban_below_api_view),
     path("cbv/method-decorated/", views.MethodDecoratedView.as_view()),
     path("drf/method-decorated/", views.MethodDecoratedAPIView.as_view()),
+    path("drf/dispatch-decorated/", views.DispatchDecoratedView.as_view()),
 ]
 if find_spec("ninja"):  # an optional extra
     from tests.ninja_views import api

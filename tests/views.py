@@ -485,6 +485,14 @@ class MethodDecoratedView(View):
         return _plain(request)
 
 
+@method_decorator(idempotent, name="dispatch")
+class DispatchDecoratedView(APIView):
+    """Misplaced on purpose: dispatch() is where DRF authenticates."""
+
+    def post(self, request: Request) -> Response:
+        return Response({"posted": True})
+
+
 @method_decorator(idempotent(methods=["PUT"]), name="put")
 class MethodDecoratedAPIView(APIView):
     """A DRF view protected by method_decorator instead of the mixin."""
