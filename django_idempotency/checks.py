@@ -519,16 +519,16 @@ def _qualname(handler: Any) -> str:
 
 
 def _claims_before_authentication(endpoint: Any) -> bool:
-    """``@idempotent`` around a class view's whole dispatch: on the function that
-    ``@api_view`` or ``as_view()`` returned, or on a DRF view's ``dispatch()``."""
+    """``@idempotent`` around the whole dispatch of a class view that authenticates there
+    (DRF's, or one with Django's access mixins): on the function that ``@api_view`` or
+    ``as_view()`` returned, or on ``dispatch()`` (which ``as_view()`` copies from)."""
     handler = endpoint.handler
-    if getattr(handler, "idempotency_options", None) is None:
+    view_class = getattr(handler, "cls", None) or getattr(handler, "view_class", None)
+    if view_class is None or getattr(handler, "idempotency_options", None) is None:
         return False
-    if getattr(handler, "cls", None) is not None or getattr(handler, "view_class", None):
-        return True
-    return getattr(handler, "__name__", "") == "dispatch" and hasattr(
-        endpoint.view, "permission_classes"
-    )
+    from django.contrib.auth.mixins import AccessMixin
+
+    return hasattr(view_class, "permission_classes") or issubclass(view_class, AccessMixin)
 
 
 def _open_to_anonymous(view: Any) -> bool:

@@ -65,7 +65,9 @@ def _idempotent(callback: Any) -> list[Found]:
     """What a URLconf callback makes idempotent: one entry per policy (a class view may
     protect each method its own way); empty for other views."""
     options = getattr(callback, "idempotency_options", None)
-    if options is not None:  # @idempotent on a function (or, misplaced, on an as_view())
+    # @idempotent on a function, or around a class view's whole dispatch (above @api_view,
+    # around as_view(), on dispatch() with method_decorator).
+    if options is not None:
         policy = resolve(options)
         return [(policy.methods, callback, policy, callback)]
     view_class = getattr(callback, "cls", None) or getattr(callback, "view_class", None)
@@ -90,12 +92,9 @@ def _class_view(callback: Any, view_class: type) -> list[Found]:
         policy: Policy = view.get_idempotency_policy()
         handled = {m for m, handler in served.items() if handler is not None}
         return [(policy.methods & handled, view, policy, view_class)]
-    # method_decorator(idempotent, name=...) on a class view's handlers or its dispatch(),
-    # or @idempotent under @api_view (its class's handlers call the function): one entry
-    # per function.
-    dispatch = getattr(view, "dispatch", None)
-    if _options(dispatch) is not None:
-        served = {method: dispatch for method, handler in served.items() if handler}
+    # method_decorator(idempotent, name=...) on a class view's handlers, or @idempotent
+    # under @api_view (its class's handlers call the function): one entry per function. (On
+    # dispatch(), as_view() copied the options onto the callback itself.)
     functions: dict[int, Any] = {}
     served_by: dict[int, set[str]] = {}
     for method, handler in served.items():

@@ -464,6 +464,7 @@ def test_endpoints_are_found_in_every_view_style() -> None:
     assert found["/iban/above-api-view/"] == {"POST", "PATCH"}  # ... and above it
     assert found["/cbv/method-decorated/"] == {"POST"}  # method_decorator on a View
     assert found["/drf/method-decorated/"] == {"PUT"}  # ... and on an APIView
+    assert found["/cbv/dispatch-decorated/"] == {"POST", "PATCH"}  # ... on dispatch()
     if importlib.util.find_spec("ninja"):
         assert found["/ninja/open/"] == {"POST"}
         assert found["/ninja/session/"] == {"POST"}

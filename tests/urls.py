@@ -57,6 +57,7 @@ urlpatterns = [
     path("cbv/method-decorated/", views.MethodDecoratedView.as_view()),
     path("drf/method-decorated/", views.MethodDecoratedAPIView.as_view()),
     path("drf/dispatch-decorated/", views.DispatchDecoratedView.as_view()),
+    path("cbv/dispatch-decorated/", views.DispatchDecoratedPlainView.as_view()),
 ]
 if find_spec("ninja"):  # an optional extra
     from tests.ninja_views import api

@@ -493,6 +493,15 @@ class DispatchDecoratedView(APIView):
         return Response({"posted": True})
 
 
+@method_decorator(csrf_exempt, name="dispatch")
+@method_decorator(idempotent, name="dispatch")
+class DispatchDecoratedPlainView(View):
+    """A plain class view that authenticates nowhere: idempotent on dispatch() is fine."""
+
+    def post(self, request: HttpRequest) -> HttpResponseBase:
+        return _plain(request)
+
+
 @method_decorator(idempotent(methods=["PUT"]), name="put")
 class MethodDecoratedAPIView(APIView):
     """A DRF view protected by method_decorator instead of the mixin."""
