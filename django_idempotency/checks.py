@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import inspect
 import re
 from collections.abc import Sequence
 from datetime import timedelta
@@ -14,9 +15,11 @@ from django.conf import settings
 from django.core.checks import CheckMessage, Error, Tags, register
 from django.core.checks import Warning as CheckWarning
 from django.db import connections, router
+from django.utils.module_loading import import_string
 
 from django_idempotency import beat
-from django_idempotency.conf import conf
+from django_idempotency.conf import KINDS, conf, wrong_type
+from django_idempotency.engine.errors import Misconfigured
 from django_idempotency.models import IdempotencyRecord
 from django_idempotency.partitions import catalog, tables
 from django_idempotency.problems import ERROR_FORMATS
@@ -101,7 +104,8 @@ def check_partitions(
     databases: Sequence[str] | None = None,
     **kwargs: Any,
 ) -> list[CheckMessage]:
-    if not _ours(app_configs):
+    # A setting of the wrong type is E013's, not a traceback here.
+    if not _ours(app_configs) or wrong_type("PARTITIONS_AHEAD"):
         return []
     messages: list[CheckMessage] = []
     for alias in databases or ():
@@ -183,8 +187,28 @@ def check_settings(app_configs: Sequence[AppConfig] | None, **kwargs: Any) -> li
     if not _ours(app_configs):
         return []
     messages: list[CheckMessage] = []
+    # One error per setting of the wrong type; the checks below judge the others' values.
+    problems = {name: problem for name in KINDS if (problem := wrong_type(name))}
+    celery_app = _as_written("OUTBOX_CELERY_APP")
+    if celery_app and not problems.get("OUTBOX_CELERY_APP"):
+        try:
+            import_string(celery_app)
+        except ImportError as exc:
+            problems["OUTBOX_CELERY_APP"] = (
+                f"IDEMPOTENCY_OUTBOX_CELERY_APP {celery_app!r} cannot be imported ({exc})."
+            )
+    for name, problem in problems.items():
+        messages.append(
+            Error(
+                problem,
+                hint=f"Give IDEMPOTENCY_{name} {KINDS[name].description}, or remove it to use "
+                "its default.",
+                id="django_idempotency.E013",
+            )
+        )
+    invalid = set(problems)
     header = conf.HEADER
-    if not HEADER_NAME.fullmatch(header):
+    if "HEADER" not in invalid and not HEADER_NAME.fullmatch(header):
         messages.append(
             Error(
                 f"IDEMPOTENCY_HEADER {header!r} is not an HTTP header name.",
@@ -193,12 +217,11 @@ def check_settings(app_configs: Sequence[AppConfig] | None, **kwargs: Any) -> li
                 id="django_idempotency.E002",
             )
         )
-    invalid = set()
     for name, least in DURATIONS:
         value = getattr(conf, name)
-        if value is None and name in OPTIONAL_DURATIONS:
+        if name in invalid or (value is None and name in OPTIONAL_DURATIONS):
             continue
-        if not isinstance(value, timedelta) or value < least:
+        if value < least:
             invalid.add(name)
             wanted = "a positive timedelta" if least else "a timedelta, zero or more"
             if name in OPTIONAL_DURATIONS:
@@ -222,7 +245,7 @@ def check_settings(app_configs: Sequence[AppConfig] | None, **kwargs: Any) -> li
                     id="django_idempotency.E004",
                 )
             )
-    if conf.ERROR_FORMAT not in ERROR_FORMATS:
+    if "ERROR_FORMAT" not in invalid and conf.ERROR_FORMAT not in ERROR_FORMATS:
         messages.append(
             Error(
                 f"IDEMPOTENCY_ERROR_FORMAT {conf.ERROR_FORMAT!r} is not a known error format.",
@@ -231,11 +254,8 @@ def check_settings(app_configs: Sequence[AppConfig] | None, **kwargs: Any) -> li
             )
         )
     methods = _as_written("METHODS")
-    if methods is not None:
-        if isinstance(methods, str) or not all(isinstance(m, str) for m in methods):
-            safe = "not a list of method names"
-        else:
-            safe = ", ".join(sorted(SAFE_METHODS & {m.upper() for m in methods}))
+    if methods is not None and "METHODS" not in invalid:
+        safe = ", ".join(sorted(SAFE_METHODS & {m.upper() for m in methods}))
         if safe:
             messages.append(
                 Error(
@@ -247,9 +267,7 @@ def check_settings(app_configs: Sequence[AppConfig] | None, **kwargs: Any) -> li
             )
     for name, smallest in INTEGERS:
         number = _as_written(name)
-        if number is not None and (
-            not isinstance(number, int) or isinstance(number, bool) or number < smallest
-        ):
+        if number is not None and name not in invalid and number < smallest:
             messages.append(
                 Error(
                     f"IDEMPOTENCY_{name} is {number!r}; it must be an integer of at least "
@@ -259,7 +277,7 @@ def check_settings(app_configs: Sequence[AppConfig] | None, **kwargs: Any) -> li
                 )
             )
     principal = _as_written("PRINCIPAL")
-    if principal is not None:
+    if principal is not None and "PRINCIPAL" not in invalid:
         try:
             func = conf.PRINCIPAL
         except ImportError as exc:
@@ -276,7 +294,7 @@ def check_settings(app_configs: Sequence[AppConfig] | None, **kwargs: Any) -> li
                 )
             )
     display = _as_written("PRINCIPAL_DISPLAY")
-    if display is not None:
+    if display is not None and "PRINCIPAL_DISPLAY" not in invalid:
         # Found only when the admin's records page fails, without this check.
         try:
             labels = conf.PRINCIPAL_DISPLAY
@@ -429,7 +447,7 @@ def check_outbox_backlog(
 
     from django_idempotency.models import OutboxMessage
 
-    if not _ours(app_configs):
+    if not _ours(app_configs) or wrong_type("OUTBOX_MAX_AGE"):
         return []
     messages: list[CheckMessage] = []
     for alias in databases or ():
@@ -508,12 +526,28 @@ def check_views(app_configs: Sequence[AppConfig] | None, **kwargs: Any) -> list[
     # Like Django's own URL checks: no URLconf, nothing to judge.
     if not _ours(app_configs) or not getattr(settings, "ROOT_URLCONF", None):
         return []
-    from django_idempotency.endpoints import idempotent_endpoints
-
     messages: list[CheckMessage] = []
-    for endpoint in idempotent_endpoints():
-        name = f"{endpoint.route} ({_qualname(endpoint.view)})"
-        if endpoint.policy.principal is None and _open_to_anonymous(endpoint.view):
+    for endpoint in _endpoints():
+        name = f"{endpoint.route} ({_qualname(endpoint.handler)})"
+        policy = endpoint.policy
+        if _claims_before_authentication(endpoint):
+            messages.append(
+                Error(
+                    f"The idempotent view {name} is decorated with @idempotent outside the "
+                    "view's own dispatch (above @api_view, around as_view(), or on "
+                    "dispatch()), so the key is claimed before the view authenticates the "
+                    "client: every caller shares the anonymous principal.",
+                    hint="Put @idempotent below @api_view (next to the function), use "
+                    "IdempotencyMixin on a DRF class view, or decorate the method handler "
+                    '(method_decorator(idempotent, name="post")).',
+                    id="django_idempotency.E014",
+                )
+            )
+        elif (
+            policy.principal is None
+            and not policy.allow_anonymous
+            and _open_to_anonymous(endpoint.view)
+        ):
             messages.append(
                 CheckWarning(
                     f"The idempotent view {name} lets anonymous clients in, and all of them "
@@ -521,11 +555,12 @@ def check_views(app_configs: Sequence[AppConfig] | None, **kwargs: Any) -> list[
                     "response.",
                     hint="Require authentication on this view, or give it a principal "
                     "callable (idempotency_principal / principal=) that tells anonymous "
-                    "clients apart, such as by an API client id.",
+                    "clients apart, such as by an API client id; or, where shared anonymous "
+                    "keys are meant, set allow_anonymous=True.",
                     id="django_idempotency.W004",
                 )
             )
-        if _opens_durable_block(endpoint.view):
+        if _opens_durable_block(endpoint.handler):
             messages.append(
                 CheckWarning(
                     f"The idempotent view {name} opens transaction.atomic(durable=True), which "
@@ -538,15 +573,41 @@ def check_views(app_configs: Sequence[AppConfig] | None, **kwargs: Any) -> list[
     return messages
 
 
-def _qualname(view: Any) -> str:
-    # A DRF view comes as an instance, a plain view as its (decorated) function.
-    target = view if hasattr(view, "__qualname__") else type(view)
+def _endpoints() -> list[Any]:
+    from django_idempotency.endpoints import idempotent_endpoints
+
+    try:
+        return idempotent_endpoints()
+    except Misconfigured:  # a setting of the wrong type: E013 says which
+        return []
+
+
+def _qualname(handler: Any) -> str:
+    target = inspect.unwrap(handler) if callable(handler) else handler
+    if not hasattr(target, "__qualname__"):
+        target = type(target)
     return f"{target.__module__}.{target.__qualname__}"
 
 
+def _claims_before_authentication(endpoint: Any) -> bool:
+    """``@idempotent`` around the whole dispatch of a class view that authenticates there
+    (DRF's, or one with Django's access mixins): on the function that ``@api_view`` or
+    ``as_view()`` returned, or on ``dispatch()`` (which ``as_view()`` copies from)."""
+    handler = endpoint.handler
+    view_class = getattr(handler, "cls", None) or getattr(handler, "view_class", None)
+    if view_class is None or getattr(handler, "idempotency_options", None) is None:
+        return False
+    from django.contrib.auth.mixins import AccessMixin
+
+    return hasattr(view_class, "permission_classes") or issubclass(view_class, AccessMixin)
+
+
 def _open_to_anonymous(view: Any) -> bool:
-    """A DRF view whose permissions all allow anonymous clients; plain views cannot be
-    judged from outside (their decorators decide)."""
+    """A DRF view (a class, or ``@api_view``'s) whose permissions all allow anonymous
+    clients, or a Ninja operation without ``auth``; plain views cannot be judged from
+    outside (their decorators decide)."""
+    if hasattr(view, "auth_callbacks") and hasattr(view, "view_func"):  # Ninja's operation
+        return not view.auth_callbacks
     permissions = getattr(view, "permission_classes", None)
     if permissions is None:
         return False
@@ -555,12 +616,9 @@ def _open_to_anonymous(view: Any) -> bool:
     return all(permission is AllowAny for permission in permissions)
 
 
-def _opens_durable_block(view: Any) -> bool:
-    import inspect
-
-    owner = view if inspect.isfunction(view) else type(view)
+def _opens_durable_block(handler: Any) -> bool:
     try:
-        source = inspect.getsource(inspect.unwrap(owner))
+        source = inspect.getsource(inspect.unwrap(handler))
     except (OSError, TypeError):
         return False
     return re.search(r"atomic\([^)]*durable\s*=\s*True", source) is not None
@@ -580,10 +638,8 @@ def check_records_follow_writes(
         from django_idempotency.rest_framework import written_model
     except ImportError:  # without DRF, no view has a model to follow
         return []
-    from django_idempotency.endpoints import idempotent_endpoints
-
     messages: list[CheckMessage] = []
-    for endpoint in idempotent_endpoints():
+    for endpoint in _endpoints():
         model = written_model(endpoint.view) if endpoint.policy.using is None else None
         if model is None:
             continue

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
@@ -222,3 +223,130 @@ class Settings:
 
 
 conf = Settings()
+
+
+@dataclass(frozen=True, slots=True)
+class Kind:
+    """What a setting's value must be: said in messages, tested by ``accepts``."""
+
+    description: str
+    accepts: Callable[[Any], bool]
+
+
+def _is_int(value: Any) -> bool:
+    # bool is an int, but True is no byte count.
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _sequence_of(test: Callable[[Any], bool]) -> Callable[[Any], bool]:
+    # A str is a sequence of str: "POST" would be the methods P, O, S and T.
+    return lambda value: isinstance(value, list | tuple | set | frozenset) and all(map(test, value))
+
+
+def _or_none(test: Callable[[Any], bool]) -> Callable[[Any], bool]:
+    return lambda value: value is None or test(value)
+
+
+def _is_str(value: Any) -> bool:
+    return isinstance(value, str)
+
+
+def _is_duration(value: Any) -> bool:
+    return isinstance(value, timedelta)
+
+
+def _is_function(value: Any) -> bool:
+    return isinstance(value, str) or callable(value)
+
+
+TEXT = Kind("a str", _is_str)
+OPTIONAL_TEXT = Kind("a str, or None", _or_none(_is_str))
+TEXTS = Kind("a list or tuple of str", _sequence_of(_is_str))
+INTEGER = Kind("an int", _is_int)
+INTEGERS = Kind("a list or tuple of int", _sequence_of(_is_int))
+BOOLEAN = Kind("True or False", lambda value: isinstance(value, bool))
+DURATION = Kind("a datetime.timedelta", _is_duration)
+OPTIONAL_DURATION = Kind("a datetime.timedelta, or None", _or_none(_is_duration))
+FUNCTION = Kind("a function, or its dotted path as a str", _is_function)
+OPTIONAL_FUNCTION = Kind("a function, its dotted path as a str, or None", _or_none(_is_function))
+
+# What every IDEMPOTENCY_<name> setting must be; the settings' docs say the same. A setting
+# left out here is a test failure (tests/test_checks.py).
+KINDS: dict[str, Kind] = {
+    "HEADER": TEXT,
+    "METHODS": TEXTS,
+    "REQUIRED": BOOLEAN,
+    "TTL": DURATION,
+    "MAX_TTL": DURATION,
+    "EXPIRED_WINDOW": DURATION,
+    "WAIT": DURATION,
+    "MAX_WAIT": DURATION,
+    "MAX_WAITERS": INTEGER,
+    "LOOKUP_FIRST": BOOLEAN,
+    "SECRET_KEY": OPTIONAL_TEXT,
+    "UNSTORED_STATUSES": INTEGERS,
+    "REPLAY_HEADERS": TEXTS,
+    "FINGERPRINT_HEADERS": TEXTS,
+    "PRINCIPAL": OPTIONAL_FUNCTION,
+    "PRINCIPAL_DISPLAY": FUNCTION,
+    "ERROR_FORMAT": TEXT,
+    "PROBLEM_TYPE_BASE": TEXT,
+    "COMPRESS_MIN_BYTES": INTEGER,
+    "MAX_RESPONSE_BYTES": INTEGER,
+    "MAX_STORED_ERROR_BYTES": INTEGER,
+    "PARTITIONS_AHEAD": INTEGER,
+    "DROP_PARTITIONS": BOOLEAN,
+    "PARTITION_GRACE": DURATION,
+    "DDL_LOCK_TIMEOUT": DURATION,
+    "DELETE_BATCH_SIZE": INTEGER,
+    "BEAT_REGISTER": BOOLEAN,
+    "BEAT_CRONTAB": TEXT,
+    "OUTBOX_RETENTION": DURATION,
+    "OUTBOX_POLL_INTERVAL": DURATION,
+    "OUTBOX_MAX_AGE": DURATION,
+    "OUTBOX_LEASE": DURATION,
+    "OUTBOX_BATCH_SIZE": INTEGER,
+    "OUTBOX_EVENT_TASK": TEXT,
+    "OUTBOX_CELERY_APP": OPTIONAL_TEXT,
+    "OUTBOX_NOTIFY": BOOLEAN,
+    "OUTBOX_REDRIVE_AFTER": OPTIONAL_DURATION,
+    "OUTBOX_REDRIVE_LIMIT": INTEGER,
+    "CONSUMER_TTL": DURATION,
+    "CONSUMER_WAIT": DURATION,
+}
+
+# The settings a request reads: a wrong type among them refuses the request (500
+# misconfigured) instead of failing somewhere inside it.
+REQUEST_SETTINGS = (
+    "HEADER",
+    "METHODS",
+    "REQUIRED",
+    "TTL",
+    "MAX_TTL",
+    "EXPIRED_WINDOW",
+    "WAIT",
+    "MAX_WAIT",
+    "MAX_WAITERS",
+    "LOOKUP_FIRST",
+    "SECRET_KEY",
+    "UNSTORED_STATUSES",
+    "REPLAY_HEADERS",
+    "FINGERPRINT_HEADERS",
+    "PRINCIPAL",
+    "COMPRESS_MIN_BYTES",
+    "MAX_RESPONSE_BYTES",
+    "MAX_STORED_ERROR_BYTES",
+)
+_UNSET = object()
+
+
+def wrong_type(name: str) -> str | None:
+    """What is wrong with ``IDEMPOTENCY_<name>``'s type ("IDEMPOTENCY_TTL is 3600 (int); it
+    must be a datetime.timedelta."), or None when it is unset or of its kind."""
+    value = _setting(f"IDEMPOTENCY_{name}", _UNSET)
+    kind = KINDS[name]
+    if value is _UNSET or kind.accepts(value):
+        return None
+    return (
+        f"IDEMPOTENCY_{name} is {value!r} ({type(value).__name__}); it must be {kind.description}."
+    )

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import inspect
 from collections.abc import Callable
 from typing import Any, TypeVar, Unpack, overload
 
@@ -12,8 +13,9 @@ from django.core.handlers.exception import response_for_exception
 from django.http import Http404, HttpRequest
 from django.http.response import HttpResponseBase
 
+from django_idempotency.engine.errors import IdempotencyError
 from django_idempotency.engine.options import ViewOptions, policy_for
-from django_idempotency.engine.unit import RequestUnit, Run
+from django_idempotency.engine.unit import Refuse, RequestUnit, Run
 
 # Exceptions that Django turns into a 4xx response rather than a 500.
 CLIENT_ERRORS = (Http404, PermissionDenied, BadRequest, SuspiciousOperation)
@@ -34,19 +36,25 @@ def idempotent(view: Any = None, **options: Unpack[ViewOptions]) -> Any:
     """
 
     def decorate(func: View) -> View:
-        def policy(request: Any) -> RequestUnit:
+        # method_decorator() decorates a new partial of the method on every request: the
+        # policy is cached for the method it wraps.
+        owner = inspect.unwrap(func)
+
+        def policy(request: Any) -> RequestUnit | Refuse:
+            try:
+                resolved = policy_for(owner, options)
+            except IdempotencyError as error:  # settings of the wrong type
+                return Refuse(error)
             # Django's request, under DRF's too: the key and body are read from it.
-            return RequestUnit(
-                getattr(request, "_request", request),
-                policy_for(func, options),
-                sender=func,
-            )
+            return RequestUnit(getattr(request, "_request", request), resolved, sender=func)
 
         if iscoroutinefunction(func):
 
             @functools.wraps(func)
             async def async_wrapper(request: Any, *args: Any, **kwargs: Any) -> Any:
                 unit = policy(request)
+                if isinstance(unit, Refuse):
+                    return unit.response()
                 if not unit.covered:
                     return await func(request, *args, **kwargs)
                 # The unit's transaction lives on the thread that opened it: every
@@ -71,6 +79,8 @@ def idempotent(view: Any = None, **options: Unpack[ViewOptions]) -> Any:
             @functools.wraps(func)
             def sync_wrapper(request: Any, *args: Any, **kwargs: Any) -> Any:
                 unit = policy(request)
+                if isinstance(unit, Refuse):
+                    return unit.response()
                 if not unit.covered:
                     return func(request, *args, **kwargs)
                 decision = unit.open(principal_request=request)

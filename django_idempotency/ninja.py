@@ -93,7 +93,10 @@ class _Idempotent(Operation):
     def openapi_extra(self) -> dict[str, Any] | None:
         """Read by Ninja's schema: the settings of the moment decide what it says."""
         own: dict[str, Any] | None = self.__dict__.get("openapi_extra")
-        policy = policy_for(self.view_func, self.idempotency_options)
+        try:
+            policy = policy_for(self.view_func, self.idempotency_options)
+        except IdempotencyError:  # settings of the wrong type: requests say so, not imports
+            return own
         return _documented(own, policy) if policy.methods.intersection(self.methods) else own
 
     @openapi_extra.setter
@@ -108,6 +111,8 @@ class IdempotentOperation(_Idempotent):
         claim = _claim_for(self, request)
         if claim is None:
             return super().run(request, **kw)
+        if isinstance(claim, HttpResponse):
+            return claim
         try:
             response = super().run(request, **kw)
         except BaseException as exc:
@@ -130,6 +135,8 @@ class AsyncIdempotentOperation(_Idempotent, AsyncOperation):
         claim = _claim_for(self, request)
         if claim is None:
             return await super().run(request, **kw)
+        if isinstance(claim, HttpResponse):
+            return claim
         # The unit's transaction lives on the thread that opened it: every
         # sync_to_async(thread_sensitive=True) call of this request (Django's async ORM)
         # runs there, so the operation's writes join the claim's transaction.
@@ -168,8 +175,11 @@ def _idempotent_class(base: type[Operation]) -> type[Operation]:
     return _subclasses.setdefault(base, type(base.__name__, (mixin, base), {}))
 
 
-def _claim_for(operation: Any, request: HttpRequest) -> _Claim | None:
-    policy = policy_for(operation.view_func, operation.idempotency_options)
+def _claim_for(operation: Any, request: HttpRequest) -> _Claim | HttpResponse | None:
+    try:
+        policy = policy_for(operation.view_func, operation.idempotency_options)
+    except IdempotencyError as error:  # settings of the wrong type
+        return problem_response(error)
     unit = RequestUnit(request, policy, sender=operation.view_func)
     if not unit.covered:
         return None

@@ -8,10 +8,12 @@ from inspect import isawaitable
 from typing import Any
 
 from asgiref.sync import sync_to_async
+from django.core.exceptions import ImproperlyConfigured
 from django.http.response import HttpResponseBase
 from rest_framework.exceptions import NotAcceptable, UnsupportedMediaType
 from rest_framework.renderers import BaseRenderer
 from rest_framework.request import Request
+from rest_framework.views import APIView
 
 from django_idempotency.engine.errors import IdempotencyError
 from django_idempotency.engine.options import OPTION_NAMES, Policy, ViewOptions, policy_for
@@ -41,6 +43,19 @@ class IdempotencyMixin:
 
     _idempotency: RequestUnit | None = None
     _closes_after_dispatch = False
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        # APIView's initial() and finalize_response() call no super(): a mixin after it in
+        # the MRO is never reached, and the view runs unprotected without a word.
+        mro = cls.__mro__
+        if APIView in mro and mro.index(APIView) < mro.index(IdempotencyMixin):
+            raise ImproperlyConfigured(
+                f"{cls.__module__}.{cls.__qualname__} lists IdempotencyMixin after a DRF "
+                "view class in its bases, so the mixin would never run and the view would "
+                "not be idempotent. Put IdempotencyMixin first: "
+                f"class {cls.__name__}(IdempotencyMixin, ...)."
+            )
 
     def get_idempotency_options(self) -> ViewOptions:
         options: Any = {name: getattr(self, f"idempotency_{name}", None) for name in OPTION_NAMES}

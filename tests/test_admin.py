@@ -3,6 +3,7 @@ permissioned delete that frees the key."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import zlib
 from datetime import timedelta
@@ -452,3 +453,27 @@ def test_a_principal_callable_returning_the_user_is_shown_and_searched_by_userna
     assert f"alice (auth.user:{alice.pk})" in listing.text
     assert f"alice (user:{alice.pk})" in listing.text
     assert sorted(found) == sorted([from_callable.pk, by_default.pk])
+
+
+@pytest.mark.urls("tests.urls")
+def test_endpoints_are_found_in_every_view_style() -> None:
+    found: dict[str, set[str]] = {}
+    for endpoint in idempotent_endpoints():
+        found.setdefault(endpoint.route, set()).update(endpoint.methods)
+    assert found["/drf/api-view/"] == {"POST"}  # @idempotent under @api_view
+    assert found["/iban/above-api-view/"] == {"POST", "PATCH"}  # ... and above it
+    assert found["/cbv/method-decorated/"] == {"POST"}  # method_decorator on a View
+    assert found["/drf/method-decorated/"] == {"PUT"}  # ... and on an APIView
+    assert found["/cbv/dispatch-decorated/"] == {"POST", "PATCH"}  # ... on dispatch()
+    if importlib.util.find_spec("ninja"):
+        assert found["/ninja/open/"] == {"POST"}
+        assert found["/ninja/session/"] == {"POST"}
+
+
+def test_the_endpoint_filter_offers_ninja_operations(superuser_client) -> None:
+    pytest.importorskip("ninja")
+    charge = IdempotencyRecordFactory(path="/ninja/charges/")
+    IdempotencyRecordFactory(path="/ninja/charges/async/")
+    response = superuser_client.get(CHANGELIST, {"endpoint": "/ninja/charges/"})
+    assert {"/ninja/charges/", "/ninja/charges/async/"} <= set(offered(response, "endpoint"))
+    assert listed(response) == [charge.pk]

@@ -370,12 +370,12 @@ def test_a_message_whose_record_expired_is_acknowledged_without_running_again() 
 
 
 @pytest.mark.parametrize(
-    ("setting", "value"),
-    [("IDEMPOTENCY_CONSUMER_TTL", timedelta(0)), ("IDEMPOTENCY_CONSUMER_WAIT", 5)],
+    ("setting", "value", "check_id"),
+    [("IDEMPOTENCY_CONSUMER_TTL", timedelta(0), "E003"), ("IDEMPOTENCY_CONSUMER_WAIT", 5, "E013")],
 )
-def test_consumer_durations_are_checked(setting: str, value: Any) -> None:
+def test_consumer_durations_are_checked(setting: str, value: Any, check_id: str) -> None:
     with override_settings(**{setting: value}):
-        errors = [m for m in checks.run_checks() if m.id == "django_idempotency.E003"]
+        errors = [m for m in checks.run_checks() if m.id == f"django_idempotency.{check_id}"]
     assert [setting in m.msg for m in errors] == [True]
 
 

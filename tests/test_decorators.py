@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from datetime import timedelta
 from typing import Any
 
 import pytest
+import requests
 from django.contrib.auth.models import AnonymousUser
 from django.http import HttpRequest, JsonResponse
 from django.test import Client, RequestFactory
@@ -143,3 +145,108 @@ def test_http404_and_permission_denied_are_stored_and_replayed_like_drf(
     assert retry["Idempotent-Replayed"] == "true"
     assert retry.content == first.content
     assert CALLS[script["tag"]] == 1
+
+
+# @idempotent above the view's own authentication (contract 3, 15): over HTTP, the misplaced
+# decorator answers 500 misconfigured to a client with credentials and stores nothing, so
+# neither another user nor a client without credentials ever gets the first one's response.
+
+
+@pytest.fixture(scope="module")
+def views_server(
+    gunicorn_server: Any, django_db_blocker: Any, django_db_setup: None
+) -> Iterator[str]:
+    """gunicorn (1 worker, 4 threads) serving the test-only views (``tests.urls``)."""
+    env = {"DJANGO_SETTINGS_MODULE": "tests.views_settings"}
+    with gunicorn_server(workers=1, threads=4, env=env) as server:
+        yield server.url
+
+
+def post_iban(base_url: str, path: str, key: str, user: Any = None) -> requests.Response:
+    headers = {"Idempotency-Key": key}
+    if user is not None:
+        headers["Authorization"] = f"Token {user.token}"
+    return requests.post(f"{base_url}{path}", json={}, headers=headers, timeout=30)
+
+
+@pytest.mark.parametrize("path", ["/iban/above-token-required/", "/iban/above-api-view/"])
+@pytest.mark.django_db(transaction=True)
+def test_idempotent_above_authentication_never_replays_one_users_response_to_another(
+    views_server: str, make_token_user: Any, path: str
+) -> None:
+    alice, bob = make_token_user("alice"), make_token_user("bob")
+    key = new_key()
+    first = post_iban(views_server, path, key, alice)
+    assert first.status_code == 500, first.text
+    assert first.json()["type"].endswith("misconfigured")
+    assert not IdempotencyRecord.objects.filter(key=key).exists()
+    answers = [post_iban(views_server, path, key, bob), post_iban(views_server, path, key)]
+    print([(a.status_code, a.text[:80]) for a in answers])
+    for answer in answers:
+        assert "DE89" not in answer.text and "alice" not in answer.text
+        assert answer.headers.get("Idempotent-Replayed") != "true"
+    assert answers[0].status_code == 500  # bob, with credentials
+    assert answers[1].status_code in (401, 403)  # no credentials: the view's own answer
+    # Nothing of Alice's was ever stored, under any principal.
+    stored = IdempotencyRecord.objects.filter(key=key)
+    assert all(record.response_code >= 400 for record in stored)
+
+
+@pytest.mark.parametrize("path", ["/iban/below-token-required/", "/iban/below-api-view/"])
+@pytest.mark.django_db(transaction=True)
+def test_idempotent_below_authentication_scopes_each_users_key_to_them(
+    views_server: str, make_token_user: Any, path: str
+) -> None:
+    alice, bob = make_token_user("alice"), make_token_user("bob")
+    key = new_key()
+    first = post_iban(views_server, path, key, alice)
+    retry = post_iban(views_server, path, key, alice)
+    other = post_iban(views_server, path, key, bob)
+    assert first.status_code == 200 and first.json()["owner"] == "alice"
+    assert retry.headers["Idempotent-Replayed"] == "true" and retry.content == first.content
+    assert other.json()["owner"] == "bob" and "Idempotent-Replayed" not in other.headers
+    assert post_iban(views_server, path, key).status_code == 401
+
+
+# A setting of the wrong type on the request path: refused as misconfigured (an error log
+# naming the setting), never a traceback or a value read as something else.
+
+
+@pytest.mark.urls("tests.urls")
+@pytest.mark.parametrize(
+    ("setting", "value"),
+    [("IDEMPOTENCY_TTL", 3600), ("IDEMPOTENCY_REQUIRED", "False"),
+     ("IDEMPOTENCY_PRINCIPAL", "nowhere.principal"),
+     ("IDEMPOTENCY_PRINCIPAL", "tests.views.CALLS")],
+)  # fmt: skip
+@pytest.mark.parametrize("path", ["/plain/", "/drf/", "/adrf/", "/ninja/open/"])
+def test_a_setting_of_the_wrong_type_refuses_idempotent_requests_as_misconfigured(
+    path: str, setting: str, value: object, caplog: pytest.LogCaptureFixture
+) -> None:
+    if path.startswith("/ninja/"):
+        pytest.importorskip("ninja")
+    from django.test import override_settings
+
+    script = ScriptFactory()
+    with override_settings(**{setting: value}):
+        response = send(Client(), "POST", f"{path}?tag={script['tag']}", script, key=new_key())
+    assert response.status_code == 500
+    assert problem(response)["type"].endswith("misconfigured")
+    assert CALLS[script["tag"]] == 0
+    logged = [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
+    assert any(setting in message for message in logged), logged
+
+
+@pytest.mark.urls("tests.urls")
+def test_a_method_decorator_view_keeps_one_policy_however_many_requests() -> None:
+    # method_decorator() decorates a new partial of the method on every request: each one
+    # cached a policy, holding its request, for ever.
+    from django_idempotency.engine import options
+
+    client = Client()
+    first = send(client, "POST", "/cbv/method-decorated/", ScriptFactory(), key=new_key())
+    assert first.status_code == 201
+    cached = len(options._policies)
+    for _ in range(5):
+        send(client, "POST", "/cbv/method-decorated/", ScriptFactory(), key=new_key())
+    assert len(options._policies) == cached

@@ -955,3 +955,149 @@ def test_the_negotiated_media_type_is_a_part_named_header_accept() -> None:
     assert html["header:accept"] != as_json["header:accept"]
     assert differing(html, as_json) == ["header:accept"]
     assert differing(html, fingerprint(request, media_type="text/html")) == []
+
+
+# No anonymous claim with credentials (contract 3, 15): a keyed request whose principal is
+# the anonymous one while it carries credentials is refused before the claim.
+
+
+def misconfigured(response: Any) -> bool:
+    return response.status_code == 500 and problem(response)["type"].endswith("misconfigured")
+
+
+def logged_in_client() -> Any:
+    from django.test import Client
+
+    client = Client()
+    client.force_login(UserFactory())
+    return client
+
+
+@pytest.mark.parametrize(
+    "authorization",
+    ["Token 9944b09199c62bcf9418ad846dd0e4bbdfc6ee4b", "Bearer eyJhbGciOi.x.y", "Basic YTpi",
+     "Digest username=\"a\"", "ApiKey k", "opaque"],
+)  # fmt: skip
+@pytest.mark.django_db
+def test_an_anonymous_key_with_an_authorization_header_of_any_scheme_is_refused(
+    client: Any, authorization: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    script, key = ScriptFactory(), new_key()
+    response = send(client, "POST", "/plain/", script, key=key,
+                    headers={"Authorization": authorization})  # fmt: skip
+    assert misconfigured(response)
+    assert CALLS[script["tag"]] == 0
+    assert not IdempotencyRecord.objects.filter(key=key).exists()
+    (logged,) = [r for r in caplog.records if r.levelname == "ERROR" and "anonymous" in r.message]
+    assert "tests.views._plain" in logged.message and "POST /plain/" in logged.message
+    assert "below the view's authentication decorator" in logged.message
+    assert "allow_anonymous=True" in logged.message
+
+
+@pytest.mark.django_db
+def test_an_empty_authorization_header_carries_no_credentials(client: Any) -> None:
+    script = ScriptFactory()
+    response = send(client, "POST", "/plain/", script, key=new_key(),
+                    headers={"Authorization": " "})  # fmt: skip
+    assert response.status_code == 201
+    assert CALLS[script["tag"]] == 1
+
+
+@pytest.mark.django_db
+def test_an_anonymous_key_without_credentials_still_runs_in_the_anonymous_scope(
+    client: Any,
+) -> None:
+    script, key = ScriptFactory(), new_key()
+    assert send(client, "POST", "/plain/", script, key=key).status_code == 201
+    assert IdempotencyRecord.objects.get(key=key).scope == ANONYMOUS
+
+
+@pytest.mark.django_db
+def test_an_anonymous_session_cookie_carries_no_credentials(client: Any) -> None:
+    # A session with data but no user (a cart, a language), and a cookie naming no session.
+    session = client.session
+    session["cart"] = [1, 2]
+    session.save()
+    client.cookies["sessionid"] = session.session_key
+    script = ScriptFactory()
+    assert send(client, "POST", "/drf/token-only/", script, key=new_key()).status_code == 201
+    client.cookies["sessionid"] = "no-such-session"
+    assert send(client, "POST", "/drf/token-only/", script, key=new_key()).status_code == 201
+    assert CALLS[script["tag"]] == 2
+
+
+@pytest.mark.django_db
+def test_the_session_cookie_of_a_logged_in_session_on_an_anonymous_key_is_refused() -> None:
+    # The view authenticates by token only: the logged-in session does not make its client
+    # known, and the key would be claimed for the anonymous principal.
+    client, script, key = logged_in_client(), ScriptFactory(), new_key()
+    response = send(client, "POST", "/drf/token-only/", script, key=key)
+    assert misconfigured(response)
+    assert "session cookie of a logged-in session" in problem(response)["detail"]
+    assert CALLS[script["tag"]] == 0
+    assert not IdempotencyRecord.objects.filter(key=key).exists()
+
+
+@pytest.mark.django_db
+def test_a_logged_in_session_without_authentication_middleware_is_refused() -> None:
+    from django.test import override_settings
+
+    from testproject.settings import MIDDLEWARE
+
+    client, script = logged_in_client(), ScriptFactory()
+    without = [m for m in MIDDLEWARE if not m.endswith("AuthenticationMiddleware")]
+    with override_settings(MIDDLEWARE=without):
+        response = send(client, "POST", "/plain/", script, key=new_key())
+    assert misconfigured(response)
+    assert CALLS[script["tag"]] == 0
+
+
+@pytest.mark.django_db
+def test_credentials_of_an_authenticated_principal_are_no_concern(client: Any) -> None:
+    user = UserFactory()
+    client.force_login(user)
+    script, key = ScriptFactory(), new_key()
+    response = send(client, "POST", "/plain/", script, key=key,
+                    headers={"Authorization": "Bearer x"})  # fmt: skip
+    assert response.status_code == 201
+    assert IdempotencyRecord.objects.get(key=key).scope == f"user:{user.pk}"
+
+
+@pytest.mark.django_db
+def test_a_principal_callable_scopes_keys_whatever_credentials_come_along(client: Any) -> None:
+    script = ScriptFactory()
+    response = send(client, "POST", "/plain/tenant/", script, key=new_key(),
+                    headers={"Authorization": "Basic YTpi", "X-Tenant": "acme"})  # fmt: skip
+    assert response.status_code == 201
+
+
+@pytest.mark.parametrize(
+    ("path", "session"),
+    [("/plain/anonymous-keys/", False), ("/drf/anonymous-keys/", False),
+     ("/drf/anonymous-keys/", True)],
+)  # fmt: skip
+@pytest.mark.django_db
+def test_allow_anonymous_lets_a_view_take_anonymous_keys_with_credentials(
+    path: str, session: bool
+) -> None:
+    from django.test import Client
+
+    client, script, key = logged_in_client() if session else Client(), ScriptFactory(), new_key()
+    response = send(client, "POST", path, script, key=key,
+                    headers={"Authorization": "Signature keyId=\"sender\""})  # fmt: skip
+    assert response.status_code == 201
+    assert IdempotencyRecord.objects.get(key=key).scope == ANONYMOUS
+
+
+@pytest.mark.django_db
+def test_a_ninja_operation_without_auth_refuses_an_anonymous_key_with_credentials(
+    client: Any,
+) -> None:
+    pytest.importorskip("ninja")
+    tag, key = new_key(), new_key()
+    headers = {"Authorization": "Bearer x"}
+    response = send(client, "POST", f"/ninja/open/?tag={tag}", key=key, headers=headers)
+    assert misconfigured(response)
+    assert CALLS[tag] == 0
+    allowed = send(client, "POST", f"/ninja/anonymous-keys/?tag={tag}", key=key, headers=headers)
+    assert allowed.status_code == 200 and CALLS[tag] == 1

@@ -263,10 +263,10 @@ def test_a_partition_holding_an_unpublished_message_is_never_dropped_however_old
 @pytest.mark.parametrize(
     ("setting", "value", "check_id"),
     [
-        ("IDEMPOTENCY_OUTBOX_LEASE", 60, "django_idempotency.E003"),
+        ("IDEMPOTENCY_OUTBOX_LEASE", 60, "django_idempotency.E013"),
         ("IDEMPOTENCY_OUTBOX_POLL_INTERVAL", timedelta(0), "django_idempotency.E003"),
         ("IDEMPOTENCY_OUTBOX_RETENTION", timedelta(-1), "django_idempotency.E003"),
-        ("IDEMPOTENCY_OUTBOX_MAX_AGE", "5m", "django_idempotency.E003"),
+        ("IDEMPOTENCY_OUTBOX_MAX_AGE", "5m", "django_idempotency.E013"),
         ("IDEMPOTENCY_OUTBOX_BATCH_SIZE", 0, "django_idempotency.E008"),
     ],
 )

@@ -331,3 +331,56 @@ def test_idempotent_under_api_view_has_the_mixins_guarantees() -> None:
     assert replayed(send(client, "POST", "/drf/api-view/", invalid, key=invalid_key))
     reused = send(client, "POST", "/drf/api-view/", ScriptFactory(), key=key)
     assert reused.status_code == 422
+
+
+# The mixin's place in the bases (contract 15): after a DRF view class it would never run.
+
+
+def drf_bases() -> dict[str, type]:
+    from adrf.views import APIView as AsyncAPIView
+    from adrf.viewsets import ViewSet as AsyncViewSet
+    from rest_framework import generics, viewsets
+
+    return {
+        "APIView": APIView,
+        "CreateAPIView": generics.CreateAPIView,
+        "GenericAPIView": generics.GenericAPIView,
+        "ModelViewSet": viewsets.ModelViewSet,
+        "GenericViewSet": viewsets.GenericViewSet,
+        "adrf APIView": AsyncAPIView,
+        "adrf ViewSet": AsyncViewSet,
+    }
+
+
+BASES = ["APIView", "CreateAPIView", "GenericAPIView", "ModelViewSet", "GenericViewSet",
+         "adrf APIView", "adrf ViewSet"]  # fmt: skip
+
+
+@pytest.mark.parametrize("base", BASES)
+def test_the_mixin_after_a_drf_view_class_is_refused_when_the_class_is_made(base: str) -> None:
+    from django.core.exceptions import ImproperlyConfigured
+
+    with pytest.raises(ImproperlyConfigured, match=r"after a DRF view class.*Put IdempotencyMix"):
+        type("Orders", (drf_bases()[base], IdempotencyMixin), {})
+
+
+class Audited:
+    """Another mixin of the project's, listed before ours."""
+
+
+@pytest.mark.parametrize("base", BASES)
+def test_the_mixin_before_the_drf_view_class_is_accepted_and_so_are_subclasses(base: str) -> None:
+    view = type("Orders", (IdempotencyMixin, drf_bases()[base]), {})
+    type("MoreOrders", (view,), {})
+    type("AuditedOrders", (Audited, IdempotencyMixin, drf_bases()[base]), {})
+    type("Subclassed", (Audited, view), {})
+
+
+def test_a_mixin_after_a_view_class_is_refused_in_a_subclass_too() -> None:
+    from django.core.exceptions import ImproperlyConfigured
+
+    class Plain(APIView):
+        pass
+
+    with pytest.raises(ImproperlyConfigured):
+        type("Late", (Plain, IdempotencyMixin), {})

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from datetime import timedelta
+from importlib.util import find_spec
 
 from django.urls import include, path
 from rest_framework.routers import SimpleRouter
@@ -46,4 +47,19 @@ urlpatterns = [
     path("plain/tenant/", views.plain_tenant),
     path("plain/excluding/", views.plain_excluding),
     path("plain/login/", views.plain_login_required),
+    path("plain/anonymous-keys/", views.plain_anonymous_keys),
+    path("drf/token-only/", views.TokenOnlyView.as_view()),
+    path("drf/anonymous-keys/", views.AnonymousKeysView.as_view()),
+    path("iban/above-token-required/", views.iban_above_token_required),
+    path("iban/above-api-view/", views.iban_above_api_view),
+    path("iban/below-token-required/", views.iban_below_token_required),
+    path("iban/below-api-view/", views.iban_below_api_view),
+    path("cbv/method-decorated/", views.MethodDecoratedView.as_view()),
+    path("drf/method-decorated/", views.MethodDecoratedAPIView.as_view()),
+    path("drf/dispatch-decorated/", views.DispatchDecoratedView.as_view()),
+    path("cbv/dispatch-decorated/", views.DispatchDecoratedPlainView.as_view()),
 ]
+if find_spec("ninja"):  # an optional extra
+    from tests.ninja_views import api
+
+    urlpatterns.append(path("ninja/", api.urls))

@@ -14,6 +14,7 @@ in ``CALLS``, in memory, so a count survives the rollback of the row.
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import json
 import os
@@ -32,10 +33,12 @@ from django.core.exceptions import PermissionDenied
 from django.db import IntegrityError, connection, transaction
 from django.http import Http404, HttpRequest, HttpResponse, JsonResponse, StreamingHttpResponse
 from django.http.response import HttpResponseBase
+from django.utils.decorators import method_decorator
+from django.views import View
 from django.views.decorators.csrf import csrf_exempt
 from rest_framework import serializers, viewsets
 from rest_framework.authentication import SessionAuthentication, TokenAuthentication
-from rest_framework.decorators import action, api_view, permission_classes
+from rest_framework.decorators import action, api_view, authentication_classes, permission_classes
 from rest_framework.exceptions import NotFound, ValidationError
 from rest_framework.parsers import FormParser, JSONParser, MultiPartParser
 from rest_framework.permissions import AllowAny, BasePermission, IsAuthenticated
@@ -416,3 +419,94 @@ plain_tenant = csrf_exempt(idempotent(principal=tenant_principal)(_plain))
 plain_excluding = csrf_exempt(idempotent(exclude_fields=["client_ts", "meta.sent_at"])(_plain))
 # login_required outside: access control runs before the replay.
 plain_login_required = csrf_exempt(login_required(idempotent(_plain)))
+
+
+class TokenOnlyView(ScriptedView):
+    """Open to anonymous clients, and authenticates by token only: a logged-in session
+    cookie does not make its client known."""
+
+    authentication_classes = [TokenAuthentication]
+
+
+class AnonymousKeysView(TokenOnlyView):
+    idempotency_allow_anonymous = True
+
+
+plain_anonymous_keys = csrf_exempt(idempotent(allow_anonymous=True)(_plain))
+
+
+def _iban(request: HttpRequest) -> JsonResponse:
+    """An account's IBAN: what a replay must never hand to another client."""
+    user = request.user
+    CALLS.hit(f"iban:{user.pk}")
+    return JsonResponse({"iban": f"DE89370400440532{user.pk:06d}", "owner": user.username})
+
+
+def _iban_drf(request: Request) -> Response:
+    user = request.user
+    CALLS.hit(f"iban:{user.pk}")
+    return Response({"iban": f"DE89370400440532{user.pk:06d}", "owner": user.username})
+
+
+def token_required(view: Any) -> Any:
+    """The test project's token authentication, read when a request comes: tests.views is
+    also imported by settings without the payments app."""
+
+    @functools.wraps(view)
+    def wrapper(request: HttpRequest, *args: Any, **kwargs: Any) -> HttpResponseBase:
+        from testproject.payments.views import authenticate
+
+        return authenticate(request) or view(request, *args, **kwargs)
+
+    return wrapper
+
+
+def _token_api_view(view: Any) -> Any:
+    return api_view(["POST"])(
+        authentication_classes([TokenAuthentication])(permission_classes([IsAuthenticated])(view))
+    )
+
+
+# Misplaced on purpose: @idempotent above the view's own authentication claims the key
+# before anyone is authenticated, so every caller is the anonymous principal.
+iban_above_token_required = csrf_exempt(idempotent(token_required(_iban)))
+iban_above_api_view = idempotent(_token_api_view(_iban_drf))
+# The same views, decorated as the docs say.
+iban_below_token_required = csrf_exempt(token_required(idempotent(_iban)))
+iban_below_api_view = _token_api_view(idempotent(_iban_drf))
+
+
+@method_decorator(csrf_exempt, name="dispatch")
+@method_decorator(idempotent, name="post")
+class MethodDecoratedView(View):
+    """A plain class-based view whose POST is idempotent."""
+
+    def post(self, request: HttpRequest) -> HttpResponseBase:
+        return _plain(request)
+
+
+@method_decorator(idempotent, name="dispatch")
+class DispatchDecoratedView(APIView):
+    """Misplaced on purpose: dispatch() is where DRF authenticates."""
+
+    def post(self, request: Request) -> Response:
+        return Response({"posted": True})
+
+
+@method_decorator(csrf_exempt, name="dispatch")
+@method_decorator(idempotent, name="dispatch")
+class DispatchDecoratedPlainView(View):
+    """A plain class view that authenticates nowhere: idempotent on dispatch() is fine."""
+
+    def post(self, request: HttpRequest) -> HttpResponseBase:
+        return _plain(request)
+
+
+@method_decorator(idempotent(methods=["PUT"]), name="put")
+class MethodDecoratedAPIView(APIView):
+    """A DRF view protected by method_decorator instead of the mixin."""
+
+    permission_classes = [AllowAny]
+
+    def put(self, request: Request) -> Response:
+        return Response({"put": True})

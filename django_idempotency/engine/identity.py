@@ -15,6 +15,7 @@ from typing import Any
 from uuid import UUID
 
 from django.conf import settings
+from django.contrib.auth import SESSION_KEY
 from django.db.models import Model
 from django.http import HttpRequest
 
@@ -93,6 +94,26 @@ def principal_for(request: Any, func: PrincipalFunc | None) -> str:
     if len(value) > MAX_PRINCIPAL_LENGTH or not storable:
         value = "sha256:" + _digest(encoded)
     return value
+
+
+def credentials_of(request: HttpRequest) -> str | None:
+    """The credentials that Django's ``request`` carries, named for the log: an
+    ``Authorization`` header of any scheme, or the session cookie of a logged-in session
+    (one whose session holds a user); None when it carries neither.
+
+    Asked only about a request whose principal is the anonymous one: with credentials, the
+    key would be claimed before the view's own authentication had said who the client is.
+    """
+    if request.META.get("HTTP_AUTHORIZATION", "").strip(_OWS):
+        return "an Authorization header"
+    if settings.SESSION_COOKIE_NAME not in request.COOKIES:
+        return None
+    # Without SessionMiddleware nothing authenticates by the session cookie. The session is
+    # loaded once per request and shared with whatever reads it after us.
+    session = getattr(request, "session", None)
+    if session is not None and session.get(SESSION_KEY) is not None:
+        return "the session cookie of a logged-in session"
+    return None
 
 
 def _principal_name(value: Any) -> str:

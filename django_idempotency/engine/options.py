@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
@@ -12,7 +13,10 @@ from typing import Any, TypedDict
 from django.core.signals import setting_changed
 from django.http import HttpRequest
 
-from django_idempotency.conf import PrincipalFunc, conf
+from django_idempotency.conf import REQUEST_SETTINGS, PrincipalFunc, conf, wrong_type
+from django_idempotency.engine.errors import Misconfigured
+
+logger = logging.getLogger("django_idempotency")
 
 
 class ViewOptions(TypedDict, total=False):
@@ -31,6 +35,9 @@ class ViewOptions(TypedDict, total=False):
     # The database of the view's writes (an alias, or a callable of the request), where its
     # records must live for the one-transaction guarantee; by default the router's.
     using: str | Callable[[HttpRequest], str] | None
+    # Keys of anonymous clients are meant (a receiver scoped otherwise): no refusal of an
+    # anonymous request that carries credentials, and no warning W004.
+    allow_anonymous: bool | None
 
 
 OPTION_NAMES: tuple[str, ...] = tuple(ViewOptions.__annotations__)
@@ -49,12 +56,16 @@ class Policy:
     principal: PrincipalFunc | None
     lookup_first: bool
     using: str | Callable[[HttpRequest], str] | None
+    allow_anonymous: bool
     # The key's header, and as it appears in request.META.
     header: str
     header_meta: str
 
 
 def resolve(options: ViewOptions) -> Policy:
+    """The policy of these options over the settings; raises Misconfigured when a setting
+    that requests read has the wrong type (or IDEMPOTENCY_PRINCIPAL cannot be imported)."""
+    _require_valid_settings()
     methods = options.get("methods")
     ttl = options.get("ttl")
     wait = options.get("wait")
@@ -76,9 +87,33 @@ def resolve(options: ViewOptions) -> Policy:
         principal=getattr(principal, "__func__", principal) or conf.PRINCIPAL,
         lookup_first=conf.LOOKUP_FIRST if lookup_first is None else lookup_first,
         using=getattr(options.get("using"), "__func__", options.get("using")),
+        allow_anonymous=bool(options.get("allow_anonymous")),
         header=header,
         header_meta="HTTP_" + header.upper().replace("-", "_"),
     )
+
+
+def _require_valid_settings() -> None:
+    # Once per view (policies are cached): a wrong type found here would otherwise fail
+    # deep inside a request, or worse, be read as something else (bool("False") is True).
+    problems = [problem for name in REQUEST_SETTINGS if (problem := wrong_type(name))]
+    if not problems:
+        try:
+            principal: Any = conf.PRINCIPAL  # imports a dotted path
+        except ImportError as exc:
+            problems.append(f"IDEMPOTENCY_PRINCIPAL cannot be imported ({exc}).")
+        else:
+            if principal is not None and not callable(principal):
+                problems.append("IDEMPOTENCY_PRINCIPAL is not callable.")
+    if problems:
+        logger.error(
+            "Idempotent requests are refused until the settings are fixed (`manage.py "
+            "check` lists them): %s",
+            " ".join(problems),
+        )
+        raise Misconfigured(
+            "The server's idempotency settings are invalid, so the request was not processed."
+        )
 
 
 # Resolved once per view and set of option values (one class serves several URLs with

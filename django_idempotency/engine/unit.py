@@ -40,7 +40,14 @@ from django_idempotency.engine.errors import (
     StoreUnavailable,
 )
 from django_idempotency.engine.hashing import lock_id
-from django_idempotency.engine.identity import differing, fingerprint, parse_key, principal_for
+from django_idempotency.engine.identity import (
+    ANONYMOUS,
+    credentials_of,
+    differing,
+    fingerprint,
+    parse_key,
+    principal_for,
+)
 from django_idempotency.engine.options import Policy
 from django_idempotency.models import IdempotencyRecord
 from django_idempotency.problems import problem_response
@@ -583,6 +590,11 @@ class RequestUnit:
         try:
             with failing_closed():  # the user may be loaded from the database only now
                 principal = principal_for(principal_request, policy.principal)
+                carried = (
+                    credentials_of(request)
+                    if principal == ANONYMOUS and not policy.allow_anonymous
+                    else None
+                )
         except PrincipalMissing:
             logger.error(
                 "The principal callable of %s returned no principal; the request was "
@@ -590,6 +602,24 @@ class RequestUnit:
                 _name(self.sender),
             )
             raise
+        if carried is not None:
+            logger.error(
+                "The idempotent %s (%s %s) got a key from a request that carries %s, but "
+                "whose principal is the anonymous one: the key is claimed before the view's "
+                "own authentication runs, so every caller would share one scope and replay "
+                "each other's responses; the request was refused. Put @idempotent below the "
+                "view's authentication decorator (below @api_view for DRF), or set "
+                "allow_anonymous=True on a view whose keys are meant to be anonymous (a "
+                "receiver scoped otherwise).",
+                _name(self.sender),
+                request.method,
+                request.path,
+                carried,
+            )
+            raise Misconfigured(
+                f"The request carries {carried}, but this endpoint claimed its key before "
+                "authenticating it, so the request was not processed."
+            )
         parts = fingerprint(
             request, policy.exclude_fields, policy.fingerprint_headers, media_type=media_type
         )
