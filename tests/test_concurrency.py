@@ -174,6 +174,37 @@ def test_per_view_wait_applies_without_a_preference(live_server, settings) -> No
     assert "Preference-Applied" not in response.headers
 
 
+SLOW_PRINCIPAL_SECONDS = 4
+
+
+def slow_tenant(request: Any) -> str:
+    """A principal callable that takes its time (a tenant looked up on a slow service)."""
+    time.sleep(SLOW_PRINCIPAL_SECONDS)
+    return "tenant:slow"
+
+
+@ENDPOINTS
+def test_a_duplicates_wait_counts_from_its_arrival_not_from_the_claim(
+    live_server, settings, path: str
+) -> None:
+    # Contract 6: what a request spent before its claim (authentication, the principal
+    # callable) comes out of its wait. Here all of it: it is told 409 once its own 4 s are up,
+    # not after 4 more s of waiting at the claim.
+    settings.IDEMPOTENCY_MAX_WAIT = timedelta(seconds=60)
+    settings.IDEMPOTENCY_PRINCIPAL = slow_tenant
+    url, key, script = live_server.url + path, new_key(), ScriptFactory()
+    with held_claim("tenant:slow", key):
+        started = time.monotonic()
+        response = post(url, script, key, Prefer=f"wait={SLOW_PRINCIPAL_SECONDS}")
+        answered_in = time.monotonic() - started
+    print(f"answered in {answered_in:.2f}s")
+    assert response.status_code == 409
+    assert response.headers["Preference-Applied"] == f"wait={SLOW_PRINCIPAL_SECONDS}"
+    # Waiting from the claim would take twice the wait: 8 s or more.
+    assert answered_in < SLOW_PRINCIPAL_SECONDS * 1.75
+    assert CALLS[script["tag"]] == 0
+
+
 @ENDPOINTS
 def test_waiting_duplicate_executes_when_the_first_rolls_back(
     live_server, settings, path: str

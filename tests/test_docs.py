@@ -199,3 +199,62 @@ def test_docs_build_without_warnings(tmp_path):
         "django_idempotency.conf.Settings.PRINCIPAL_DISPLAY",
     ):
         assert f'id="{name}"' in api, name
+
+
+# The table of promise, guard and test (docs/guards.md): each MUST of the contract's sections
+# below names the test that fails when its guard is removed. A refactor that deletes or
+# renames such a test fails here until the table names its replacement.
+GUARDED_SECTIONS = ("3", "4", "5", "6", "12", "13", "15")
+# `tests/test_x.py::test_name`, `tests/test_x.py::TestCase::test_name`, with a parameter id.
+TEST_REFERENCE = re.compile(r"`(tests/\w+\.py)::((?:\w+::)?test_\w+)(?:\[[^\]`]*\])?`")
+TABLE_RULE = re.compile(r"\|[-:| ]+\|")
+PENDING = "(pending: issue 22)"
+NOT_BUILT = "(not built)"
+
+
+def guard_rows() -> list[list[str]]:
+    """The rows of the table in guards.md, each a list of its cells (header and rule left out)."""
+    rows = []
+    for line in page("guards.md").splitlines():
+        if not line.startswith("|") or not line.endswith("|") or TABLE_RULE.fullmatch(line):
+            continue
+        cells = [cell.strip() for cell in line[1:-1].split(" | ")]
+        if cells[0] != "§":
+            rows.append(cells)
+    return rows
+
+
+def guarded_tests() -> list[str]:
+    cells = " ".join(row[3] for row in guard_rows() if len(row) == 5)
+    return sorted({"::".join(reference) for reference in TEST_REFERENCE.findall(cells)})
+
+
+def test_the_guards_table_is_found_with_its_five_columns():
+    rows = guard_rows()
+    assert len(rows) > 50, "guards.md has lost its table"
+    assert [row for row in rows if len(row) != 5] == []
+
+
+@pytest.mark.parametrize("row", guard_rows(), ids=lambda row: f"section {row[0]}")
+def test_every_row_of_the_guards_table_names_a_test_or_says_why_not(row):
+    section, _, guard, test, removed = row
+    assert section in {str(n) for n in range(1, 16)}, section
+    if PENDING in test or NOT_BUILT in test:
+        return
+    assert TEST_REFERENCE.search(test), f"no tests/<file>.py::<test> in {test!r}"
+    assert guard and removed, row
+
+
+@pytest.mark.parametrize("section", GUARDED_SECTIONS)
+def test_every_guarded_section_has_a_row_with_a_test(section):
+    assert any(row[0] == section and TEST_REFERENCE.search(row[3]) for row in guard_rows())
+
+
+@pytest.mark.parametrize("reference", guarded_tests())
+def test_every_test_named_in_the_guards_table_exists(reference):
+    path, *names = reference.split("::")
+    module = importlib.import_module(path.removesuffix(".py").replace("/", "."))
+    found: object = module
+    for name in names:
+        found = getattr(found, name, None)
+    assert callable(found), f"{reference} is named in docs/guards.md but does not exist"

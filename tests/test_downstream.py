@@ -17,6 +17,7 @@ from rest_framework.views import APIView
 
 from django_idempotency.decorators import idempotent
 from django_idempotency.messaging.downstream import OutsideUnitOfWork, derive_key
+from django_idempotency.models import IdempotencyRecord
 from django_idempotency.rest_framework import IdempotencyMixin
 
 pytestmark = [pytest.mark.urls("tests.test_downstream"), pytest.mark.django_db(transaction=True)]
@@ -115,10 +116,14 @@ def test_the_key_is_uuid_shaped_and_reveals_nothing_of_its_inputs() -> None:
 
 
 def test_the_key_depends_on_the_apps_secret() -> None:
+    # The same request (principal, key and step) under two secrets. Its record is erased in
+    # between, so that the second runs instead of replaying the first's answer.
     first = post("/charge/", "k-1").json()["key"]
+    IdempotencyRecord.objects.filter(key="k-1").delete()
     with override_settings(IDEMPOTENCY_SECRET_KEY="another secret"):
-        assert post("/charge/", "k-2").json()["key"] != first
-        SENT.clear()
+        second = post("/charge/", "k-1").json()["key"]
+    assert [first, second] == SENT  # the second ran: no replay
+    assert second != first
 
 
 def test_the_drf_mixin_derives_keys_too() -> None:

@@ -7,6 +7,7 @@ import hashlib
 import http.client
 import io
 import json
+import logging
 import re
 import time
 from decimal import Decimal
@@ -748,6 +749,26 @@ def test_principal_callable_returning_none_is_a_500_and_never_a_shared_scope(
         assert body["title"] == "The view's principal callable returned no principal"
     assert CALLS[script["tag"]] == 0
     assert not IdempotencyRecord.objects.exists()
+
+
+@pytest.mark.django_db
+@pytest.mark.parametrize(
+    ("path", "view"), [("/drf/", "tests.views.ScriptedView"), ("/plain/", "tests.views._plain")]
+)
+def test_principal_callable_returning_none_logs_an_error_naming_the_view(
+    client, settings, caplog: pytest.LogCaptureFixture, path: str, view: str
+) -> None:
+    # Contract 3: the refusal is not only a 500 for the client, the operator is told where.
+    settings.IDEMPOTENCY_PRINCIPAL = lambda request: None
+    with caplog.at_level(logging.ERROR, logger="django_idempotency"):
+        response = send(client, "POST", path, ScriptFactory(), key=new_key())
+    assert response.status_code == 500
+    errors = [
+        record.getMessage()
+        for record in caplog.records
+        if record.levelno == logging.ERROR and record.name == "django_idempotency"
+    ]
+    assert any(f"view {view}" in message for message in errors), errors
 
 
 # Exact fingerprints (contract 4)

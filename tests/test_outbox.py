@@ -260,6 +260,29 @@ def test_a_partition_holding_an_unpublished_message_is_never_dropped_however_old
     assert outbox.keep_partition(connection, partition) is None  # all published: may go
 
 
+@pytest.mark.django_db(transaction=True)
+def test_published_messages_are_kept_for_the_outbox_retention_then_their_day_may_go():
+    from django.test import override_settings
+
+    from django_idempotency.partitions.maintain import maintain
+
+    with transaction.atomic():
+        published = enqueue_task("tests.noop")
+    OutboxMessage.objects.filter(id=published).update(published_at=datetime.now(UTC))
+    today = datetime.now(UTC).date()
+    name = outbox.OUTBOX.partition_name(today)
+    two_days_on = datetime(today.year, today.month, today.day, 12, tzinfo=UTC) + timedelta(days=2)
+
+    def dropped(retention: timedelta) -> list[str]:
+        with override_settings(IDEMPOTENCY_OUTBOX_RETENTION=retention):
+            report = maintain(now=two_days_on, tables=[outbox.OUTBOX], drop=True, dry_run=True)
+        return [partition.name for partition in report.plan.tables[0].drop]
+
+    # Contract 12: published rows stay for audit as long as configured, whatever else holds.
+    assert name not in dropped(timedelta(days=7))
+    assert name in dropped(timedelta(hours=1))
+
+
 @pytest.mark.parametrize(
     ("setting", "value", "check_id"),
     [

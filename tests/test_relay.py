@@ -163,6 +163,19 @@ def test_rows_are_published_in_the_order_they_were_written_by_one_relay(
     assert [h["id"] for h in private_redis.queued()] == ids
 
 
+def test_rows_another_relay_gave_back_are_still_published_in_the_order_they_were_written(
+    app: Celery, private_redis: RedisServer
+) -> None:
+    # A relay that stops between its claim and its publish gives its rows back: updated, they
+    # now lie after the others in the table, and only the claim's ORDER BY keeps them first.
+    ids = enqueue_many(120, per_txn=7)
+    stopping = Relay(app=app, batch_size=50)
+    batch = stopping.claim()
+    stopping.release(batch, batch.messages)
+    assert Relay(app=app, batch_size=25).drain() == 120
+    assert [h["id"] for h in private_redis.queued()] == ids
+
+
 def test_the_published_signal_names_the_ids_outside_any_transaction(app: Celery) -> None:
     sent: list[tuple[list[str], str, bool]] = []
 
