@@ -239,7 +239,8 @@ def _documented(extra: dict[str, Any] | None, policy: Policy) -> dict[str, Any]:
     own = dict(extra or {})
     return {
         **own,
-        "parameters": [header, *own.get("parameters", [])],
+        # A key read by key_from is no parameter of the request's.
+        "parameters": [*([] if policy.key_from else [header]), *own.get("parameters", [])],
         "responses": {
             **{
                 status: {

@@ -62,13 +62,21 @@ def parse_key(raw: str) -> str:
             raise InvalidKey("The parameters after the quoted Idempotency-Key are malformed.")
     else:
         key = value
+    return check_key(key)
+
+
+def check_key(key: Any, name: str = "Idempotency-Key") -> str:
+    """Return ``key`` if it is a valid key (1 to 255 characters of the key alphabet), else
+    raise InvalidKey; ``name`` says where it came from."""
+    if not isinstance(key, str):
+        raise InvalidKey(f"The {name} must be a string, not {type(key).__name__}.")
     if not key:
-        raise InvalidKey("The Idempotency-Key is empty.")
+        raise InvalidKey(f"The {name} is empty.")
     if len(key) > MAX_KEY_LENGTH:
-        raise InvalidKey(f"The Idempotency-Key is longer than {MAX_KEY_LENGTH} characters.")
+        raise InvalidKey(f"The {name} is longer than {MAX_KEY_LENGTH} characters.")
     if not _KEY_CHARS.issuperset(key):
         raise InvalidKey(
-            "The Idempotency-Key may contain only printable ASCII characters other than "
+            f"The {name} may contain only printable ASCII characters other than "
             'space, ", comma, ; and \\.'
         )
     return key

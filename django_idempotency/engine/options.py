@@ -9,10 +9,15 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, TypedDict
 
+from django.core.exceptions import ImproperlyConfigured
 from django.core.signals import setting_changed
 from django.http import HttpRequest
 
 from django_idempotency.conf import PrincipalFunc, conf
+
+# Reads a webhook receiver's key from the verified request (Django's HttpRequest), for
+# example the event id inside a signed JSON body; None when the request carries none.
+KeyFunc = Callable[[HttpRequest], str | None]
 
 
 class ViewOptions(TypedDict, total=False):
@@ -28,6 +33,9 @@ class ViewOptions(TypedDict, total=False):
     lookup_first: bool | None
     # The header that carries the key, for a webhook receiver: "X-GitHub-Delivery".
     key_header: str | None
+    # Or a callable that reads the key from the verified request, for a key the sender's
+    # signature covers but no header carries: Stripe's event id in the signed body.
+    key_from: KeyFunc | None
     # The database of the view's writes (an alias, or a callable of the request), where its
     # records must live for the one-transaction guarantee; by default the router's.
     using: str | Callable[[HttpRequest], str] | None
@@ -49,6 +57,7 @@ class Policy:
     principal: PrincipalFunc | None
     lookup_first: bool
     using: str | Callable[[HttpRequest], str] | None
+    key_from: KeyFunc | None
     # The key's header, and as it appears in request.META.
     header: str
     header_meta: str
@@ -64,6 +73,12 @@ def resolve(options: ViewOptions) -> Policy:
     lookup_first = options.get("lookup_first")
     principal = options.get("principal")
     header = options.get("key_header") or conf.HEADER
+    key_from = options.get("key_from")
+    if key_from is not None and options.get("key_header"):
+        raise ImproperlyConfigured(
+            "An idempotent view sets both key_header and key_from; the key comes from one "
+            "place. Keep key_from (a key the sender's signature covers) and drop key_header."
+        )
     return Policy(
         methods=conf.METHODS if methods is None else frozenset(m.upper() for m in methods),
         required=conf.REQUIRED if required is None else required,
@@ -76,6 +91,7 @@ def resolve(options: ViewOptions) -> Policy:
         principal=getattr(principal, "__func__", principal) or conf.PRINCIPAL,
         lookup_first=conf.LOOKUP_FIRST if lookup_first is None else lookup_first,
         using=getattr(options.get("using"), "__func__", options.get("using")),
+        key_from=getattr(key_from, "__func__", key_from),
         header=header,
         header_meta="HTTP_" + header.upper().replace("-", "_"),
     )

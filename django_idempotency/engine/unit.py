@@ -39,7 +39,13 @@ from django_idempotency.engine.errors import (
     StoreUnavailable,
 )
 from django_idempotency.engine.hashing import lock_id
-from django_idempotency.engine.identity import differing, fingerprint, parse_key, principal_for
+from django_idempotency.engine.identity import (
+    check_key,
+    differing,
+    fingerprint,
+    parse_key,
+    principal_for,
+)
 from django_idempotency.engine.options import Policy
 from django_idempotency.models import IdempotencyRecord
 from django_idempotency.problems import problem_response
@@ -522,8 +528,9 @@ class RequestUnit:
         self.model = model
         # A duplicate's wait counts from its arrival, not from the claim.
         self.arrived = time.monotonic()
+        # A key_from view's key is read only in open(), after the view's own checks.
         self.covered = request.method in policy.methods and (
-            policy.required or policy.header_meta in request.META
+            policy.required or policy.key_from is not None or policy.header_meta in request.META
         )
         self._unit: UnitOfWork | None = None
         self._headers: dict[str, str] = {}
@@ -531,12 +538,17 @@ class RequestUnit:
     def open(self, *, principal_request: Any = None, media_type: str | None = None) -> Decision:
         """Claim the key, or say how to answer instead. ``principal_request`` is the
         request that carries the authenticated user (DRF's), ``media_type`` the
-        negotiated one when the view can answer in several."""
+        negotiated one when the view can answer in several.
+
+        ``Run`` with nothing claimed when the view's ``key_from`` found no key and the view
+        does not require one: the request runs unprotected, as one without a key header."""
         try:
             unit = self._unit = self._prepare(principal_request or self.request, media_type)
         except IdempotencyError as error:
             telemetry.refused(self.sender, self.request, error)
             return self._refuse(error)
+        if unit is None:
+            return Run()
         try:
             decision = unit.open()
         except IdempotencyError as error:
@@ -552,12 +564,20 @@ class RequestUnit:
         error.headers.update(self._headers)
         return Refuse(error)
 
-    def _prepare(self, principal_request: Any, media_type: str | None) -> UnitOfWork:
+    def _prepare(self, principal_request: Any, media_type: str | None) -> UnitOfWork | None:
         request, policy = self.request, self.policy
-        raw = request.META.get(policy.header_meta)
-        if raw is None:
-            raise MissingKey(f"This endpoint requires an {policy.header} header.")
-        key = parse_key(raw)
+        if policy.key_from is not None:
+            found = policy.key_from(request)
+            if found is None:
+                if policy.required:
+                    raise MissingKey("This endpoint requires a key, and the request has none.")
+                return None
+            key = check_key(found, "key read from the request")
+        else:
+            raw = request.META.get(policy.header_meta)
+            if raw is None:
+                raise MissingKey(f"This endpoint requires an {policy.header} header.")
+            key = parse_key(raw)
         try:
             with failing_closed():  # the user may be loaded from the database only now
                 principal = principal_for(principal_request, policy.principal)
@@ -612,7 +632,8 @@ class RequestUnit:
         """Store the response and commit; the response to send (a problem when the work
         did not commit)."""
         unit = self._unit
-        assert unit is not None
+        if unit is None:  # run unprotected: key_from found no key
+            return response
         try:
             outcome = _outcome(response)
         except BaseException as exc:
