@@ -11,6 +11,7 @@ from tests import views
 
 router = SimpleRouter()
 router.register("groups", views.GroupViewSet)
+router.register("charges", views.ChargeViewSet)
 
 urlpatterns = [
     path("drf/", views.ScriptedView.as_view(), name="drf"),

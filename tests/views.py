@@ -47,6 +47,9 @@ from rest_framework.views import APIView
 
 from django_idempotency.decorators import idempotent
 from django_idempotency.rest_framework import IdempotencyMixin
+from testproject.payments.models import Charge
+from testproject.payments.serializers import ChargeDescriptionSerializer
+from testproject.payments.views import IsOwner
 
 # How long a gated handler waits for the test before giving up (a test that forgot to
 # open its gate must not hang the live server forever).
@@ -416,3 +419,17 @@ plain_tenant = csrf_exempt(idempotent(principal=tenant_principal)(_plain))
 plain_excluding = csrf_exempt(idempotent(exclude_fields=["client_ts", "meta.sent_at"])(_plain))
 # login_required outside: access control runs before the replay.
 plain_login_required = csrf_exempt(login_required(idempotent(_plain)))
+
+
+class ChargeViewSet(IdempotencyMixin, viewsets.ModelViewSet[Charge]):
+    """Token-authenticated charges, owner only, with DELETE covered too."""
+
+    authentication_classes = [TokenAuthentication]
+    permission_classes = [IsAuthenticated, IsOwner]
+    serializer_class = ChargeDescriptionSerializer
+    queryset = Charge.objects.all()
+    idempotency_methods = ["POST", "PATCH", "DELETE"]
+
+    def perform_destroy(self, instance: Charge) -> None:
+        CALLS.hit(f"destroy:{instance.pk}")
+        instance.delete()
