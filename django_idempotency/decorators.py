@@ -52,7 +52,9 @@ def idempotent(view: Any = None, **options: Unpack[ViewOptions]) -> Any:
                 # The unit's transaction lives on the thread that opened it: every
                 # sync_to_async(thread_sensitive=True) call of this request (Django's async
                 # ORM) runs there, so the view's writes join the claim's transaction.
-                decision = await sync_to_async(unit.open)(principal_request=request)
+                decision = await sync_to_async(unit.open)(
+                    principal_request=request, media_type=_media_type(request)
+                )
                 if not isinstance(decision, Run):
                     return decision.response()
                 try:
@@ -73,7 +75,7 @@ def idempotent(view: Any = None, **options: Unpack[ViewOptions]) -> Any:
                 unit = policy(request)
                 if not unit.covered:
                     return func(request, *args, **kwargs)
-                decision = unit.open(principal_request=request)
+                decision = unit.open(principal_request=request, media_type=_media_type(request))
                 if not isinstance(decision, Run):
                     return decision.response()
                 try:
@@ -99,6 +101,17 @@ def _drf_view(request: Any) -> Any:
     """The APIView that DRF's ``@api_view`` runs this function in, if any."""
     context = getattr(request, "parser_context", None)
     return context.get("view") if context else None
+
+
+def _media_type(request: Any) -> str | None:
+    """The media type DRF negotiated for an ``@api_view`` function that can answer in
+    several: part of the fingerprint, so a replay is never in one the retry did not ask for
+    (as for ``IdempotencyMixin``)."""
+    view = _drf_view(request)
+    if view is None or len(getattr(view, "renderer_classes", ())) < 2:
+        return None
+    media_type: str | None = getattr(request, "accepted_media_type", None)
+    return media_type
 
 
 def _answer(request: Any, response: HttpResponseBase) -> HttpResponseBase:

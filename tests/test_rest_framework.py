@@ -304,6 +304,19 @@ def test_the_negotiated_media_type_is_part_of_the_fingerprint() -> None:
     assert again.content == text.content
 
 
+@pytest.mark.parametrize("path", ["/drf/negotiated/", "/drf/api-view/negotiated/"])
+def test_a_replay_is_never_in_a_media_type_the_retry_did_not_ask_for(path: str) -> None:
+    key, script, client = new_key(), ScriptFactory(), APIClient()
+    text = send(client, "POST", path, script, key=key, headers={"Accept": "text/plain"})
+    assert text.status_code == 201 and text["Content-Type"].startswith("text/plain")
+    as_json = send(client, "POST", path, script, key=key, headers={"Accept": "application/json"})
+    assert as_json.status_code == 422 and not replayed(as_json)
+    assert problem(as_json)["differing"] == ["header:accept"]
+    again = send(client, "POST", path, script, key=key, headers={"Accept": "text/plain"})
+    assert replayed(again) and again.content == text.content
+    assert CALLS[script["tag"]] == 1
+
+
 def test_a_replay_on_a_detail_route_checks_object_permissions_first() -> None:
     group = Group.objects.create(name="owned")
     key, client = new_key(), APIClient()

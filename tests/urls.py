@@ -38,6 +38,7 @@ urlpatterns = [
     path("drf/json-only/", views.JSONOnlyView.as_view()),
     path("drf/durable/", views.DurableView.as_view()),
     path("drf/api-view/", views.api_view_charge),
+    path("drf/api-view/negotiated/", views.api_view_negotiated),
     path("drf/", include(router.urls)),
     path("adrf/", views.AsyncScriptedView.as_view()),
     path("plain/", views.plain),

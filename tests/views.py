@@ -35,7 +35,7 @@ from django.http.response import HttpResponseBase
 from django.views.decorators.csrf import csrf_exempt
 from rest_framework import serializers, viewsets
 from rest_framework.authentication import SessionAuthentication, TokenAuthentication
-from rest_framework.decorators import action, api_view, permission_classes
+from rest_framework.decorators import action, api_view, permission_classes, renderer_classes
 from rest_framework.exceptions import NotFound, ValidationError
 from rest_framework.parsers import FormParser, JSONParser, MultiPartParser
 from rest_framework.permissions import AllowAny, BasePermission, IsAuthenticated
@@ -273,6 +273,17 @@ class JSONOnlyView(ScriptedView):
 @idempotent
 def api_view_charge(request: Request) -> Response:
     """DRF's function-based views with @idempotent under @api_view."""
+    script = dict(request.data) if isinstance(request.data, Mapping) else {}
+    status, payload = perform(script)
+    return Response(payload, status=status)
+
+
+@api_view(["POST"])
+@permission_classes([AllowAny])
+@renderer_classes([JSONRenderer, PlainTextRenderer])
+@idempotent
+def api_view_negotiated(request: Request) -> Response:
+    """An @api_view function that answers in JSON or plain text, as the client asks."""
     script = dict(request.data) if isinstance(request.data, Mapping) else {}
     status, payload = perform(script)
     return Response(payload, status=status)
