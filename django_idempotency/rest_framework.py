@@ -17,6 +17,7 @@ from rest_framework.renderers import BaseRenderer
 from rest_framework.request import Request
 
 from django_idempotency.engine.errors import IdempotencyError
+from django_idempotency.engine.identity import has_body, unparseable_multipart
 from django_idempotency.engine.options import OPTION_NAMES, Policy, ViewOptions, policy_for
 from django_idempotency.engine.unit import Replay, RequestUnit, Run, failing_closed
 from django_idempotency.problems import PROBLEM_CONTENT_TYPE, problem_response
@@ -76,7 +77,7 @@ class IdempotencyMixin:
             return
         with failing_closed():  # authentication usually queries the same database
             super().initial(request, *args, **kwargs)  # type: ignore[misc]
-        _require_parser(request)
+        require_parser(request)
         renderers = getattr(self, "renderer_classes", ())
         media_type = request.accepted_media_type if len(renderers) > 1 else None
         decision = unit.open(principal_request=request, media_type=media_type)
@@ -180,12 +181,13 @@ def _object_exists(view: Any, value: Any) -> bool:
         return False
 
 
-def _require_parser(request: Request) -> None:
-    """A body that none of the view's parsers accepts is answered 415 before it is read,
-    fingerprinted or stored."""
-    meta = request.META
-    if meta.get("CONTENT_LENGTH", "0") in ("", "0") and "HTTP_TRANSFER_ENCODING" not in meta:
+def require_parser(request: Request) -> None:
+    """A body that none of the view's parsers accepts, or a multipart body that Django
+    cannot parse, is answered 415 before it is read, fingerprinted or stored."""
+    if not has_body(request.META):
         return
     negotiator, parsers = request.negotiator, request.parsers or ()
     if negotiator is not None and negotiator.select_parser(request, parsers) is None:
+        raise UnsupportedMediaType(request.content_type)
+    if unparseable_multipart(request._request) is not None:
         raise UnsupportedMediaType(request.content_type)

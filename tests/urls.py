@@ -48,4 +48,5 @@ urlpatterns = [
     path("plain/tenant/", views.plain_tenant),
     path("plain/excluding/", views.plain_excluding),
     path("plain/login/", views.plain_login_required),
+    path("plain/json-only/", views.plain_json_only),
 ]

@@ -428,6 +428,20 @@ plain_required = csrf_exempt(idempotent(required=True)(_plain))
 plain_put_only = csrf_exempt(idempotent(methods=["PUT"])(_plain))
 plain_tenant = csrf_exempt(idempotent(principal=tenant_principal)(_plain))
 plain_excluding = csrf_exempt(idempotent(exclude_fields=["client_ts", "meta.sent_at"])(_plain))
+
+
+@csrf_exempt
+@idempotent
+def plain_json_only(request: HttpRequest) -> HttpResponseBase:
+    """A plain view that parses its body as JSON, whatever the content type says."""
+    CALLS.hit("json-only")
+    try:
+        data = json.loads(request.body)
+    except ValueError:
+        return JsonResponse({"detail": "The body must be JSON."}, status=400)
+    return JsonResponse({"got": data}, status=201)
+
+
 # login_required outside: access control runs before the replay.
 plain_login_required = csrf_exempt(login_required(idempotent(_plain)))
 

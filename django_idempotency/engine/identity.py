@@ -10,6 +10,7 @@ import re
 import sys
 from collections.abc import Iterable, Sized
 from functools import lru_cache
+from io import BytesIO
 from operator import itemgetter
 from typing import Any
 from uuid import UUID
@@ -17,6 +18,7 @@ from uuid import UUID
 from django.conf import settings
 from django.db.models import Model
 from django.http import HttpRequest
+from django.http.multipartparser import MultiPartParser, MultiPartParserError
 
 from django_idempotency.conf import PrincipalFunc
 from django_idempotency.engine.errors import InvalidKey, PrincipalMissing
@@ -282,6 +284,25 @@ def _canonical_form(request: HttpRequest, exclude: tuple[str, ...]) -> bytes:
 
 def _name_then_kind(entry: tuple[Any, ...]) -> tuple[str, str]:
     return entry[1], entry[0]
+
+
+def has_body(meta: dict[str, Any]) -> bool:
+    """Whether a request announces a body (a length other than 0, or chunks)."""
+    return meta.get("CONTENT_LENGTH", "0") not in ("", "0") or "HTTP_TRANSFER_ENCODING" in meta
+
+
+def unparseable_multipart(request: HttpRequest) -> str | None:
+    """Why Django cannot parse this request's multipart body (no boundary, a malformed
+    one, a negative length), found from its headers without reading it; None when it is no
+    multipart body, or one Django parses."""
+    if request.content_type != "multipart/form-data" or not has_body(request.META):
+        return None
+    try:
+        # The parser checks its headers when it is built, and reads only when it parses.
+        MultiPartParser(request.META, BytesIO(), [], request.encoding)
+    except MultiPartParserError as exc:
+        return str(exc)
+    return None
 
 
 def canonical_body(request: HttpRequest, exclude: Iterable[str] = ()) -> bytes:
