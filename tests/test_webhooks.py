@@ -418,3 +418,18 @@ def test_key_from_and_key_header_together_are_a_clear_error() -> None:
 
     with pytest.raises(ImproperlyConfigured, match="both key_header and key_from"):
         resolve({"key_from": event_id, "key_header": "X-Event-Id"})
+
+
+def test_the_schema_of_a_key_from_receiver_shows_no_key_header() -> None:
+    pytest.importorskip("drf_spectacular")
+    from drf_spectacular.generators import SchemaGenerator
+
+    import django_idempotency.contrib.spectacular  # noqa: F401  what AppConfig.ready() imports
+
+    schema = SchemaGenerator(patterns=[path("events/", DRFEventReceiver.as_view())]).get_schema(
+        request=None, public=True
+    )
+    parameters = schema["paths"]["/events/"]["post"].get("parameters", [])
+    headers = {p["name"] for p in parameters if p["in"] == "header"}
+    assert "Idempotency-Key" not in headers
+    assert schema["paths"]["/events/"]["post"]["responses"]["400"]
