@@ -382,7 +382,7 @@ def test_a_replay_of_a_delete_is_a_404_for_an_object_the_queryset_hides(
     make_token_user: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     from testproject.payments.models import Charge
-    from tests.views import ChargeViewSet
+    from tests.payment_views import ChargeViewSet
 
     alice = make_token_user()
     charge = Charge.objects.create(amount=100, currency="eur", user=alice.user)

@@ -47,9 +47,6 @@ from rest_framework.views import APIView
 
 from django_idempotency.decorators import idempotent
 from django_idempotency.rest_framework import IdempotencyMixin
-from testproject.payments.models import Charge
-from testproject.payments.serializers import ChargeDescriptionSerializer
-from testproject.payments.views import IsOwner
 
 # How long a gated handler waits for the test before giving up (a test that forgot to
 # open its gate must not hang the live server forever).
@@ -444,17 +441,3 @@ def plain_json_only(request: HttpRequest) -> HttpResponseBase:
 
 # login_required outside: access control runs before the replay.
 plain_login_required = csrf_exempt(login_required(idempotent(_plain)))
-
-
-class ChargeViewSet(IdempotencyMixin, viewsets.ModelViewSet[Charge]):
-    """Token-authenticated charges, owner only, with DELETE covered too."""
-
-    authentication_classes = [TokenAuthentication]
-    permission_classes = [IsAuthenticated, IsOwner]
-    serializer_class = ChargeDescriptionSerializer
-    queryset = Charge.objects.all()
-    idempotency_methods = ["POST", "PATCH", "DELETE"]
-
-    def perform_destroy(self, instance: Charge) -> None:
-        CALLS.hit(f"destroy:{instance.pk}")
-        instance.delete()
