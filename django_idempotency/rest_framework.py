@@ -38,7 +38,8 @@ class IdempotencyMixin:
     transaction as everything the handler writes; the response is stored before commit.
     Set ``idempotency_<option>`` attributes (the keyword arguments of ``@idempotent``:
     ``methods``, ``required``, ``ttl``, ``wait``, ``exclude_fields``,
-    ``fingerprint_headers``, ``principal``, ``lookup_first``); those left at ``None`` take
+    ``fingerprint_headers``, ``principal``, ``lookup_first``, and for a webhook receiver
+    ``key_header`` or ``key_from``); those left at ``None`` take
     the ``IDEMPOTENCY_*`` settings. Options are resolved once per view class. It protects
     adrf's async views too, with the same guarantee.
     """
