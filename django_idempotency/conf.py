@@ -134,6 +134,11 @@ class Settings:
         return int(_setting("IDEMPOTENCY_MAX_STORED_ERROR_BYTES", 64 * 1024))
 
     @property
+    def MAX_STORED_ERRORS_PER_MINUTE(self) -> int | None:
+        value = _setting("IDEMPOTENCY_MAX_STORED_ERRORS_PER_MINUTE", 100)
+        return None if value is None else int(value)
+
+    @property
     def PARTITIONS_AHEAD(self) -> int:
         return int(_setting("IDEMPOTENCY_PARTITIONS_AHEAD", 7))
 

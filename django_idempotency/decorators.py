@@ -10,10 +10,12 @@ from typing import Any, TypeVar, Unpack, overload
 from asgiref.sync import iscoroutinefunction, sync_to_async
 from django.core.exceptions import BadRequest, PermissionDenied, SuspiciousOperation
 from django.core.handlers.exception import response_for_exception
-from django.http import Http404, HttpRequest
+from django.http import Http404, HttpRequest, HttpResponse, JsonResponse
+from django.http.request import RawPostDataException
 from django.http.response import HttpResponseBase
 
 from django_idempotency.engine.errors import IdempotencyError
+from django_idempotency.engine.identity import unparseable_multipart
 from django_idempotency.engine.options import ViewOptions, policy_for
 from django_idempotency.engine.unit import Refuse, RequestUnit, Run
 
@@ -57,19 +59,26 @@ def idempotent(view: Any = None, **options: Unpack[ViewOptions]) -> Any:
                     return unit.response()
                 if not unit.covered:
                     return await func(request, *args, **kwargs)
+                refused = _unsupported(request)
+                if refused is not None:
+                    return refused
                 # The unit's transaction lives on the thread that opened it: every
                 # sync_to_async(thread_sensitive=True) call of this request (Django's async
                 # ORM) runs there, so the view's writes join the claim's transaction.
-                decision = await sync_to_async(unit.open)(principal_request=request)
+                decision = await sync_to_async(unit.open)(
+                    principal_request=request, media_type=_media_type(request)
+                )
                 if not isinstance(decision, Run):
                     return decision.response()
                 try:
                     response = _answer(request, await func(request, *args, **kwargs))
                 except BaseException as exc:
                     answered = _client_error(request, exc)
-                    if answered is None:
+                    if answered is None or _unread(request, exc):
                         await sync_to_async(unit.fail)(exc)
-                        raise
+                        if answered is None:
+                            raise
+                        return answered
                     response = answered
                 return await sync_to_async(unit.close)(response)
 
@@ -83,16 +92,21 @@ def idempotent(view: Any = None, **options: Unpack[ViewOptions]) -> Any:
                     return unit.response()
                 if not unit.covered:
                     return func(request, *args, **kwargs)
-                decision = unit.open(principal_request=request)
+                refused = _unsupported(request)
+                if refused is not None:
+                    return refused
+                decision = unit.open(principal_request=request, media_type=_media_type(request))
                 if not isinstance(decision, Run):
                     return decision.response()
                 try:
                     response = _answer(request, func(request, *args, **kwargs))
                 except BaseException as exc:
                     answered = _client_error(request, exc)
-                    if answered is None:
+                    if answered is None or _unread(request, exc):
                         unit.fail(exc)
-                        raise
+                        if answered is None:
+                            raise
+                        return answered
                     response = answered
                 return unit.close(response)
 
@@ -111,6 +125,17 @@ def _drf_view(request: Any) -> Any:
     return context.get("view") if context else None
 
 
+def _media_type(request: Any) -> str | None:
+    """The media type DRF negotiated for an ``@api_view`` function that can answer in
+    several: part of the fingerprint, so a replay is never in one the retry did not ask for
+    (as for ``IdempotencyMixin``)."""
+    view = _drf_view(request)
+    if view is None or len(getattr(view, "renderer_classes", ())) < 2:
+        return None
+    media_type: str | None = getattr(request, "accepted_media_type", None)
+    return media_type
+
+
 def _answer(request: Any, response: HttpResponseBase) -> HttpResponseBase:
     # Under @api_view, DRF renders the response only after we return: render it now, as
     # DRF would, so that what is stored is what the client gets.
@@ -118,9 +143,50 @@ def _answer(request: Any, response: HttpResponseBase) -> HttpResponseBase:
     return response if view is None else view.finalize_response(request, response)
 
 
+def _unsupported(request: Any) -> HttpResponseBase | None:
+    """The 415 for a body the view cannot parse, answered before anything reads it (so
+    neither fingerprinted nor stored, and the key stays free): under ``@api_view`` one
+    that none of its parsers accepts, and for any view a multipart body that Django
+    cannot parse."""
+    if _drf_view(request) is not None:
+        from rest_framework.exceptions import UnsupportedMediaType
+
+        from django_idempotency.rest_framework import require_parser
+
+        try:
+            require_parser(request)
+        except UnsupportedMediaType as exc:
+            return _client_error(request, exc)
+        return None
+    reason = unparseable_multipart(request)
+    return None if reason is None else unsupported_media_type(request, reason)
+
+
+def unsupported_media_type(request: HttpRequest, reason: str) -> HttpResponse:
+    """A plain view's 415, in the words of DRF's."""
+    return JsonResponse(
+        {"detail": f'Unsupported media type "{request.content_type}" in request: {reason}.'},
+        status=415,
+    )
+
+
+def _unread(request: Any, exc: BaseException) -> bool:
+    """The view read the raw body of a multipart request whose stream the fingerprint had
+    parsed: it does not take multipart (a JSON view), so the 415 is not stored."""
+    django_request: HttpRequest = getattr(request, "_request", request)
+    return (
+        isinstance(exc, RawPostDataException)
+        and django_request.content_type == "multipart/form-data"
+    )
+
+
 def _client_error(request: Any, exc: BaseException) -> HttpResponseBase | None:
     """The 4xx that Django (or DRF, under ``@api_view``) would answer ``exc`` with, so the
     outcome is stored and replayed like any other; None for errors that are 5xx."""
+    if _unread(request, exc):
+        return unsupported_media_type(
+            getattr(request, "_request", request), "this view does not read multipart bodies"
+        )
     view = _drf_view(request)
     if view is not None and isinstance(exc, Exception):
         from rest_framework.exceptions import APIException

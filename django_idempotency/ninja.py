@@ -17,7 +17,7 @@ from django_idempotency.conf import conf
 from django_idempotency.engine.errors import (
     IdempotencyError,
 )
-from django_idempotency.engine.identity import MAX_KEY_LENGTH
+from django_idempotency.engine.identity import MAX_KEY_LENGTH, has_body, unparseable_multipart
 from django_idempotency.engine.options import Policy, ViewOptions, policy_for
 from django_idempotency.engine.unit import RequestUnit, Run, failing_closed
 from django_idempotency.problems import PROBLEM_CONTENT_TYPE, possible_errors, problem_response
@@ -125,7 +125,7 @@ class IdempotentOperation(_Idempotent):
             return super()._run_checks(request)
         with failing_closed():  # authentication usually queries the same database
             error = super()._run_checks(request)
-        return error or _open(claim, request)
+        return error or _unsupported(self, request) or _open(claim, request)
 
 
 class AsyncIdempotentOperation(_Idempotent, AsyncOperation):
@@ -152,7 +152,7 @@ class AsyncIdempotentOperation(_Idempotent, AsyncOperation):
             return await super()._run_checks(request)
         with failing_closed():
             error = await super()._run_checks(request)
-        return error or await sync_to_async(_open)(claim, request)
+        return error or _unsupported(self, request) or await sync_to_async(_open)(claim, request)
 
 
 _subclasses: dict[type[Operation], type[Operation]] = {}
@@ -186,6 +186,30 @@ def _claim_for(operation: Any, request: HttpRequest) -> _Claim | HttpResponse | 
     claim = _Claim(unit)
     setattr(request, _CLAIM, claim)
     return claim
+
+
+# Where an operation's parameters come from when it parses a multipart body.
+_FORM_SOURCES = frozenset({"form", "file"})
+
+
+def _unsupported(operation: Any, request: HttpRequest) -> HttpResponse | None:
+    """The 415 for a multipart body that the operation cannot parse (it takes no ``Form``
+    or ``File`` parameter, or Django cannot parse the body), before anything reads it: not
+    fingerprinted, not stored, and the key stays free."""
+    if request.content_type != "multipart/form-data" or not has_body(request.META):
+        return None
+    reason = unparseable_multipart(request)
+    if reason is None:
+        sources = {getattr(model, "__ninja_param_source__", None) for model in operation.models}
+        if sources & _FORM_SOURCES:
+            return None
+        reason = "this operation takes no form or file parameters"
+    response: HttpResponse = operation.api.create_response(
+        request,
+        {"detail": f'Unsupported media type "{request.content_type}" in request: {reason}.'},
+        status=415,
+    )
+    return response
 
 
 def _open(claim: _Claim, request: HttpRequest) -> HttpResponse | None:
@@ -249,7 +273,8 @@ def _documented(extra: dict[str, Any] | None, policy: Policy) -> dict[str, Any]:
     own = dict(extra or {})
     return {
         **own,
-        "parameters": [header, *own.get("parameters", [])],
+        # A key read by key_from is no parameter of the request's.
+        "parameters": [*([] if policy.key_from else [header]), *own.get("parameters", [])],
         "responses": {
             **{
                 status: {

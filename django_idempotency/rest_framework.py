@@ -8,7 +8,9 @@ from inspect import isawaitable
 from typing import Any
 
 from asgiref.sync import sync_to_async
-from django.core.exceptions import ImproperlyConfigured
+from django.core.exceptions import ImproperlyConfigured, ValidationError
+from django.db import router
+from django.http import Http404
 from django.http.response import HttpResponseBase
 from rest_framework.exceptions import NotAcceptable, UnsupportedMediaType
 from rest_framework.renderers import BaseRenderer
@@ -16,6 +18,7 @@ from rest_framework.request import Request
 from rest_framework.views import APIView
 
 from django_idempotency.engine.errors import IdempotencyError
+from django_idempotency.engine.identity import has_body, unparseable_multipart
 from django_idempotency.engine.options import OPTION_NAMES, Policy, ViewOptions, policy_for
 from django_idempotency.engine.unit import Replay, RequestUnit, Run, failing_closed
 from django_idempotency.problems import PROBLEM_CONTENT_TYPE, problem_response
@@ -36,7 +39,8 @@ class IdempotencyMixin:
     transaction as everything the handler writes; the response is stored before commit.
     Set ``idempotency_<option>`` attributes (the keyword arguments of ``@idempotent``:
     ``methods``, ``required``, ``ttl``, ``wait``, ``exclude_fields``,
-    ``fingerprint_headers``, ``principal``, ``lookup_first``); those left at ``None`` take
+    ``fingerprint_headers``, ``principal``, ``lookup_first``, and for a webhook receiver
+    ``key_header`` or ``key_from``); those left at ``None`` take
     the ``IDEMPOTENCY_*`` settings. Options are resolved once per view class. It protects
     adrf's async views too, with the same guarantee.
     """
@@ -88,7 +92,7 @@ class IdempotencyMixin:
             return
         with failing_closed():  # authentication usually queries the same database
             super().initial(request, *args, **kwargs)  # type: ignore[misc]
-        _require_parser(request)
+        require_parser(request)
         renderers = getattr(self, "renderer_classes", ())
         media_type = request.accepted_media_type if len(renderers) > 1 else None
         decision = unit.open(principal_request=request, media_type=media_type)
@@ -105,7 +109,14 @@ class IdempotencyMixin:
         kwargs = getattr(self, "kwargs", {}) or {}
         lookup = getattr(self, "lookup_url_kwarg", None) or getattr(self, "lookup_field", None)
         if lookup and lookup in kwargs and hasattr(self, "get_object"):
-            self.get_object()
+            try:
+                self.get_object()
+            except Http404:
+                # An object that no longer exists (a DELETE's retry) has no permission left
+                # to check, and the record is this principal's own: replay it. One that
+                # exists but that the view's queryset hides from this client stays a 404.
+                if _object_exists(self, kwargs[lookup]):
+                    raise
 
     def handle_exception(self, exc: Exception) -> HttpResponseBase:
         if isinstance(exc, Answered):
@@ -174,12 +185,24 @@ def written_model(view: Any) -> Any:
     return getattr(getattr(serializer_class, "Meta", None), "model", None)
 
 
-def _require_parser(request: Request) -> None:
-    """A body that none of the view's parsers accepts is answered 415 before it is read,
-    fingerprinted or stored."""
-    meta = request.META
-    if meta.get("CONTENT_LENGTH", "0") in ("", "0") and "HTTP_TRANSFER_ENCODING" not in meta:
+def _object_exists(view: Any, value: Any) -> bool:
+    """Whether the object a detail route names exists at all, on the primary (a replica
+    may still hold what was deleted), whatever the view's queryset shows this client."""
+    model = view.get_queryset().model
+    manager = model._default_manager.db_manager(router.db_for_write(model))
+    try:
+        return bool(manager.filter(**{view.lookup_field: value}).exists())
+    except (TypeError, ValueError, ValidationError):  # what get_object() answers 404 too
+        return False
+
+
+def require_parser(request: Request) -> None:
+    """A body that none of the view's parsers accepts, or a multipart body that Django
+    cannot parse, is answered 415 before it is read, fingerprinted or stored."""
+    if not has_body(request.META):
         return
     negotiator, parsers = request.negotiator, request.parsers or ()
     if negotiator is not None and negotiator.select_parser(request, parsers) is None:
+        raise UnsupportedMediaType(request.content_type)
+    if unparseable_multipart(request._request) is not None:
         raise UnsupportedMediaType(request.content_type)

@@ -12,10 +12,14 @@ captures; ``GET /v1/stats`` counts captures, keys, requests, replayed answers an
 deliveries; ``GET /v1/captures`` lists every capture (how a test counts them per charge).
 
 With ``--webhook-url`` and ``--webhook-secret`` it then tells the shop, like a real processor:
-a ``charge.settled`` event per capture, signed with HMAC-SHA256 of the body
-(``X-Processor-Signature: sha256=<hex>``) and identified by ``X-Processor-Delivery``, delivered
+a ``charge.settled`` event per capture, identified by ``X-Processor-Delivery``, delivered
 until it is answered 2xx, and then once more (``--extra-deliveries``), as real senders do now
-and then. ``POST /v1/webhook`` ``{"url", "secret"}`` sets both after the start.
+and then. Each attempt is signed as Standard Webhooks (Svix) sign theirs: HMAC-SHA256 of
+``<delivery id>.<timestamp>.<body>`` (``X-Processor-Signature: sha256=<hex>``, the Unix time
+in ``X-Processor-Timestamp``), so the delivery id, by which the shop deduplicates, and the
+time, by which it refuses an old capture replayed, are both covered by the signature.
+``POST /v1/webhook`` ``{"url", "secret"}`` sets both after the start; ``GET /v1/deliveries``
+lists the attempts sent (headers and body), as someone who captured them would have them.
 
 The module also holds the payments API's client: ``capture()``.
 """
@@ -37,6 +41,29 @@ from typing import Any
 
 KEY_HEADER = "Idempotency-Key"
 REPLAYED_HEADER = "Idempotent-Replayed"
+DELIVERY_HEADER = "X-Processor-Delivery"
+TIMESTAMP_HEADER = "X-Processor-Timestamp"
+SIGNATURE_HEADER = "X-Processor-Signature"
+
+
+def sign(secret: str, delivery: str, timestamp: str, body: bytes) -> str:
+    """The signature of a webhook attempt: HMAC-SHA256 of ``<delivery>.<timestamp>.<body>``,
+    hex, ``sha256=`` first. The receiver computes the same to verify it."""
+    signed = f"{delivery}.{timestamp}.".encode() + body
+    return "sha256=" + hmac.new(secret.encode(), signed, hashlib.sha256).hexdigest()
+
+
+def signed_headers(
+    secret: str, delivery: str, body: bytes, at: float | None = None
+) -> dict[str, str]:
+    """The headers of one attempt to deliver ``body`` as ``delivery``, signed now (or ``at``)."""
+    timestamp = str(int(time.time() if at is None else at))
+    return {
+        "Content-Type": "application/json",
+        DELIVERY_HEADER: delivery,
+        TIMESTAMP_HEADER: timestamp,
+        SIGNATURE_HEADER: sign(secret, delivery, timestamp, body),
+    }
 
 
 @dataclass
@@ -51,6 +78,8 @@ class Ledger:
     replays: int = 0
     deliveries: int = 0
     acknowledged: int = 0
+    # Every attempt sent: {"headers", "body"}.
+    sent: list[dict[str, Any]] = field(default_factory=list)
 
     def capture(self, key: str, body: dict[str, Any]) -> tuple[int, dict[str, Any], bool]:
         """(status, answer, replayed) for a capture request."""
@@ -109,6 +138,10 @@ class Handler(BaseHTTPRequestHandler):
             with self.server.ledger.lock:
                 captures = list(self.server.ledger.captures)
             self._send(200, {"captures": captures})
+        elif self.path == "/v1/deliveries":
+            with self.server.ledger.lock:
+                sent = list(self.server.ledger.sent)
+            self._send(200, {"deliveries": sent})
         else:
             self._send(404, {"error": "not found"})
 
@@ -163,16 +196,14 @@ class ProcessorServer(ThreadingHTTPServer):
         """Deliver ``charge.settled`` until it is answered 2xx (the shop may not have
         committed the charge yet), then ``extra_deliveries`` times more."""
         body = json.dumps({"type": "charge.settled", "data": {"capture": capture_id}}).encode()
-        digest = hmac.new(self.webhook_secret.encode(), body, hashlib.sha256).hexdigest()
-        headers = {
-            "Content-Type": "application/json",
-            "X-Processor-Delivery": str(uuid.uuid4()),
-            "X-Processor-Signature": f"sha256={digest}",
-        }
+        # One delivery id for every attempt; each attempt is signed at its own time.
+        delivery = str(uuid.uuid4())
         pause, extra = 0.2, self.extra_deliveries
         for _ in range(30):
+            headers = signed_headers(self.webhook_secret, delivery, body)
             with self.ledger.lock:
                 self.ledger.deliveries += 1
+                self.ledger.sent.append({"headers": headers, "body": body.decode()})
             request = urllib.request.Request(
                 self.webhook_url, data=body, method="POST", headers=headers
             )

@@ -177,6 +177,16 @@ def broker_from_settings_only() -> Iterator[None]:
         os.environ["CELERY_BROKER_URL"] = url
 
 
+@pytest.fixture(autouse=True)
+def fresh_error_budget(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each test starts a new minute of stored 4xx per principal
+    (``IDEMPOTENCY_MAX_STORED_ERRORS_PER_MINUTE``): the suite sends far more than the bound
+    as one anonymous principal, and a test must not depend on what ran before it."""
+    from django_idempotency.engine import unit
+
+    monkeypatch.setattr(unit, "error_budget", unit._ErrorBudget())
+
+
 @pytest.fixture(scope="session")
 def subprocess_env(test_database_url: str) -> dict[str, str]:
     """Environment for a child process that must use the test project and test database."""

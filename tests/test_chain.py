@@ -276,6 +276,21 @@ def test_the_processors_webhook_settles_the_charge_once_however_often_it_is_deli
         )
         assert Settlement.objects.filter(charge_id=charge.json()["id"]).count() == 1
         assert IdempotencyRecord.objects.filter(scope="webhook:processor").count() == 1
+        # Someone who captured the processor's last attempt sends it again: under a new
+        # delivery id it is refused (the signature covers the id), as it is it is answered
+        # with the first answer. Neither settles the charge again.
+        sent = requests.get(f"{processor}/v1/deliveries", timeout=5).json()["deliveries"]
+        captured = sent[-1]
+        body, headers = captured["body"].encode(), captured["headers"]
+        delivery = headers["X-Processor-Delivery"]
+        for _ in range(3):
+            forged = {**headers, "X-Processor-Delivery": str(uuid.uuid4())}
+            refused = requests.post(hook["url"], data=body, headers=forged, timeout=30)
+            assert refused.status_code == 401, refused.text
+        replayed = requests.post(hook["url"], data=body, headers=headers, timeout=30)
+        assert replayed.status_code == 200 and replayed.headers["Idempotent-Replayed"] == "true"
+        assert Settlement.objects.filter(charge_id=charge.json()["id"]).count() == 1
+        assert Settlement.objects.get(charge_id=charge.json()["id"]).delivery == delivery
     finally:
         requests.post(f"{processor}/v1/webhook", json={"url": "", "secret": ""}, timeout=5)
 

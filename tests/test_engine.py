@@ -904,3 +904,42 @@ def test_the_store_and_the_commit_travel_in_one_round_trip(client, random_bytes:
     assert trace.round_trips == 1
     # Committed by that round trip: Django's own commit() then costs none.
     assert status == TransactionStatus.IDLE
+
+
+@pytest.mark.django_db
+@pytest.mark.parametrize("path", ["/drf/tenant/", "/plain/tenant/"])
+def test_past_the_per_principal_bound_a_4xx_is_answered_but_not_stored(
+    client, settings, path: str, caplog
+) -> None:
+    settings.IDEMPOTENCY_MAX_STORED_ERRORS_PER_MINUTE = 3
+    tenant, other = {"X-Tenant": new_key()}, {"X-Tenant": new_key()}
+    keys = [new_key() for _ in range(5)]
+    invalid = [ScriptFactory(reject="invalid") for _ in keys]
+    for key, script in zip(keys, invalid, strict=True):
+        assert send(client, "POST", path, script, key=key, headers=tenant).status_code == 400
+    stored = set(IdempotencyRecord.objects.values_list("key", flat=True))
+    assert stored == set(keys[:3])
+    # Past the bound the key stays free: its retry runs again (a 4xx has no effect).
+    retry = send(client, "POST", path, invalid[4], key=keys[4], headers=tenant)
+    assert retry.status_code == 400 and not replayed(retry)
+    assert CALLS[invalid[4]["tag"]] == 2
+    assert replayed(send(client, "POST", path, invalid[0], key=keys[0], headers=tenant))
+    # A 2xx is stored whatever the count, and another principal has a bound of its own.
+    ok_key, ok = new_key(), ScriptFactory()
+    send(client, "POST", path, ok, key=ok_key, headers=tenant)
+    assert replayed(send(client, "POST", path, ok, key=ok_key, headers=tenant))
+    theirs = new_key()
+    send(client, "POST", path, ScriptFactory(reject="invalid"), key=theirs, headers=other)
+    assert IdempotencyRecord.objects.filter(key=theirs).exists()
+    warnings = [r for r in caplog.records if "MAX_STORED_ERRORS_PER_MINUTE" in r.getMessage()]
+    assert len(warnings) == 1
+
+
+@pytest.mark.django_db
+def test_without_a_bound_every_4xx_is_stored(client, settings) -> None:
+    settings.IDEMPOTENCY_MAX_STORED_ERRORS_PER_MINUTE = None
+    tenant = {"X-Tenant": new_key()}
+    for _ in range(150):
+        send(client, "POST", "/drf/tenant/", ScriptFactory(reject="invalid"), key=new_key(),
+             headers=tenant)  # fmt: skip
+    assert IdempotencyRecord.objects.count() == 150

@@ -283,17 +283,24 @@ def raw_request(
     return int(match[1]), answer
 
 
-def head(token: str, lines: list[tuple[bytes, bytes]], length: int | None) -> bytes:
+def head(
+    token: str,
+    lines: list[tuple[bytes, bytes]],
+    length: int | None,
+    *,
+    path: str = PROTECTED,
+    content_type: bytes = b"application/json",
+) -> bytes:
     fields = [
         (b"Host", b"127.0.0.1"),
         (b"Authorization", f"Token {token}".encode()),
-        (b"Content-Type", b"application/json"),
+        (b"Content-Type", content_type),
         (b"Connection", b"close"),
         *lines,
     ]
     if length is not None:
         fields.append((b"Content-Length", str(length).encode()))
-    return b"POST /api/charges/ HTTP/1.1\r\n" + b"".join(
+    return f"POST {path} HTTP/1.1\r\n".encode() + b"".join(
         name + b": " + value + b"\r\n" for name, value in fields
     ) + b"\r\n"  # fmt: skip
 
@@ -355,3 +362,76 @@ def test_a_huge_body_is_refused_without_the_worker_holding_it(
     grown = worker_rss(server) - before
     assert 400 <= status < 500, answer[:500]
     assert grown < 32 * 2**20, f"the worker grew by {grown >> 20} MiB"
+
+
+UPLOAD = 60 * 2**20
+MULTIPART_PATHS = [
+    PROTECTED, DECORATED, "/api/charges/async/", "/ninja/charges/", "/ninja/charges/async/"
+]  # fmt: skip
+
+
+def first_part(boundary: bytes = b"zzz") -> Iterator[bytes]:
+    """The start of a 60 MiB upload, and then nothing: a server that reads the body waits."""
+    yield (
+        b"--" + boundary + b'\r\nContent-Disposition: form-data; name="file"; filename="a.bin"'
+        b"\r\nContent-Type: application/octet-stream\r\n\r\n" + b"x" * 2**20
+    )
+
+
+@pytest.mark.django_db(transaction=True)
+@pytest.mark.parametrize("path", MULTIPART_PATHS)
+@pytest.mark.parametrize(
+    "content_type",
+    [b"multipart/form-data; boundary=zzz", b"multipart/form-data", b"multipart/form-data; boundary="
+     + b"b" * 250, b'multipart/form-data; boundary="ends in a space "'],
+    ids=["well-formed", "no-boundary", "boundary-too-long", "bad-boundary"],
+)  # fmt: skip
+def test_a_multipart_upload_the_view_cannot_parse_is_415_before_it_is_read(
+    server: Any, payer: Any, path: str, content_type: bytes
+) -> None:
+    # None of these views parses multipart (JSON only), or Django cannot parse the body at
+    # all. Only the first MiB of the announced 60 is ever sent: an answer proves that
+    # nothing waited to read the rest (today: read, hashed, then a 500).
+    key = new_key()
+    lines = [(b"Idempotency-Key", key.encode())]
+    request_head = head(payer.token, lines, UPLOAD, path=path, content_type=content_type)
+    status, answer = raw_request(server, request_head, first_part(), timeout=20)
+    assert status == 415, answer[:500]
+    from django_idempotency.models import IdempotencyRecord
+
+    assert not IdempotencyRecord.objects.filter(key=key).exists()
+
+
+@pytest.mark.django_db
+@pytest.mark.urls("tests.urls")
+def test_a_plain_view_that_reads_no_multipart_answers_415_not_500_and_stores_nothing() -> None:
+    from django_idempotency.models import IdempotencyRecord
+    from tests.views import CALLS
+
+    # Well-formed, so the fingerprint parses it; the view then reads the raw body, which
+    # Django no longer has: that view takes no multipart, and its key stays free.
+    key, client = new_key(), Client(raise_request_exception=False)
+    body = encode_multipart(BOUNDARY, {"amount": "1"})
+    before = CALLS["json-only"]
+    for _ in range(2):
+        response = client.generic("POST", "/plain/json-only/", body, content_type=MULTIPART_CONTENT,
+                                  headers={"Idempotency-Key": key})  # fmt: skip
+        assert response.status_code == 415, explain(response)
+    assert CALLS["json-only"] - before == 2
+    assert not IdempotencyRecord.objects.filter(key=key).exists()
+    as_json = client.post("/plain/json-only/", {"amount": 1}, content_type="application/json",
+                          headers={"Idempotency-Key": key})  # fmt: skip
+    assert as_json.status_code == 201
+
+
+@pytest.mark.django_db
+@pytest.mark.urls("tests.urls")
+@pytest.mark.parametrize("path", ["/plain/", "/plain/json-only/", "/drf/upload/"])
+def test_a_malformed_multipart_body_is_415_before_it_is_read(path: str) -> None:
+    from django_idempotency.models import IdempotencyRecord
+
+    key, client = new_key(), Client(raise_request_exception=False)
+    response = client.generic("POST", path, b"--zzz\r\n\r\nx", content_type="multipart/form-data",
+                              headers={"Idempotency-Key": key})  # fmt: skip
+    assert response.status_code == 415, explain(response)
+    assert not IdempotencyRecord.objects.filter(key=key).exists()

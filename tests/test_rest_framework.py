@@ -6,6 +6,7 @@ import json
 from typing import Any
 
 import pytest
+import requests
 from django.contrib.auth.models import Group
 from django.core.files.uploadedfile import SimpleUploadedFile
 from rest_framework.authentication import BaseAuthentication
@@ -303,6 +304,19 @@ def test_the_negotiated_media_type_is_part_of_the_fingerprint() -> None:
     assert again.content == text.content
 
 
+@pytest.mark.parametrize("path", ["/drf/negotiated/", "/drf/api-view/negotiated/"])
+def test_a_replay_is_never_in_a_media_type_the_retry_did_not_ask_for(path: str) -> None:
+    key, script, client = new_key(), ScriptFactory(), APIClient()
+    text = send(client, "POST", path, script, key=key, headers={"Accept": "text/plain"})
+    assert text.status_code == 201 and text["Content-Type"].startswith("text/plain")
+    as_json = send(client, "POST", path, script, key=key, headers={"Accept": "application/json"})
+    assert as_json.status_code == 422 and not replayed(as_json)
+    assert problem(as_json)["differing"] == ["header:accept"]
+    again = send(client, "POST", path, script, key=key, headers={"Accept": "text/plain"})
+    assert replayed(again) and again.content == text.content
+    assert CALLS[script["tag"]] == 1
+
+
 def test_a_replay_on_a_detail_route_checks_object_permissions_first() -> None:
     group = Group.objects.create(name="owned")
     key, client = new_key(), APIClient()
@@ -384,3 +398,51 @@ def test_a_mixin_after_a_view_class_is_refused_in_a_subclass_too() -> None:
 
     with pytest.raises(ImproperlyConfigured):
         type("Late", (Plain, IdempotencyMixin), {})
+
+
+@pytest.mark.django_db(transaction=True)
+def test_over_http_a_keyed_retry_of_a_delete_answers_the_stored_204(
+    live_server: Any, make_token_user: Any
+) -> None:
+    from testproject.payments.models import Charge
+
+    alice, bob = make_token_user(), make_token_user()
+    charge = Charge.objects.create(amount=100, currency="eur", user=alice.user)
+    url, key = f"{live_server.url}/drf/charges/{charge.pk}/", new_key()
+
+    def delete(user: Any, key: str, path: str = url) -> requests.Response:
+        return requests.delete(path, headers={**user.headers, "Idempotency-Key": key}, timeout=30)
+
+    first = delete(alice, key)
+    assert first.status_code == 204 and not replayed(first)
+    for _ in range(2):
+        retry = delete(alice, key)
+        assert retry.status_code == 204 and replayed(retry), (retry.status_code, retry.text)
+    assert CALLS[f"destroy:{charge.pk}"] == 1
+    # Only its principal replays a record: Bob's request with Alice's key runs as his own.
+    bobs = delete(bob, key)
+    assert bobs.status_code == 404 and not replayed(bobs)
+    # An object that exists again is checked before any replay: Bob's charge under the
+    # same id is not Alice's to delete, whatever she stored.
+    Charge.objects.create(pk=charge.pk, amount=5, currency="eur", user=bob.user)
+    refused = delete(alice, key)
+    assert refused.status_code == 403 and not replayed(refused)
+    assert Charge.objects.filter(pk=charge.pk).exists()
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_replay_of_a_delete_is_a_404_for_an_object_the_queryset_hides(
+    make_token_user: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from testproject.payments.models import Charge
+    from tests.payment_views import ChargeViewSet
+
+    alice = make_token_user()
+    charge = Charge.objects.create(amount=100, currency="eur", user=alice.user)
+    client, key, path = alice.client(), new_key(), f"/drf/charges/{charge.pk}/"
+    assert send(client, "DELETE", path, key=key).status_code == 204
+    Charge.objects.create(pk=charge.pk, amount=5, currency="eur", user=alice.user)
+    # The object exists, but the view no longer shows it to this client: not a replay.
+    monkeypatch.setattr(ChargeViewSet, "queryset", Charge.objects.none())
+    hidden = send(client, "DELETE", path, key=key)
+    assert hidden.status_code == 404 and not replayed(hidden)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from datetime import timedelta
 from importlib.util import find_spec
 
+from django.apps import apps
 from django.urls import include, path
 from rest_framework.routers import SimpleRouter
 
@@ -12,6 +13,10 @@ from tests import views
 
 router = SimpleRouter()
 router.register("groups", views.GroupViewSet)
+if apps.is_installed("testproject.payments"):
+    from tests.payment_views import ChargeViewSet
+
+    router.register("charges", ChargeViewSet)
 
 urlpatterns = [
     path("drf/", views.ScriptedView.as_view(), name="drf"),
@@ -38,6 +43,7 @@ urlpatterns = [
     path("drf/json-only/", views.JSONOnlyView.as_view()),
     path("drf/durable/", views.DurableView.as_view()),
     path("drf/api-view/", views.api_view_charge),
+    path("drf/api-view/negotiated/", views.api_view_negotiated),
     path("drf/", include(router.urls)),
     path("adrf/", views.AsyncScriptedView.as_view()),
     path("plain/", views.plain),
@@ -58,6 +64,7 @@ urlpatterns = [
     path("drf/method-decorated/", views.MethodDecoratedAPIView.as_view()),
     path("drf/dispatch-decorated/", views.DispatchDecoratedView.as_view()),
     path("cbv/dispatch-decorated/", views.DispatchDecoratedPlainView.as_view()),
+    path("plain/json-only/", views.plain_json_only),
 ]
 if find_spec("ninja"):  # an optional extra
     from tests.ninja_views import api

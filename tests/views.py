@@ -38,7 +38,13 @@ from django.views import View
 from django.views.decorators.csrf import csrf_exempt
 from rest_framework import serializers, viewsets
 from rest_framework.authentication import SessionAuthentication, TokenAuthentication
-from rest_framework.decorators import action, api_view, authentication_classes, permission_classes
+from rest_framework.decorators import (
+    action,
+    api_view,
+    authentication_classes,
+    permission_classes,
+    renderer_classes,
+)
 from rest_framework.exceptions import NotFound, ValidationError
 from rest_framework.parsers import FormParser, JSONParser, MultiPartParser
 from rest_framework.permissions import AllowAny, BasePermission, IsAuthenticated
@@ -278,6 +284,17 @@ def api_view_charge(request: Request) -> Response:
     return Response(payload, status=status)
 
 
+@api_view(["POST"])
+@permission_classes([AllowAny])
+@renderer_classes([JSONRenderer, PlainTextRenderer])
+@idempotent
+def api_view_negotiated(request: Request) -> Response:
+    """An @api_view function that answers in JSON or plain text, as the client asks."""
+    script = dict(request.data) if isinstance(request.data, Mapping) else {}
+    status, payload = perform(script)
+    return Response(payload, status=status)
+
+
 class ThrottleOnHeader(BaseThrottle):
     def allow_request(self, request: Request, view: Any) -> bool:
         return request.headers.get("X-Throttle") != "deny"
@@ -417,6 +434,20 @@ plain_required = csrf_exempt(idempotent(required=True)(_plain))
 plain_put_only = csrf_exempt(idempotent(methods=["PUT"])(_plain))
 plain_tenant = csrf_exempt(idempotent(principal=tenant_principal)(_plain))
 plain_excluding = csrf_exempt(idempotent(exclude_fields=["client_ts", "meta.sent_at"])(_plain))
+
+
+@csrf_exempt
+@idempotent
+def plain_json_only(request: HttpRequest) -> HttpResponseBase:
+    """A plain view that parses its body as JSON, whatever the content type says."""
+    CALLS.hit("json-only")
+    try:
+        data = json.loads(request.body)
+    except ValueError:
+        return JsonResponse({"detail": "The body must be JSON."}, status=400)
+    return JsonResponse({"got": data}, status=201)
+
+
 # login_required outside: access control runs before the replay.
 plain_login_required = csrf_exempt(login_required(idempotent(_plain)))
 

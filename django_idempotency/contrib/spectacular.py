@@ -134,22 +134,11 @@ class IdempotencySchemaMixin:
             return parameters
         stripe = conf.ERROR_FORMAT == "stripe"
         retry_codes = sorted({e.stripe_status if stripe else e.status for e in RETRIED_ERRORS})
+        # A key read by key_from is no parameter of the request's.
+        header = [] if options.key_from else [self._key_parameter(options)]
         return [
             *parameters,
-            OpenApiParameter(
-                options.header,  # a webhook receiver's key_header, else IDEMPOTENCY_HEADER
-                type={"type": "string", "minLength": 1, "maxLength": MAX_KEY_LENGTH + 2},
-                location=OpenApiParameter.HEADER,
-                required=options.required,
-                description=(
-                    "Makes this request safe to retry: the first request with a key runs, "
-                    "a retry with the same key and the same request gets the first response "
-                    f"back. 1 to {MAX_KEY_LENGTH} printable ASCII characters other than "
-                    '`"`, `,`, `;` and `\\`, bare or as a structured-field string; a new '
-                    "UUID per operation is a good key."
-                ),
-                examples=[OpenApiExample("uuid", value="8e03978e-40d5-43e8-bc93-6894a57f9324")],
-            ),
+            *header,
             OpenApiParameter(
                 REPLAYED_HEADER,
                 type={"type": "string", "enum": ["true"]},
@@ -167,6 +156,22 @@ class IdempotencySchemaMixin:
                 description="Seconds to wait before retrying with the same key.",
             ),
         ]
+
+    def _key_parameter(self, options: Policy) -> Any:
+        return OpenApiParameter(
+            options.header,  # a webhook receiver's key_header, else IDEMPOTENCY_HEADER
+            type={"type": "string", "minLength": 1, "maxLength": MAX_KEY_LENGTH + 2},
+            location=OpenApiParameter.HEADER,
+            required=options.required,
+            description=(
+                "Makes this request safe to retry: the first request with a key runs, "
+                "a retry with the same key and the same request gets the first response "
+                f"back. 1 to {MAX_KEY_LENGTH} printable ASCII characters other than "
+                '`"`, `,`, `;` and `\\`, bare or as a structured-field string; a new '
+                "UUID per operation is a good key."
+            ),
+            examples=[OpenApiExample("uuid", value="8e03978e-40d5-43e8-bc93-6894a57f9324")],
+        )
 
     def get_response_serializers(self) -> Any:
         options = self.idempotency_options()

@@ -10,6 +10,7 @@ import re
 import sys
 from collections.abc import Iterable, Sized
 from functools import lru_cache
+from io import BytesIO
 from operator import itemgetter
 from typing import Any
 from uuid import UUID
@@ -18,6 +19,7 @@ from django.conf import settings
 from django.contrib.auth import SESSION_KEY
 from django.db.models import Model
 from django.http import HttpRequest
+from django.http.multipartparser import MultiPartParser, MultiPartParserError
 
 from django_idempotency.conf import PrincipalFunc
 from django_idempotency.engine.errors import InvalidKey, PrincipalMissing
@@ -63,13 +65,21 @@ def parse_key(raw: str) -> str:
             raise InvalidKey("The parameters after the quoted Idempotency-Key are malformed.")
     else:
         key = value
+    return check_key(key)
+
+
+def check_key(key: Any, name: str = "Idempotency-Key") -> str:
+    """Return ``key`` if it is a valid key (1 to 255 characters of the key alphabet), else
+    raise InvalidKey; ``name`` says where it came from."""
+    if not isinstance(key, str):
+        raise InvalidKey(f"The {name} must be a string, not {type(key).__name__}.")
     if not key:
-        raise InvalidKey("The Idempotency-Key is empty.")
+        raise InvalidKey(f"The {name} is empty.")
     if len(key) > MAX_KEY_LENGTH:
-        raise InvalidKey(f"The Idempotency-Key is longer than {MAX_KEY_LENGTH} characters.")
+        raise InvalidKey(f"The {name} is longer than {MAX_KEY_LENGTH} characters.")
     if not _KEY_CHARS.issuperset(key):
         raise InvalidKey(
-            "The Idempotency-Key may contain only printable ASCII characters other than "
+            f"The {name} may contain only printable ASCII characters other than "
             'space, ", comma, ; and \\.'
         )
     return key
@@ -295,6 +305,25 @@ def _canonical_form(request: HttpRequest, exclude: tuple[str, ...]) -> bytes:
 
 def _name_then_kind(entry: tuple[Any, ...]) -> tuple[str, str]:
     return entry[1], entry[0]
+
+
+def has_body(meta: dict[str, Any]) -> bool:
+    """Whether a request announces a body (a length other than 0, or chunks)."""
+    return meta.get("CONTENT_LENGTH", "0") not in ("", "0") or "HTTP_TRANSFER_ENCODING" in meta
+
+
+def unparseable_multipart(request: HttpRequest) -> str | None:
+    """Why Django cannot parse this request's multipart body (no boundary, a malformed
+    one, a negative length), found from its headers without reading it; None when it is no
+    multipart body, or one Django parses."""
+    if request.content_type != "multipart/form-data" or not has_body(request.META):
+        return None
+    try:
+        # The parser checks its headers when it is built, and reads only when it parses.
+        MultiPartParser(request.META, BytesIO(), [], request.encoding)
+    except MultiPartParserError as exc:
+        return str(exc)
+    return None
 
 
 def canonical_body(request: HttpRequest, exclude: Iterable[str] = ()) -> bytes:

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, TypedDict
 
+from django.core.exceptions import ImproperlyConfigured
 from django.core.signals import setting_changed
 from django.http import HttpRequest
 
@@ -17,6 +18,10 @@ from django_idempotency.conf import REQUEST_SETTINGS, PrincipalFunc, conf, wrong
 from django_idempotency.engine.errors import Misconfigured
 
 logger = logging.getLogger("django_idempotency")
+
+# Reads a webhook receiver's key from the verified request (Django's HttpRequest), for
+# example the event id inside a signed JSON body; None when the request carries none.
+KeyFunc = Callable[[HttpRequest], str | None]
 
 
 class ViewOptions(TypedDict, total=False):
@@ -32,6 +37,9 @@ class ViewOptions(TypedDict, total=False):
     lookup_first: bool | None
     # The header that carries the key, for a webhook receiver: "X-GitHub-Delivery".
     key_header: str | None
+    # Or a callable that reads the key from the verified request, for a key the sender's
+    # signature covers but no header carries: Stripe's event id in the signed body.
+    key_from: KeyFunc | None
     # The database of the view's writes (an alias, or a callable of the request), where its
     # records must live for the one-transaction guarantee; by default the router's.
     using: str | Callable[[HttpRequest], str] | None
@@ -57,6 +65,7 @@ class Policy:
     lookup_first: bool
     using: str | Callable[[HttpRequest], str] | None
     allow_anonymous: bool
+    key_from: KeyFunc | None
     # The key's header, and as it appears in request.META.
     header: str
     header_meta: str
@@ -75,6 +84,12 @@ def resolve(options: ViewOptions) -> Policy:
     lookup_first = options.get("lookup_first")
     principal = options.get("principal")
     header = options.get("key_header") or conf.HEADER
+    key_from = options.get("key_from")
+    if key_from is not None and options.get("key_header"):
+        raise ImproperlyConfigured(
+            "An idempotent view sets both key_header and key_from; the key comes from one "
+            "place. Keep key_from (a key the sender's signature covers) and drop key_header."
+        )
     return Policy(
         methods=conf.METHODS if methods is None else frozenset(m.upper() for m in methods),
         required=conf.REQUIRED if required is None else required,
@@ -88,6 +103,7 @@ def resolve(options: ViewOptions) -> Policy:
         lookup_first=conf.LOOKUP_FIRST if lookup_first is None else lookup_first,
         using=getattr(options.get("using"), "__func__", options.get("using")),
         allow_anonymous=bool(options.get("allow_anonymous")),
+        key_from=getattr(key_from, "__func__", key_from),
         header=header,
         header_meta="HTTP_" + header.upper().replace("-", "_"),
     )

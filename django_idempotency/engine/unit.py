@@ -42,6 +42,7 @@ from django_idempotency.engine.errors import (
 from django_idempotency.engine.hashing import lock_id
 from django_idempotency.engine.identity import (
     ANONYMOUS,
+    check_key,
     credentials_of,
     differing,
     fingerprint,
@@ -134,6 +135,34 @@ class _Waiters:
 
 
 waiters = _Waiters()
+
+
+class _ErrorBudget:
+    """How many 4xx each principal stored in this minute, in this process: past
+    IDEMPOTENCY_MAX_STORED_ERRORS_PER_MINUTE a 4xx is answered but not stored.
+
+    Per process, not in the database: the bound only keeps a client from filling the store
+    with records of no effect, so an exact count across servers is not worth a query on
+    every 4xx; the store holds at most the bound times the number of processes. Only the
+    current minute is kept, so memory stays bounded by one minute's principals."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._minute = -1
+        self._counts: dict[str, int] = {}
+
+    def take(self, principal: str) -> int:
+        """Count one 4xx of ``principal``; how many it had this minute before this one."""
+        minute = int(time.monotonic() // 60)
+        with self._lock:
+            if minute != self._minute:
+                self._minute, self._counts = minute, {}
+            count = self._counts.get(principal, 0)
+            self._counts[principal] = count + 1
+            return count
+
+
+error_budget = _ErrorBudget()
 
 
 # Decisions of open().
@@ -451,6 +480,20 @@ class UnitOfWork:
             # A 4xx has no effect, so leaving its key free costs nothing; storing every
             # echo of a huge invalid body would.
             return False
+        if code >= 400:
+            limit = conf.MAX_STORED_ERRORS_PER_MINUTE
+            seen = 0 if limit is None else error_budget.take(self.work.principal)
+            if limit is not None and seen >= limit:
+                # Likewise, a client cannot make the store keep a record per 4xx at any
+                # rate: answered, not stored, and the key stays free. Logged once a minute.
+                if seen == limit:
+                    logger.warning(
+                        "A principal of %s stored %d 4xx this minute; its further 4xx are "
+                        "answered but not stored (IDEMPOTENCY_MAX_STORED_ERRORS_PER_MINUTE).",
+                        _name(self.sender),
+                        limit,
+                    )
+                return False
         if len(result.body) > conf.MAX_RESPONSE_BYTES:
             raise ImproperlyConfigured(
                 f"An idempotent response of {len(result.body)} bytes exceeds "
@@ -551,8 +594,9 @@ class RequestUnit:
         self.model = model
         # A duplicate's wait counts from its arrival, not from the claim.
         self.arrived = time.monotonic()
+        # A key_from view's key is read only in open(), after the view's own checks.
         self.covered = request.method in policy.methods and (
-            policy.required or policy.header_meta in request.META
+            policy.required or policy.key_from is not None or policy.header_meta in request.META
         )
         self._unit: UnitOfWork | None = None
         self._headers: dict[str, str] = {}
@@ -560,12 +604,17 @@ class RequestUnit:
     def open(self, *, principal_request: Any = None, media_type: str | None = None) -> Decision:
         """Claim the key, or say how to answer instead. ``principal_request`` is the
         request that carries the authenticated user (DRF's), ``media_type`` the
-        negotiated one when the view can answer in several."""
+        negotiated one when the view can answer in several.
+
+        ``Run`` with nothing claimed when the view's ``key_from`` found no key and the view
+        does not require one: the request runs unprotected, as one without a key header."""
         try:
             unit = self._unit = self._prepare(principal_request or self.request, media_type)
         except IdempotencyError as error:
             telemetry.refused(self.sender, self.request, error)
             return self._refuse(error)
+        if unit is None:
+            return Run()
         try:
             decision = unit.open()
         except IdempotencyError as error:
@@ -581,12 +630,20 @@ class RequestUnit:
         error.headers.update(self._headers)
         return Refuse(error)
 
-    def _prepare(self, principal_request: Any, media_type: str | None) -> UnitOfWork:
+    def _prepare(self, principal_request: Any, media_type: str | None) -> UnitOfWork | None:
         request, policy = self.request, self.policy
-        raw = request.META.get(policy.header_meta)
-        if raw is None:
-            raise MissingKey(f"This endpoint requires an {policy.header} header.")
-        key = parse_key(raw)
+        if policy.key_from is not None:
+            found = policy.key_from(request)
+            if found is None:
+                if policy.required:
+                    raise MissingKey("This endpoint requires a key, and the request has none.")
+                return None
+            key = check_key(found, "key read from the request")
+        else:
+            raw = request.META.get(policy.header_meta)
+            if raw is None:
+                raise MissingKey(f"This endpoint requires an {policy.header} header.")
+            key = parse_key(raw)
         try:
             with failing_closed():  # the user may be loaded from the database only now
                 principal = principal_for(principal_request, policy.principal)
@@ -664,7 +721,8 @@ class RequestUnit:
         """Store the response and commit; the response to send (a problem when the work
         did not commit)."""
         unit = self._unit
-        assert unit is not None
+        if unit is None:  # run unprotected: key_from found no key
+            return response
         try:
             outcome = _outcome(response)
         except BaseException as exc:

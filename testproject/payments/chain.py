@@ -5,9 +5,9 @@ webhook (deduplicated by its delivery id, scoped to the sender that signed it).
 
 from __future__ import annotations
 
-import hashlib
 import hmac
 import json
+import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable, Mapping
@@ -32,8 +32,10 @@ from testproject.payments.models import Capture, Charge, LedgerEntry, Payment, S
 from testproject.payments.serializers import ChainCountSerializer
 from testproject.payments.tasks import POST_LEDGER_ENTRY
 
-DELIVERY_HEADER = "X-Processor-Delivery"
-SIGNATURE_HEADER = "X-Processor-Signature"
+# A signed attempt older (or newer) than this is refused: a captured delivery cannot be
+# replayed after it, and within it only under its own delivery id, which is answered with
+# the first answer.
+WEBHOOK_TOLERANCE = 300
 
 
 def capture(data: Mapping[str, Any]) -> str | None:
@@ -67,22 +69,34 @@ def post_to_ledger(
     )
 
 
-def signature(secret: str, body: bytes) -> str:
-    """The processor's signature of a webhook body: HMAC-SHA256, hex, ``sha256=`` first."""
-    return "sha256=" + hmac.new(secret.encode(), body, hashlib.sha256).hexdigest()
-
-
 def verify_processor_signature(view: Callable[..., HttpResponse]) -> Callable[..., HttpResponse]:
-    """Refuse a delivery that the processor did not sign, before the delivery id is claimed:
-    an unsigned request must neither run the handler nor store an answer under a real
-    delivery id."""
+    """Refuse a delivery that the processor did not sign, or signed too long ago, before
+    the delivery id is claimed: the signature covers the delivery id, the timestamp and the
+    body, so the id that the view deduplicates on is the processor's own, and a delivery
+    captured and sent again under a new id is refused here."""
 
     @wraps(view)
     def wrapper(request: HttpRequest, *args: Any, **kwargs: Any) -> HttpResponse:
         secret = getattr(settings, "PAYMENTS_WEBHOOK_SECRET", "")
-        sent = request.headers.get(SIGNATURE_HEADER, "")
-        if not secret or not hmac.compare_digest(sent, signature(secret, request.body)):
+        delivery = request.headers.get(processor.DELIVERY_HEADER)
+        timestamp = request.headers.get(processor.TIMESTAMP_HEADER, "")
+        if not delivery or not timestamp.isascii() or not timestamp.isdigit():
+            return JsonResponse(
+                {
+                    "detail": f"A delivery carries {processor.DELIVERY_HEADER} and "
+                    f"{processor.TIMESTAMP_HEADER} (Unix time), both signed."
+                },
+                status=400,
+            )
+        sent = request.headers.get(processor.SIGNATURE_HEADER, "")
+        expected = processor.sign(secret, delivery, timestamp, request.body)
+        if not secret or not hmac.compare_digest(sent.encode(), expected.encode()):
             return JsonResponse({"detail": "The signature does not match."}, status=401)
+        if abs(time.time() - int(timestamp)) > WEBHOOK_TOLERANCE:
+            return JsonResponse(
+                {"detail": f"The delivery was signed more than {WEBHOOK_TOLERANCE} s ago."},
+                status=401,
+            )
         request.webhook_sender = "processor"  # type: ignore[attr-defined]
         return view(request, *args, **kwargs)
 
@@ -97,7 +111,8 @@ def webhook_sender(request: HttpRequest) -> str:
 @csrf_exempt
 @require_POST
 @verify_processor_signature
-@idempotent(key_header=DELIVERY_HEADER, principal=webhook_sender, required=True)
+# The delivery id is covered by the signature checked above: safe to deduplicate on.
+@idempotent(key_header=processor.DELIVERY_HEADER, principal=webhook_sender, required=True)
 def processor_webhook(request: HttpRequest) -> HttpResponse:
     """The processor's events: ``charge.settled`` marks the charge settled, once per
     delivery id however often the processor delivers it."""
@@ -121,7 +136,9 @@ def processor_webhook(request: HttpRequest) -> HttpResponse:
         # Perhaps captured by a request that has not committed yet: not stored (5xx), so
         # the processor's next delivery tries again.
         return JsonResponse({"detail": "Unknown charge; deliver again later."}, status=503)
-    settlement = Settlement.objects.create(charge=charge, delivery=request.headers[DELIVERY_HEADER])
+    settlement = Settlement.objects.create(
+        charge=charge, delivery=request.headers[processor.DELIVERY_HEADER]
+    )
     return JsonResponse({"charge": charge.pk, "settled": True, "settlement": settlement.pk})
 
 

@@ -202,6 +202,35 @@ def token_required(view: Callable[..., Any]) -> Callable[..., Any]:
     return wrapper
 
 
+def json_body(view: Callable[..., Any]) -> Callable[..., Any]:
+    """Answer 415 to a body that is not JSON before anything reads it: the plain views parse
+    JSON only, and ``@idempotent`` below would otherwise read (and fingerprint) a multipart
+    upload of any size first."""
+
+    def refused(request: HttpRequest) -> HttpResponse | None:
+        meta = request.META
+        empty = (
+            meta.get("CONTENT_LENGTH") in (None, "", "0") and "HTTP_TRANSFER_ENCODING" not in meta
+        )
+        if request.content_type == "application/json" or empty:
+            return None
+        return JsonResponse({"detail": "The body must be application/json."}, status=415)
+
+    if iscoroutinefunction(view):
+
+        @wraps(view)
+        async def async_wrapper(request: HttpRequest, *args: Any, **kwargs: Any) -> HttpResponse:
+            return refused(request) or await view(request, *args, **kwargs)
+
+        return async_wrapper
+
+    @wraps(view)
+    def wrapper(request: HttpRequest, *args: Any, **kwargs: Any) -> HttpResponse:
+        return refused(request) or view(request, *args, **kwargs)
+
+    return wrapper
+
+
 def charges_database(request: HttpRequest) -> str:
     """Where the plain views write charges (a tenant router picks it per request): their
     records must live there too, to commit with the charge."""
@@ -209,10 +238,12 @@ def charges_database(request: HttpRequest) -> str:
 
 
 # Authentication wraps @idempotent so that the principal is known and a replay never
-# bypasses it; csrf_exempt because, like DRF's views, this API authenticates by token.
+# bypasses it, and so does the media type check; csrf_exempt because, like DRF's views,
+# this API authenticates by token.
 @csrf_exempt
 @require_POST
 @token_required
+@json_body
 @idempotent(required=True, using=charges_database)
 def charge_without_drf(request: HttpRequest) -> HttpResponse:
     """The charge handler as a plain Django view, protected by ``@idempotent``."""
@@ -230,6 +261,7 @@ def charge_without_drf(request: HttpRequest) -> HttpResponse:
 @csrf_exempt
 @require_POST
 @token_required
+@json_body
 @idempotent(required=True, using=charges_database)
 async def charge_async(request: HttpRequest) -> HttpResponse:
     """The charge handler as an async Django view, protected by ``@idempotent``."""
