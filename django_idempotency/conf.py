@@ -268,6 +268,7 @@ TEXT = Kind("a str", _is_str)
 OPTIONAL_TEXT = Kind("a str, or None", _or_none(_is_str))
 TEXTS = Kind("a list or tuple of str", _sequence_of(_is_str))
 INTEGER = Kind("an int", _is_int)
+OPTIONAL_INTEGER = Kind("an int, or None", _or_none(_is_int))
 INTEGERS = Kind("a list or tuple of int", _sequence_of(_is_int))
 BOOLEAN = Kind("True or False", lambda value: isinstance(value, bool))
 DURATION = Kind("a datetime.timedelta", _is_duration)
@@ -299,6 +300,7 @@ KINDS: dict[str, Kind] = {
     "COMPRESS_MIN_BYTES": INTEGER,
     "MAX_RESPONSE_BYTES": INTEGER,
     "MAX_STORED_ERROR_BYTES": INTEGER,
+    "MAX_STORED_ERRORS_PER_MINUTE": OPTIONAL_INTEGER,
     "PARTITIONS_AHEAD": INTEGER,
     "DROP_PARTITIONS": BOOLEAN,
     "PARTITION_GRACE": DURATION,
@@ -341,6 +343,7 @@ REQUEST_SETTINGS = (
     "COMPRESS_MIN_BYTES",
     "MAX_RESPONSE_BYTES",
     "MAX_STORED_ERROR_BYTES",
+    "MAX_STORED_ERRORS_PER_MINUTE",
 )
 _UNSET = object()
 

@@ -573,6 +573,7 @@ WRONG_VALUES = {
     conf_module.OPTIONAL_TEXT: 42,
     conf_module.TEXTS: "POST",
     conf_module.INTEGER: "100",
+    conf_module.OPTIONAL_INTEGER: "100",
     conf_module.INTEGERS: "408",
     conf_module.BOOLEAN: "False",
     conf_module.DURATION: 3600,
