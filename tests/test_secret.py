@@ -20,13 +20,13 @@ from django.db import DEFAULT_DB_ALIAS, connection, connections, transaction
 from django.test import override_settings
 
 from django_idempotency.engine.errors import InProgress, Misconfigured
-from django_idempotency.engine.hashing import claim_locks
+from django_idempotency.engine.hashing import claim_locks, lock_id
 from django_idempotency.engine.unit import Outcome, Refuse, Replay, Run, UnitOfWork, Work
 from django_idempotency.storage import records as storage
 from django_idempotency.storage import secret
 from testproject.payments.models import Charge
 from tests.chain_processes import processor_captures, processor_stats, run_processor, wait_for
-from tests.claims import store_first
+from tests.claims import store_first, wait_for_lock_waiters
 from tests.conftest import GunicornServer, TokenUser, run_gunicorn
 
 # Two deployments of one project whose SECRET_KEYs differ: a rolling rotation, or a secret
@@ -247,35 +247,58 @@ def test_with_fallbacks_a_duplicate_waits_for_the_holder_and_replays() -> None:
 
 
 @pytest.mark.django_db(transaction=True)
-def test_servers_rotating_opposite_ways_never_deadlock() -> None:
-    # Each takes both locks of a key, in one order: neither waits for the other while it
-    # holds one. (Locks worked out first: the settings are the process's, not a thread's.)
-    keys = [str(uuid.uuid4()) for _ in range(20)]
+@pytest.mark.parametrize("blocked", ["old", "new"])
+def test_servers_rotating_opposite_ways_never_deadlock(blocked: str) -> None:
+    # A server rotating ahead ("new", fallback "old") and one rotating back ("old", fallback
+    # "new") both take a key's two locks. A third connection holds one of them; the first
+    # server queues behind it, then the second. Were the two locks taken in each server's own
+    # order, one of the two runs would end with each server holding the lock the other waits
+    # for: PostgreSQL's "deadlock detected". In one order, they run one after the other.
+    key, principal = str(uuid.uuid4()), "tests:rotation"
     claims = []
-    for key in keys:
-        for server in (ROLLING_OUT, ("old", ["new"])):
-            with configured(server):
-                claims.append((key, *claim_locks(DEFAULT_DB_ALIAS, "tests:rotation", key)))
+    for server in (ROLLING_OUT, ("old", ["new"])):
+        with configured(server):  # the settings are the process's: worked out here
+            claims.append(claim_locks(DEFAULT_DB_ALIAS, principal, key))
+    with configured((blocked, [])):
+        held = lock_id(DEFAULT_DB_ALIAS, principal, key)
 
-    def run(key: str, lock: int, also: tuple[int, ...]) -> storage.Outcome:
+    def run(lock: int, also: tuple[int, ...]) -> storage.Outcome:
         try:
             with transaction.atomic():
                 claimed = storage.claim(
-                    DEFAULT_DB_ALIAS, lock=lock, principal="tests:rotation", key=key,
-                    window=timedelta(hours=1), gone=timedelta(0), wait=timedelta(seconds=10),
+                    DEFAULT_DB_ALIAS, lock=lock, principal=principal, key=key,
+                    window=timedelta(hours=1), gone=timedelta(0), wait=timedelta(seconds=20),
                     also_lock=also,
                 )  # fmt: skip
                 if claimed.outcome is storage.Outcome.WON:
-                    store_first("tests:rotation", key, claimed, ttl=timedelta(hours=1))
+                    store_first(principal, key, claimed, ttl=timedelta(hours=1))
             return claimed.outcome
         finally:
             connections.close_all()
 
-    with ThreadPoolExecutor(4) as pool:
-        outcomes = list(pool.map(lambda claim: run(*claim), claims))
-    # Per key: one run and one replay, and no deadlock error.
-    assert outcomes.count(storage.Outcome.WON) == len(keys)
-    assert outcomes.count(storage.Outcome.FOUND) == len(keys)
+    release = threading.Event()
+
+    def block() -> None:
+        try:
+            with transaction.atomic(), connection.cursor() as cursor:
+                cursor.execute("SELECT pg_advisory_xact_lock(1768187245, %s)", [held])
+                blocking.set()
+                release.wait(30)
+        finally:
+            connections.close_all()
+
+    blocking = threading.Event()
+    with ThreadPoolExecutor(3) as pool:
+        blocker = pool.submit(block)
+        assert blocking.wait(30)
+        first = pool.submit(run, *claims[0])
+        wait_for_lock_waiters(1)
+        second = pool.submit(run, *claims[1])
+        wait_for_lock_waiters(2)
+        release.set()
+        blocker.result(30)
+        outcomes = {first.result(30), second.result(30)}
+    assert outcomes == {storage.Outcome.WON, storage.Outcome.FOUND}
 
 
 # No secret ---------------------------------------------------------------------------------
