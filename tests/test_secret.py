@@ -324,7 +324,7 @@ def test_a_database_without_the_secret_refuses_the_request_with_the_fix_in_the_l
     assert response.status_code == 500
     assert response["Content-Type"] == "application/problem+json"
     assert response.json()["type"].endswith(Misconfigured.name)
-    assert not Charge.objects.exists()
+    assert not Charge.objects.filter(user=token_user.user).exists()
     errors = [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
     assert any(
         "ChargeCreateView" in m and "manage.py migrate django_idempotency" in m for m in errors

@@ -16,11 +16,10 @@ where the records go (the routers are asked about ``IdempotencyRecord``), on any
 
 from __future__ import annotations
 
-import secrets
-
 from django.apps.registry import Apps
 from django.db import migrations
 from django.db.backends.base.schema import BaseDatabaseSchemaEditor
+from django.utils.crypto import get_random_string
 
 # One row, id 1. Not a model: nothing but this app reads it, and a test database flush
 # (TransactionTestCase) must not empty it.
@@ -73,7 +72,8 @@ def create(apps: Apps, schema_editor: BaseDatabaseSchemaEditor) -> None:
     schema_editor.execute(SECRET_TABLE, params=None)
     # Not through the schema editor, which logs its statements with their parameters.
     with connection.cursor() as cursor:
-        cursor.execute(INSERT_SECRET, [secrets.token_urlsafe(48)])
+        # 64 letters and digits from the secrets module: 381 random bits.
+        cursor.execute(INSERT_SECRET, [get_random_string(64)])
     if connection.vendor == "postgresql":
         # params=None: the SQL contains '%' that must not be read as placeholders.
         schema_editor.execute(LOCK_ALL_FUNCTION, params=None)
