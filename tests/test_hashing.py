@@ -71,8 +71,7 @@ def test_without_an_override_the_lock_is_keyed_with_the_databases_secret_not_sec
 
 
 @pytest.mark.django_db
-def test_the_databases_secret_is_read_once_per_process() -> None:
-    secret.forget()
+def test_the_databases_secret_is_read_once_per_process(secret_unread: None) -> None:
     with CaptureQueriesContext(connection) as first:
         current_secret(DEFAULT_DB_ALIAS)
     with CaptureQueriesContext(connection) as then:
@@ -84,31 +83,25 @@ def test_the_databases_secret_is_read_once_per_process() -> None:
 
 
 @pytest.mark.django_db
-def test_without_the_secrets_table_the_error_names_the_fix_and_never_falls_back() -> None:
-    secret.forget()
+def test_without_the_secrets_table_the_error_names_the_fix_and_never_falls_back(
+    secret_unread: None,
+) -> None:
     with connection.cursor() as cursor:
         # Rolled back with the test's transaction.
         cursor.execute("ALTER TABLE django_idempotency_secret RENAME TO moved_away")
-    try:
-        with pytest.raises(secret.SecretMissing, match=r"manage\.py migrate django_idempotency"):
-            lock_id(DEFAULT_DB_ALIAS, "a", "b")
-        # The failed read did not break the test's transaction.
-        with connection.cursor() as cursor:
-            cursor.execute("SELECT 1")
-    finally:
-        secret.forget()
+    with pytest.raises(secret.SecretMissing, match=r"manage\.py migrate django_idempotency"):
+        lock_id(DEFAULT_DB_ALIAS, "a", "b")
+    # The failed read did not break the test's transaction.
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT 1")
 
 
 @pytest.mark.django_db
-def test_an_empty_secrets_table_is_an_error_too() -> None:
-    secret.forget()
+def test_an_empty_secrets_table_is_an_error_too(secret_unread: None) -> None:
     with connection.cursor() as cursor:
-        cursor.execute("DELETE FROM django_idempotency_secret")
-    try:
-        with pytest.raises(secret.SecretMissing, match="no django_idempotency secret"):
-            current_secret(DEFAULT_DB_ALIAS)
-    finally:
-        secret.forget()
+        cursor.execute("DELETE FROM django_idempotency_secret")  # rolled back
+    with pytest.raises(secret.SecretMissing, match="no django_idempotency secret"):
+        current_secret(DEFAULT_DB_ALIAS)
 
 
 @override_settings(IDEMPOTENCY_SECRET_KEY="new")
