@@ -114,7 +114,7 @@ class Floor:
         commit, _ = self._timed("COMMIT")
         key = str(uuid.uuid4())
         cursor.execute("SELECT 1")
-        lock = self.lock_id(self.principal, key)
+        lock = self.lock_id("default", self.principal, key)
         params = [lock, self.principal, key, self.window, self.gone, self.wait_ms, None]
         claim, row = self._timed(self.claim_sql, params)
         if row[0] != "won":

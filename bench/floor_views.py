@@ -82,7 +82,7 @@ def claim_key(principal: str, key: str) -> storage.Claimed:
     not wait, inside the caller's transaction."""
     return storage.claim(
         DEFAULT_DB_ALIAS,
-        lock=lock_id(principal, key),
+        lock=lock_id(DEFAULT_DB_ALIAS, principal, key),
         principal=principal,
         key=key,
         window=conf.MAX_TTL + conf.EXPIRED_WINDOW,

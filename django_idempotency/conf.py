@@ -80,8 +80,14 @@ class Settings:
         return bool(_setting("IDEMPOTENCY_LOOKUP_FIRST", False))
 
     @property
-    def SECRET_KEY(self) -> str:
-        return str(_setting("IDEMPOTENCY_SECRET_KEY", None) or _setting("SECRET_KEY", ""))
+    def SECRET_KEY(self) -> str | None:
+        # None: the secret that the app's migration made in the records' database.
+        value = _setting("IDEMPOTENCY_SECRET_KEY", None)
+        return str(value) if value else None
+
+    @property
+    def SECRET_KEY_FALLBACKS(self) -> tuple[str, ...]:
+        return tuple(str(value) for value in _setting("IDEMPOTENCY_SECRET_KEY_FALLBACKS", ()))
 
     @property
     def UNSTORED_STATUSES(self) -> frozenset[int]:

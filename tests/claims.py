@@ -29,7 +29,7 @@ def claim(
 ) -> storage.Claimed:
     """``storage.claim`` with the defaults the engine uses; call inside ``atomic``."""
     return storage.claim(
-        using, lock=lock_id(scope, key), principal=scope, key=key,
+        using, lock=lock_id(using, scope, key), principal=scope, key=key,
         window=timedelta(hours=24) + gone, gone=gone, wait=wait, now=now,
     )  # fmt: skip
 

@@ -103,6 +103,28 @@ def django_db_setup(django_db_setup: None, django_db_blocker: Any) -> Iterator[N
         )
 
 
+@pytest.fixture(scope="session", autouse=True)
+def shared_secret_read(django_db_setup: None, django_db_blocker: Any) -> None:
+    """The app reads its secret once per process, as a server does before its first request:
+    here, so that no test that counts a request's statements sees that read."""
+    from django_idempotency.engine.hashing import current_secret
+
+    with django_db_blocker.unblock():
+        current_secret("default")
+
+
+@pytest.fixture
+def secret_unread() -> Iterator[None]:
+    """The secrets this process has read are forgotten for the test, then put back."""
+    from django_idempotency.storage import secret
+
+    kept = dict(secret._found)
+    secret.forget()
+    yield
+    secret.forget()
+    secret._found.update(kept)
+
+
 # Left as migrate made them when a transactional test's database is emptied (see below).
 KEPT_BY_FLUSH = frozenset({"django_content_type", "auth_permission"})
 

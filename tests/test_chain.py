@@ -32,6 +32,7 @@ from tests.chain_processes import (
     CHAIN_SETTINGS,
     CeleryWorker,
     RedisServer,
+    processor_captures,
     processor_stats,
     run_processor,
     wait_for,
@@ -253,6 +254,29 @@ def test_a_crash_after_the_processor_call_sends_the_same_key_on_retry_and_captur
     assert relay.drain() == 1
     wait_for(lambda: ledger_rows(retried.json()["id"]), timeout=30)
     assert ledger_rows() == 1 and Charge.objects.count() == 1
+
+
+def test_after_a_crash_the_same_key_with_another_amount_captures_that_amount_under_another_key(
+    web: GunicornServer, processor: str, token_user: Any
+) -> None:
+    before = processor_stats(processor)
+    key, crash = str(uuid.uuid4()), uuid.uuid4().hex
+    # Captured 2499 at the processor, then the request worker died before its commit.
+    with pytest.raises(requests.ConnectionError):
+        post_charge(web, token_user, key, crash_once=crash)
+    assert processor_captures(processor)[-1]["amount"] == 2499
+    # Never committed, so the key is free: the client sends another charge on it. A
+    # processor key derived from the request key alone would be the first one's: refused
+    # for ever (other parameters), or answered with the 2499 capture by a processor that
+    # deduplicates on the key alone.
+    other = post_charge(web, token_user, key, amount=1000, crash_once=crash)
+    assert other.status_code == 201, other.text
+    captured = processor_captures(processor)[-1]
+    assert captured["amount"] == 1000 and other.json()["capture"] == captured["id"]
+    after = processor_stats(processor)
+    assert after["captures"] == before["captures"] + 2
+    assert after["keys"] == before["keys"] + 2 and after["replays"] == before["replays"]
+    assert Charge.objects.get().amount == 1000
 
 
 def test_the_processors_webhook_settles_the_charge_once_however_often_it_is_delivered(

@@ -174,6 +174,7 @@ def test_check_ids_are_unique() -> None:
         "django_idempotency.E011",
         "django_idempotency.E013",
         "django_idempotency.E014",
+        "django_idempotency.E020",
         "django_idempotency.W001",
         "django_idempotency.W002",
         "django_idempotency.W003",
@@ -474,6 +475,28 @@ def test_e011_principal_display_that_is_no_function(display: object, said: str) 
 
 @override_settings(IDEMPOTENCY_PRINCIPAL_DISPLAY="django_idempotency.admin.usernames")
 def test_a_principal_display_given_by_dotted_path_is_fine() -> None:
+    assert setting_ids() == []
+
+
+@pytest.mark.parametrize(
+    ("settings", "said"),
+    [
+        ({"IDEMPOTENCY_SECRET_KEY": b"bytes"}, "IDEMPOTENCY_SECRET_KEY is bytes"),
+        ({"IDEMPOTENCY_SECRET_KEY_FALLBACKS": "old"}, "FALLBACKS is str, not a list"),
+        ({"IDEMPOTENCY_SECRET_KEY_FALLBACKS": ["old", ""]}, "FALLBACKS is list, not a list"),
+        ({"IDEMPOTENCY_SECRET_KEY_FALLBACKS": [None]}, "FALLBACKS is list, not a list"),
+    ],
+    ids=["key-bytes", "fallbacks-a-string", "fallbacks-with-an-empty-one", "fallbacks-none"],
+)
+def test_e020_secret_settings_of_the_wrong_type(settings: dict[str, object], said: str) -> None:
+    with override_settings(**settings):
+        (message,) = checks.check_settings(None)
+    assert message.id == "django_idempotency.E020"
+    assert said in message.msg and "IDEMPOTENCY_SECRET_KEY_FALLBACKS" in message.hint
+
+
+@override_settings(IDEMPOTENCY_SECRET_KEY="new", IDEMPOTENCY_SECRET_KEY_FALLBACKS=("old",))
+def test_a_secret_with_fallbacks_is_fine() -> None:
     assert setting_ids() == []
 
 

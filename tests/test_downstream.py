@@ -35,7 +35,8 @@ def tenant(request: HttpRequest) -> str:
 def charge(request: HttpRequest) -> JsonResponse:
     key = derive_key(request.GET.get("step", "capture"))
     SENT.append(key)
-    if request.GET.get("fail"):
+    # A header, which the fingerprint leaves out: the retry is the same request.
+    if request.headers.get("X-Fail"):
         raise RuntimeError("failed after calling the processor")
     return JsonResponse({"key": key}, status=201)
 
@@ -87,7 +88,7 @@ def post(path: str, key: str, **headers: str) -> Any:
 
 def test_a_request_re_executed_after_a_rollback_sends_the_same_downstream_key() -> None:
     key = str(uuid.uuid4())
-    assert post("/charge/?fail=1", key).status_code == 500
+    assert post("/charge/", key, **{"X-Fail": "1"}).status_code == 500
     response = post("/charge/", key)
     assert response.status_code == 201
     assert SENT[0] == SENT[1] == response.json()["key"]
@@ -124,6 +125,37 @@ def test_the_key_depends_on_the_apps_secret() -> None:
         second = post("/charge/", "k-1").json()["key"]
     assert [first, second] == SENT  # the second ran: no replay
     assert second != first
+
+
+def post_json(path: str, key: str, body: dict[str, Any], **headers: str) -> Any:
+    client = Client(raise_request_exception=False)
+    return client.post(path, body, content_type="application/json", HTTP_IDEMPOTENCY_KEY=key,
+                       headers=headers)  # fmt: skip
+
+
+def test_another_request_on_the_same_key_after_a_rollback_sends_another_downstream_key() -> None:
+    key = str(uuid.uuid4())
+    failed = post_json("/charge/", key, {"amount": 2499}, **{"X-Fail": "1"})
+    assert failed.status_code == 500
+    other = post_json("/charge/", key, {"amount": 1000})
+    assert other.status_code == 201
+    # A provider that deduplicates on the key alone would have answered the 1000 with the
+    # 2499's result.
+    assert SENT[0] != SENT[1] == other.json()["key"]
+    # Its own retry is the same request: the stored answer.
+    assert post_json("/charge/", key, {"amount": 1000}).json()["key"] == SENT[1]
+
+
+def test_the_key_depends_on_the_apps_secret_and_not_on_secret_key() -> None:
+    key = str(uuid.uuid4())
+    with override_settings(SECRET_KEY="one server's SECRET_KEY"):
+        assert post("/charge/", key, **{"X-Fail": "1"}).status_code == 500
+    # The retry lands on a server with another SECRET_KEY: the same downstream key.
+    with override_settings(SECRET_KEY="another server's SECRET_KEY"):
+        assert post("/charge/", key, **{"X-Fail": "1"}).status_code == 500
+    with override_settings(IDEMPOTENCY_SECRET_KEY="a secret of the project's own"):
+        assert post("/charge/", key).status_code == 201
+    assert SENT[0] == SENT[1] != SENT[2]
 
 
 def test_the_drf_mixin_derives_keys_too() -> None:

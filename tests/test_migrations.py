@@ -6,6 +6,7 @@ import importlib
 import re
 import subprocess
 import sys
+from collections.abc import Iterator
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -29,6 +30,20 @@ def fetch_one(sql: str, params: list[object] | None = None) -> tuple[object, ...
         cursor.execute(sql, params or [])
         row: tuple[object, ...] | None = cursor.fetchone()
     return row
+
+
+@pytest.fixture(autouse=True)
+def same_secret_after(request: pytest.FixtureRequest) -> Iterator[None]:
+    """Migrating back and forth makes a new secret; the live servers of the session and this
+    process read theirs once, so the test's database gets its secret back."""
+    marker = request.node.get_closest_marker("django_db")
+    if marker is None or not marker.kwargs.get("transaction"):
+        yield
+        return
+    (kept,) = fetch_one("SELECT secret FROM django_idempotency_secret") or (None,)
+    yield
+    with connection.cursor() as cursor:
+        cursor.execute("UPDATE django_idempotency_secret SET secret = %s", [kept])
 
 
 @pytest.mark.django_db
@@ -236,6 +251,22 @@ def test_migrate_to_zero_and_back() -> None:
     relkind = "SELECT relkind FROM pg_class WHERE oid = 'django_idempotency_record'::regclass"
     assert fetch_one(relkind) == ("p",)
     assert_migrated_schema_works()
+
+
+@pytest.mark.django_db(transaction=True)
+def test_the_secret_and_the_lock_function_go_and_come_back_with_a_new_secret() -> None:
+    (before,) = fetch_one("SELECT secret FROM django_idempotency_secret") or (None,)
+    call_command("migrate", "django_idempotency", "0006", verbosity=0)
+    try:
+        assert fetch_one("SELECT to_regclass('django_idempotency_secret')") == (None,)
+        assert fetch_one("SELECT to_regproc('django_idempotency_lock_all')") == (None,)
+    finally:
+        call_command("migrate", "django_idempotency", verbosity=0)
+    (after,) = fetch_one("SELECT secret FROM django_idempotency_secret") or (None,)
+    assert isinstance(after, str) and len(after) == 64 and after != before
+    assert fetch_one("SELECT to_regproc('django_idempotency_lock_all')") == (
+        "django_idempotency_lock_all",
+    )
 
 
 def body_compressions() -> set[tuple[str, str]]:

@@ -601,3 +601,105 @@ def test_once_with_the_broker_down_exits_with_an_error_and_publishes_nothing(
     )  # fmt: skip
     assert done.returncode == 1 and "Publishing failed" in done.stderr
     assert pending() == 2
+
+
+# A project of the docs' shape, run as its own manage.py -------------------------------------
+
+SHOP_CELERY = """
+import os
+
+from celery import Celery
+
+os.environ.setdefault("DJANGO_SETTINGS_MODULE", "shop.settings")
+
+app = Celery("shop")
+app.config_from_object("django.conf:settings", namespace="CELERY")
+app.autodiscover_tasks()
+"""
+
+# No LOGGING: Django's default logging.
+SHOP_SETTINGS = """
+import os
+
+import dj_database_url
+
+SECRET_KEY = "shop-relay-tests-only"
+INSTALLED_APPS = ["django.contrib.auth", "django.contrib.contenttypes", "django_idempotency"]
+DATABASES = {"default": dj_database_url.parse(os.environ["DATABASE_URL"])}
+USE_TZ = True
+CELERY_BROKER_URL = os.environ["CELERY_BROKER_URL"]
+IDEMPOTENCY_OUTBOX_CELERY_APP = os.environ.get("SHOP_CELERY_APP") or None
+"""
+
+SHOP_MANAGE = """
+import os
+import sys
+
+if __name__ == "__main__":
+    os.environ.setdefault("DJANGO_SETTINGS_MODULE", "shop.settings")
+    from django.core.management import execute_from_command_line
+
+    execute_from_command_line(sys.argv)
+"""
+
+# The celery.py import that Celery's Django guide puts in the project's __init__.py.
+LOADS_CELERY = "from .celery import app as celery_app\n\n__all__ = ['celery_app']\n"
+
+
+def run_shop_relay(
+    tmp_path: Path, subprocess_env: dict[str, str], *, init: str = "", celery_app: str = ""
+) -> tuple[subprocess.CompletedProcess[str], str]:
+    """``manage.py idempotency_relay --once`` of a project ``shop`` written as the docs show,
+    whose package's ``__init__.py`` is ``init``; (what it did, the broker URL's password)."""
+    package = tmp_path / "shop"
+    package.mkdir()
+    (package / "__init__.py").write_text(init)
+    (package / "celery.py").write_text(SHOP_CELERY)
+    (package / "settings.py").write_text(SHOP_SETTINGS)
+    (tmp_path / "manage.py").write_text(SHOP_MANAGE)
+    password = uuid.uuid4().hex
+    env = {
+        **subprocess_env,
+        # Nothing listens there: an empty outbox never connects to the broker.
+        "CELERY_BROKER_URL": f"redis://:{password}@127.0.0.1:{free_port()}/0",
+        "SHOP_CELERY_APP": celery_app,
+        "PYTHONPATH": f"{tmp_path}{os.pathsep}{subprocess_env['PYTHONPATH']}",
+    }
+    env.pop("DJANGO_SETTINGS_MODULE")
+    done = subprocess.run(
+        [sys.executable, "manage.py", "idempotency_relay", "--once"], cwd=tmp_path, env=env,
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    return done, password
+
+
+def test_the_relay_refuses_to_start_with_celerys_default_app_and_says_what_it_found(
+    tmp_path: Path, subprocess_env: dict[str, str]
+) -> None:
+    enqueue_many(1)
+    # The docs' celery.py, never imported: Celery's own default app is the current one.
+    done, password = run_shop_relay(tmp_path, subprocess_env)
+    assert done.returncode == 1, done.stdout + done.stderr
+    error = done.stderr
+    assert "Celery's default app ('default', broker redis://:**@127.0.0.1:" in error, error
+    assert "from .celery import app as celery_app" in error
+    assert "IDEMPOTENCY_OUTBOX_CELERY_APP" in error
+    assert password not in done.stdout + error
+    assert "Published" not in done.stdout and pending() == 1
+
+
+@pytest.mark.parametrize(
+    ("init", "celery_app"),
+    [(LOADS_CELERY, ""), ("", "shop.celery.app")],
+    ids=["loaded-by-the-package", "named-by-the-setting"],
+)
+def test_the_relay_says_at_start_which_app_and_broker_it_publishes_to_under_djangos_logging(
+    tmp_path: Path, subprocess_env: dict[str, str], init: str, celery_app: str
+) -> None:
+    done, password = run_shop_relay(tmp_path, subprocess_env, init=init, celery_app=celery_app)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "Published 0 messages." in done.stdout
+    started = [line for line in done.stderr.splitlines() if "started on database" in line]
+    assert len(started) == 1, done.stderr
+    assert "publishes with Celery app 'shop' to redis://:**@127.0.0.1:" in started[0]
+    assert password not in done.stdout + done.stderr

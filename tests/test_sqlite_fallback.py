@@ -102,6 +102,18 @@ def test_on_sqlite_the_records_table_is_plain_with_a_unique_key_scope_index() ->
 
 @on_sqlite
 @pytest.mark.django_db
+def test_on_sqlite_the_migration_makes_the_shared_secret_that_keys_the_locks() -> None:
+    from django_idempotency.engine.hashing import current_secret
+
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT id, secret FROM django_idempotency_secret")
+        [(row_id, made)] = cursor.fetchall()
+    assert row_id == 1 and len(made) == 64
+    assert current_secret("default") == made
+
+
+@on_sqlite
+@pytest.mark.django_db
 def test_on_sqlite_a_second_row_for_the_same_scope_and_key_is_refused() -> None:
     record = IdempotencyRecordFactory()
     with pytest.raises(IntegrityError), transaction.atomic():

@@ -1,6 +1,13 @@
 """Keyed hashes with a secret of the app's own: the lock that serialises a key, and the
 keys sent downstream. A client chooses its keys but never sees the secret, so it can
-neither forge a lock collision nor predict a downstream key."""
+neither forge a lock collision nor predict a downstream key.
+
+The secret is ``IDEMPOTENCY_SECRET_KEY`` when set, else the one that the app's migration
+made in the records' database (``storage.secret``), which every app server on that database
+shares by construction. ``IDEMPOTENCY_SECRET_KEY_FALLBACKS`` are older secrets during a
+rotation: a claim then also takes the locks under them, so that servers on either side of
+the rotation still serialise a key.
+"""
 
 from __future__ import annotations
 
@@ -9,9 +16,10 @@ import hmac
 from functools import lru_cache
 
 from django_idempotency.conf import conf
+from django_idempotency.storage.secret import shared_secret
 
 
-@lru_cache(maxsize=8)
+@lru_cache(maxsize=32)
 def _keyed(secret: str, purpose: str) -> hmac.HMAC:
     # One key per purpose, so a lock id never says anything about a downstream key. Keyed
     # once and copied per message: a one-shot hmac.digest() makes OpenSSL 3 look the digest
@@ -20,14 +28,34 @@ def _keyed(secret: str, purpose: str) -> hmac.HMAC:
     return hmac.new(key, digestmod=hashlib.sha256)
 
 
-def keyed_digest(purpose: str, *parts: str) -> bytes:
-    """HMAC-SHA256 of ``parts`` (unambiguously joined) under the app's secret."""
+def current_secret(using: str) -> str:
+    """The secret keys are made with for the records' database ``using``."""
+    return conf.SECRET_KEY or shared_secret(using)
+
+
+def keyed_digest(secret: str, purpose: str, *parts: str) -> bytes:
+    """HMAC-SHA256 of ``parts`` (unambiguously joined) under ``secret``."""
     message = "\x00".join(f"{len(part)}:{part}" for part in parts).encode()
-    mac = _keyed(conf.SECRET_KEY, purpose).copy()
+    mac = _keyed(secret, purpose).copy()
     mac.update(message)
     return mac.digest()
 
 
-def lock_id(principal: str, key: str) -> int:
+def _lock(secret: str, principal: str, key: str) -> int:
+    return int.from_bytes(keyed_digest(secret, "lock", principal, key)[:4], "big", signed=True)
+
+
+def lock_id(using: str, principal: str, key: str) -> int:
     """The signed 32-bit id of the advisory lock that serialises (principal, key)."""
-    return int.from_bytes(keyed_digest("lock", principal, key)[:4], "big", signed=True)
+    return _lock(current_secret(using), principal, key)
+
+
+def claim_locks(using: str, principal: str, key: str) -> tuple[int, tuple[int, ...]]:
+    """The claim's lock (``lock_id()``), and the locks of (principal, key) under the
+    fallback secrets that differ from it: none unless fallbacks are set."""
+    lock = lock_id(using, principal, key)
+    fallbacks = conf.SECRET_KEY_FALLBACKS
+    if not fallbacks:
+        return lock, ()
+    others = {_lock(secret, principal, key) for secret in fallbacks} - {lock}
+    return lock, tuple(sorted(others))

@@ -39,7 +39,7 @@ from django_idempotency.engine.errors import (
     RolledBack,
     StoreUnavailable,
 )
-from django_idempotency.engine.hashing import lock_id
+from django_idempotency.engine.hashing import claim_locks
 from django_idempotency.engine.identity import (
     ANONYMOUS,
     check_key,
@@ -53,6 +53,7 @@ from django_idempotency.engine.options import Policy
 from django_idempotency.models import IdempotencyRecord
 from django_idempotency.problems import problem_response
 from django_idempotency.storage import records as storage
+from django_idempotency.storage.secret import SecretMissing
 
 logger = logging.getLogger("django_idempotency")
 
@@ -227,9 +228,9 @@ class Work:
     ttl: timedelta
 
 
-# The work running right now in this context (between Run and close/fail), for what
-# derives from its identity: messaging.downstream.derive_key().
-current_work: ContextVar[Work | None] = ContextVar("django_idempotency_work", default=None)
+# The unit whose work runs right now in this context (between Run and close/fail), for
+# what derives from its identity and database: messaging.downstream.derive_key().
+current_unit: ContextVar[UnitOfWork | None] = ContextVar("django_idempotency_unit", default=None)
 
 
 @dataclass(frozen=True, slots=True)
@@ -329,6 +330,8 @@ class UnitOfWork:
             if found is not None:
                 yield self._found(storage.Claimed(storage.Outcome.FOUND, record=found))
                 return False
+        with failing_closed():
+            lock, fallback_locks = self._locks()
         outermost = not connections[self.using].in_atomic_block
         started = time.monotonic()
         waiting = self.wait > timedelta(0) and waiters.enter()
@@ -337,7 +340,7 @@ class UnitOfWork:
             with transaction.atomic(using=self.using):
                 claimed = storage.claim(
                     self.using,
-                    lock=lock_id(work.principal, work.key),
+                    lock=lock,
                     principal=work.principal,
                     key=work.key,
                     # A consumer's records outlive MAX_TTL (IDEMPOTENCY_CONSUMER_TTL).
@@ -345,6 +348,7 @@ class UnitOfWork:
                     gone=conf.EXPIRED_WINDOW,
                     wait=self.wait if waiting else timedelta(0),
                     now=self.now,
+                    also_lock=fallback_locks,
                 )
                 if waiting:
                     waiting = False
@@ -352,12 +356,12 @@ class UnitOfWork:
                 if claimed.outcome is storage.Outcome.WON:
                     # set(), not a token's reset(): an async view closes the unit in
                     # another context than the one that opened it.
-                    outer = current_work.get()
-                    current_work.set(work)
+                    outer = current_unit.get()
+                    current_unit.set(self)
                     try:
                         return (yield from self._run(claimed, outermost))
                     finally:
-                        current_work.set(outer)
+                        current_unit.set(outer)
         except storage.IsolationRefused as exc:
             raise self._misconfigured(exc) from exc
         except _LOST_STORE as exc:
@@ -380,6 +384,19 @@ class UnitOfWork:
         assert claimed is not None
         yield self._found(claimed, waited=time.monotonic() - started)
         return False
+
+    def _locks(self) -> tuple[int, tuple[int, ...]]:
+        work = self.work
+        try:
+            return claim_locks(self.using, work.principal, work.key)
+        except SecretMissing as exc:
+            # Never a fallback to SECRET_KEY: servers with different ones would not
+            # serialise a key.
+            logger.error("The idempotent %s was refused: %s", _name(self.sender), exc)
+            raise Misconfigured(
+                "The idempotency store of this server is not set up, so the request was not "
+                "processed."
+            ) from exc
 
     def _run(
         self, claimed: storage.Claimed, outermost: bool

@@ -1,20 +1,24 @@
 """Downstream keys: the idempotency key to send to an external API (a payment processor)
 from inside a protected view or an exactly-once task.
 
-The key is a keyed hash of the principal, the request's key (or the message id) and a step
-name, so the run that a retry re-executes after a rollback sends the same key again and the
-provider deduplicates it, while the key says nothing about its inputs.
+The key is a keyed hash of the principal, the request's key (or the message id), the
+request's fingerprint and a step name, so the run that a retry re-executes after a rollback
+sends the same key again and the provider deduplicates it, while another request on the same
+key after a rollback (another amount) sends another key, which the provider never answers
+with the first request's result. The key says nothing about its inputs.
 """
 
 from __future__ import annotations
 
+import json
 import uuid
 
-from django_idempotency.engine.hashing import keyed_digest
-from django_idempotency.engine.unit import current_work
+from django_idempotency.engine.hashing import current_secret, keyed_digest
+from django_idempotency.engine.unit import current_unit
 
-# Bumped if the derivation ever changes, so that old and new keys never meet.
-VERSION = "v1"
+# Bumped if the derivation ever changes, so that old and new keys never meet. v2: the
+# request's fingerprint is part of it, and the secret is the records' database's.
+VERSION = "v2"
 
 
 class OutsideUnitOfWork(RuntimeError):
@@ -23,18 +27,24 @@ class OutsideUnitOfWork(RuntimeError):
 
 def derive_key(step: str) -> str:
     """The downstream idempotency key for ``step`` of the work running now: the same
-    principal, key (or message id) and step always give the same key; anything else never
-    does. A UUID-shaped string (version 8), which providers that want a UUID accept."""
+    principal, key (or message id), request (its fingerprint: method, path, query, body…)
+    and step always give the same key; anything else never does. A UUID-shaped string
+    (version 8), which providers that want a UUID accept."""
     if not step:
         raise ValueError("derive_key() needs a step name, such as 'capture'.")
-    work = current_work.get()
-    if work is None:
+    unit = current_unit.get()
+    if unit is None:
         raise OutsideUnitOfWork(
             "derive_key() derives from the key of the work running now, and there is none: "
             "call it inside a view protected by @idempotent or IdempotencyMixin (on a request "
             "that carries a key) or inside an ExactlyOnceTask."
         )
-    digest = keyed_digest("downstream", VERSION, work.principal, work.key, step)
+    work = unit.work
+    # The fingerprint as the claim compares it: equal exactly when a retry is not refused
+    # as a reused key.
+    request = json.dumps(work.fingerprint, sort_keys=True, separators=(",", ":"))
+    secret = current_secret(unit.using)
+    digest = keyed_digest(secret, "downstream", VERSION, work.principal, work.key, request, step)
     value = int.from_bytes(digest[:16], "big")
     # RFC 9562 version 8 (custom) and variant bits; the other 122 bits are the digest's.
     value = (value & ~(0xF << 76)) | (0x8 << 76)

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Any
 
+from django.core.exceptions import ImproperlyConfigured
 from django.db import connections, router, transaction
 from django.db.models import Case, DateTimeField, Min, Q, Value, When
 from django.utils import timezone
@@ -150,13 +151,41 @@ def _documents(text: str) -> tuple[list[Any], dict[str, Any], Any, dict[str, Any
 
 def celery_app() -> Any:
     """The Celery app the relay publishes with: ``IDEMPOTENCY_OUTBOX_CELERY_APP``, else the
-    current (default) app."""
+    current app, the project's once its ``celery.py`` is imported. Never Celery's own
+    default app, whose broker no worker of the project reads (ImproperlyConfigured)."""
     path = conf.OUTBOX_CELERY_APP
     if path:
-        return import_string(path)
-    from celery import current_app
+        app = import_string(path)
+    else:
+        from celery import current_app
 
-    return current_app._get_current_object()  # type: ignore[attr-defined]
+        app = current_app._get_current_object()  # type: ignore[attr-defined]
+    if celerys_default(app):
+        raise ImproperlyConfigured(
+            f"The relay's Celery app is Celery's default app ({app.main!r}, broker "
+            f"{broker_of(app)}), not the project's: the project's celery.py was never "
+            "imported, so the relay would publish where no worker of the project reads. "
+            "Import it in the project package's __init__.py (`from .celery import app as "
+            "celery_app`, as Celery's Django guide shows), or set "
+            "IDEMPOTENCY_OUTBOX_CELERY_APP to its dotted path, such as "
+            '"myproject.celery.app".'
+        )
+    return app
+
+
+def celerys_default(app: Any) -> bool:
+    """Whether ``app`` is the app Celery makes for itself when none was made (or set as
+    current in this thread)."""
+    from celery import _state
+
+    fallback = getattr(_state, "default_app", None)  # made on first need, so read it now
+    return app is fallback and getattr(app, "main", None) == "default"
+
+
+def broker_of(app: Any) -> str:
+    """The app's broker URL to publish to, without its password."""
+    # A Connection is only a description until it is used: nothing connects here.
+    return str(app.connection_for_write().as_uri())
 
 
 def require_publisher_confirms(app: Any) -> None:
@@ -562,7 +591,13 @@ class Relay:
         """Publish until stopped (or, with ``once``, until the outbox is empty)."""
         total = 0
         pause = FIRST_PAUSE
-        logger.info("Relay %s started on database %r.", self.owner, self.using)
+        logger.info(
+            "Relay %s started on database %r; it publishes with Celery app %r to %s.",
+            self.owner,
+            self.using,
+            self.app.main,
+            broker_of(self.app),
+        )
         self.redrive.import_tasks()
         try:
             while not self.stopping.is_set():

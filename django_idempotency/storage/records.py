@@ -125,6 +125,7 @@ def _jsonb(value: Any) -> Any:
 
 
 _CLAIM = "SELECT * FROM django_idempotency_claim(%s, %s, %s, %s, %s, %s, %s)"
+_LOCK_ALL = "SELECT django_idempotency_lock_all(%s::integer[], %s)"
 
 
 def claim(
@@ -137,14 +138,22 @@ def claim(
     gone: timedelta,
     wait: timedelta,
     now: datetime | None = None,
+    also_lock: Sequence[int] = (),
 ) -> Claimed:
     """Claim (principal, key) inside the caller's transaction, or find the record that
     holds it, waiting up to ``wait`` for an in-flight holder. The claim lasts until that
-    transaction ends."""
+    transaction ends. ``also_lock``: the key's locks under fallback secrets, taken first."""
     connection = connections[using]
     if connection.vendor != "postgresql":
         return _claim_plain(using, principal, key, gone, now)
     wait_ms = max(0, int(wait.total_seconds() * 1000))
+    if also_lock:
+        # Every lock in one order, the claim's own among them, so that no two claims wait
+        # for each other; the claim then re-takes its own at once (advisory locks are
+        # re-entrant). A statement more, only while a rotation has fallbacks.
+        locked = cursors.fetch_one(connection, _LOCK_ALL, [sorted({lock, *also_lock}), wait_ms])
+        if locked is None or not locked[0]:
+            return Claimed(Outcome.BUSY)
     try:
         row = _call(connection, _CLAIM, [lock, principal, key, window, gone, wait_ms, now])
     except DatabaseError as exc:

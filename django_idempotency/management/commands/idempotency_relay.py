@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import logging
 import signal
+import sys
 from types import FrameType
 from typing import Any
 
-from django.core.management.base import BaseCommand, CommandParser
+from django.core.exceptions import ImproperlyConfigured
+from django.core.management.base import BaseCommand, CommandError, CommandParser
 
 from django_idempotency.messaging.relay import PublishFailed, Relay
 
@@ -30,7 +33,13 @@ class Command(BaseCommand):
         )
 
     def handle(self, *args: Any, **options: Any) -> None:
-        relay = Relay(using=options["database"], batch_size=options["batch_size"])
+        if options["verbosity"] > 0:
+            show_logs()
+        try:
+            relay = Relay(using=options["database"], batch_size=options["batch_size"])
+        except ImproperlyConfigured as exc:
+            # Celery's default app: refuse to start rather than publish where nobody reads.
+            raise CommandError(str(exc)) from exc
 
         def stop(signum: int, frame: FrameType | None) -> None:
             # Finish the message in hand, mark what went out, give the rest back.
@@ -44,3 +53,20 @@ class Command(BaseCommand):
             raise SystemExit(f"Publishing failed: {exc}") from exc
         if options["once"] and options["verbosity"] > 0:
             self.stdout.write(f"Published {published} messages.")
+
+
+def show_logs() -> None:
+    """Send the app's log lines to stderr where nothing else would show them.
+
+    Django's default logging (no ``LOGGING`` setting) gives this app's loggers no handler:
+    their INFO lines, such as the relay's start line naming its Celery app and broker, would
+    reach nobody. A project whose logging takes them keeps it as it is.
+    """
+    package = logging.getLogger("django_idempotency")
+    if package.hasHandlers():
+        return
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    package.addHandler(handler)
+    if package.level == logging.NOTSET:
+        package.setLevel(logging.INFO)
