@@ -311,36 +311,7 @@ def check_settings(app_configs: Sequence[AppConfig] | None, **kwargs: Any) -> li
                     id="django_idempotency.E011",
                 )
             )
-    messages += _check_secret_settings()
     return messages
-
-
-def _check_secret_settings() -> list[CheckMessage]:
-    # A string among the fallbacks would be read one character at a time: a lock per
-    # character, and the old secret in none of them.
-    problems = []
-    key = _as_written("SECRET_KEY")
-    if key is not None and not isinstance(key, str):
-        problems.append(f"IDEMPOTENCY_SECRET_KEY is {type(key).__name__}, not a string")
-    fallbacks = _as_written("SECRET_KEY_FALLBACKS")
-    if fallbacks is not None and (
-        not isinstance(fallbacks, (list, tuple))
-        or not all(isinstance(old, str) and old for old in fallbacks)
-    ):
-        problems.append(
-            f"IDEMPOTENCY_SECRET_KEY_FALLBACKS is {type(fallbacks).__name__}, not a list of "
-            "non-empty strings"
-        )
-    return [
-        Error(
-            f"{problem}.",
-            hint="Give IDEMPOTENCY_SECRET_KEY as a string, and IDEMPOTENCY_SECRET_KEY_FALLBACKS "
-            'as a list of the older secrets, such as ["the previous secret"]; or remove them '
-            "to use the secret the app's migration made in the database.",
-            id="django_idempotency.E020",
-        )
-        for problem in problems
-    ]
 
 
 @register()

@@ -273,6 +273,10 @@ def _is_function(value: Any) -> bool:
 TEXT = Kind("a str", _is_str)
 OPTIONAL_TEXT = Kind("a str, or None", _or_none(_is_str))
 TEXTS = Kind("a list or tuple of str", _sequence_of(_is_str))
+# A str among the fallbacks would be read one character at a time: a lock per character.
+SECRETS = Kind(
+    "a list or tuple of non-empty str", _sequence_of(lambda value: _is_str(value) and bool(value))
+)
 INTEGER = Kind("an int", _is_int)
 OPTIONAL_INTEGER = Kind("an int, or None", _or_none(_is_int))
 INTEGERS = Kind("a list or tuple of int", _sequence_of(_is_int))
@@ -296,6 +300,7 @@ KINDS: dict[str, Kind] = {
     "MAX_WAITERS": INTEGER,
     "LOOKUP_FIRST": BOOLEAN,
     "SECRET_KEY": OPTIONAL_TEXT,
+    "SECRET_KEY_FALLBACKS": SECRETS,
     "UNSTORED_STATUSES": INTEGERS,
     "REPLAY_HEADERS": TEXTS,
     "FINGERPRINT_HEADERS": TEXTS,
@@ -342,6 +347,7 @@ REQUEST_SETTINGS = (
     "MAX_WAITERS",
     "LOOKUP_FIRST",
     "SECRET_KEY",
+    "SECRET_KEY_FALLBACKS",
     "UNSTORED_STATUSES",
     "REPLAY_HEADERS",
     "FINGERPRINT_HEADERS",
