@@ -62,7 +62,8 @@ class Settings:
 
     @property
     def WAIT(self) -> timedelta:
-        value: timedelta = _setting("IDEMPOTENCY_WAIT", timedelta(seconds=2))
+        # Waiting is opt-in: by default a duplicate gets 409 in-progress at once.
+        value: timedelta = _setting("IDEMPOTENCY_WAIT", timedelta(0))
         return value
 
     @property
@@ -72,7 +73,12 @@ class Settings:
 
     @property
     def MAX_WAITERS(self) -> int:
-        return int(_setting("IDEMPOTENCY_MAX_WAITERS", 4))
+        return int(_setting("IDEMPOTENCY_MAX_WAITERS", 0))
+
+    @property
+    def SERVER_THREADS(self) -> int | None:
+        value = _setting("IDEMPOTENCY_SERVER_THREADS", None)
+        return None if value is None else int(value)
 
     @property
     def LOOKUP_FIRST(self) -> bool:

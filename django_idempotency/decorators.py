@@ -49,10 +49,11 @@ def idempotent(view: Any = None, **options: Unpack[ViewOptions]) -> Any:
                 unit = policy(request)
                 if not unit.covered:
                     return await func(request, *args, **kwargs)
-                # The unit's transaction lives on the thread that opened it: every
+                # The unit's transaction lives on the thread that claimed it: every
                 # sync_to_async(thread_sensitive=True) call of this request (Django's async
-                # ORM) runs there, so the view's writes join the claim's transaction.
-                decision = await sync_to_async(unit.open)(principal_request=request)
+                # ORM) runs there, so the view's writes join the claim's transaction. A
+                # duplicate waits on the event loop.
+                decision = await unit.aopen(principal_request=request)
                 if not isinstance(decision, Run):
                     return decision.response()
                 try:

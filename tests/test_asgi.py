@@ -10,6 +10,7 @@ from __future__ import annotations
 import inspect
 import uuid
 from collections import Counter
+from datetime import timedelta
 from functools import partial
 from typing import Any
 
@@ -74,10 +75,10 @@ def test_worker_killed_after_its_write_leaves_nothing_and_the_retry_executes_onc
 
 
 def test_duplicate_waiting_on_a_first_attempt_that_rolls_back_executes_itself(
-    live_uvicorn: str, alice: Any
+    live_uvicorn_waiting: str, alice: Any
 ) -> None:
     e2e.test_duplicate_waiting_on_a_first_attempt_that_rolls_back_executes_itself(
-        live_uvicorn, alice
+        live_uvicorn_waiting, alice
     )
 
 
@@ -194,7 +195,9 @@ IN_PROCESS_URLS = pytest.mark.urls("tests.urls")
 
 @pytest.fixture
 def many_waiters(settings: Any) -> Any:
-    """As in ``test_concurrency``: every duplicate of the one process may wait."""
+    """As in ``test_concurrency``: waiting on, and every duplicate of the one process may
+    wait."""
+    settings.IDEMPOTENCY_WAIT = timedelta(seconds=2)
     settings.IDEMPOTENCY_MAX_WAITERS = 100
     return settings
 
