@@ -65,10 +65,11 @@ def serve(
     waiting: bool,
     **env: str,
 ) -> AbstractContextManager[GunicornServer]:
+    # The thread count is declared for gthread only: on sync workers the cap is careless on
+    # purpose, and the process's one thread serving on its main thread must still never wait.
     settings = (
         waiting_env(
-            max_waiters=shape.max_waiters,
-            threads=shape.threads if shape.server == "gunicorn" else None,
+            max_waiters=shape.max_waiters, threads=shape.threads if shape.threads > 1 else None
         )
         if waiting
         else {}
