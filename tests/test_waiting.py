@@ -199,7 +199,9 @@ def test_with_waiting_on_duplicates_wait_within_the_cap_and_never_starve_the_ser
             assert seconds < PROMPT
 
 
-@pytest.mark.parametrize("path", ["/api/charges/async/", "/api/charges/adrf/"])
+@pytest.mark.parametrize(
+    "path", ["/api/charges/async/", "/api/charges/adrf/", "/ninja/charges/async/"]
+)
 def test_async_views_under_uvicorn_wait_without_holding_a_thread_or_a_connection(
     subprocess_env: dict[str, str], gunicorn_server: Any, alice: Any, bob: Any, path: str
 ) -> None:
