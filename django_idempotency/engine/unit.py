@@ -300,26 +300,26 @@ class UnitOfWork:
         self._started = 0.0
         self._deadline = 0.0
         self._pause = FIRST_PAUSE
+        # Whether this unit holds one of the process's waiter slots (``waiters``).
+        self._slot = False
 
     @telemetry.traced_open
     def open(self) -> Decision:
         self._start()
         if not self.poll:
             # A consumer: its claim waits inside the database.
-            decision = self._attempt(patient=False, wait=self.wait)
+            decision = self._attempt(capped=None, wait=self.wait)
             assert decision is not None
             return decision
-        patient = self.wait > timedelta(0) and waiters.enter()
         slept = False
         try:
-            while (decision := self._attempt(patient)) is None:
+            while (decision := self._attempt(capped=True)) is None:
                 slept = waiters.slept(slept)
                 time.sleep(self._next_pause())
             return decision
         finally:
             waiters.woke(slept)
-            if patient:
-                waiters.leave()
+            self._leave()
 
     @telemetry.traced_aopen
     async def aopen(self, *, holds_thread: bool = False) -> Decision:
@@ -327,21 +327,17 @@ class UnitOfWork:
         loop; ``holds_thread``: the loop runs for a server thread that waits for it (an
         async view under WSGI), so the waiter cap applies."""
         self._start()
-        patient = self.wait > timedelta(0)
-        if patient and holds_thread:
-            patient = await sync_to_async(waiters.enter)()
         slept = False
         try:
             # The claims run on the request's one sync thread (thread-sensitive), where a
             # won claim's transaction stays open for the view's ORM calls.
-            while (decision := await sync_to_async(self._attempt)(patient)) is None:
+            while (decision := await sync_to_async(self._attempt)(holds_thread)) is None:
                 slept = waiters.slept(slept)
                 await asyncio.sleep(self._next_pause())
             return decision
         finally:
             waiters.woke(slept)
-            if patient and holds_thread:
-                waiters.leave()
+            self._leave()
 
     def _start(self) -> None:
         self._started = time.monotonic()
@@ -353,12 +349,27 @@ class UnitOfWork:
         self._pause = min(self._pause * 2, LONGEST_PAUSE)
         return pause
 
-    def _attempt(self, patient: bool, wait: timedelta = timedelta(0)) -> Decision | None:
-        """One claim: the decision, or None when another request holds the key and a
-        patient unit has time left to try again."""
+    def _attempt(self, capped: bool | None, wait: timedelta = timedelta(0)) -> Decision | None:
+        """One claim: the decision, or None when another request holds the key and this
+        one may wait and try again: it has time left, and, if it waits on a thread of its
+        own (``capped``), a waiter slot. ``capped`` None: it never tries again."""
         self._thread = threading.get_ident()
-        self._steps = self._transaction(patient, wait)
+        self._steps = self._transaction(capped, wait)
         return next(self._steps)
+
+    def _may_wait(self, capped: bool | None) -> bool:
+        if capped is None or time.monotonic() >= self._deadline:
+            return False
+        if capped and not self._slot:
+            # Taken at the first busy claim, on the request's thread, and kept until open()
+            # ends: a request that never waits never takes one.
+            self._slot = waiters.enter()
+        return self._slot or not capped
+
+    def _leave(self) -> None:
+        if self._slot:
+            self._slot = False
+            waiters.leave()
 
     @telemetry.counted_close
     def close(self, outcome: Outcome) -> bool:
@@ -394,7 +405,7 @@ class UnitOfWork:
         raise AssertionError("the unit of work did not end")  # pragma: no cover
 
     def _transaction(
-        self, patient: bool, wait: timedelta
+        self, capped: bool | None, wait: timedelta
     ) -> Generator[Decision | None, Outcome | BaseException, bool]:
         work = self.work
         if self.lookup_first:
@@ -460,11 +471,7 @@ class UnitOfWork:
                 )
             if found is not None:
                 claimed = storage.Claimed(storage.Outcome.FOUND, record=found)
-        if (
-            claimed.outcome is storage.Outcome.BUSY
-            and patient
-            and time.monotonic() < self._deadline
-        ):
+        if claimed.outcome is storage.Outcome.BUSY and self._may_wait(capped):
             self._release()
             yield None
             return False
