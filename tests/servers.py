@@ -380,10 +380,12 @@ def live_pgbouncer(
     gunicorn_server: Callable[..., contextlib.AbstractContextManager[GunicornServer]],
 ) -> Iterator[str]:
     """Base URL of gunicorn (2 workers x 4 threads) whose database connections go through
-    ``pgbouncer`` in transaction pooling mode."""
+    ``pgbouncer`` in transaction pooling mode, with waiting on as the docs show it (a waiting
+    duplicate tries its claim again through the pool)."""
     env = {
         "DATABASE_URL": pgbouncer.url(database_name(test_database_url)),
         "DATABASE_POOLING": "transaction",
+        **waiting_env(max_waiters=2, threads=4),
     }
     with gunicorn_server(workers=2, threads=4, env=env) as server:
         yield server.url
