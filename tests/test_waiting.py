@@ -46,6 +46,9 @@ class Shape:
     # The documented waiting setup for this shape: how many requests of a process may wait
     # on a thread of their own.
     max_waiters: int = 0
+    # uvicorn: connections per process (psycopg's pool), fewer than may wait at once, so
+    # that waiting requests which held a connection would leave none for the others.
+    pool: int = 4
 
 
 SHAPES = {
@@ -75,7 +78,8 @@ def serve(
         else {}
     )
     if shape.server == "uvicorn":
-        return run_uvicorn({**subprocess_env, **settings, **env}, workers=shape.workers)
+        pool = {"DATABASE_POOL_SIZE": str(shape.pool)}
+        return run_uvicorn({**subprocess_env, **settings, **pool, **env}, workers=shape.workers)
     return gunicorn_server(workers=shape.workers, threads=shape.threads, env={**settings, **env})
 
 
@@ -207,10 +211,8 @@ def test_async_views_under_uvicorn_wait_without_holding_a_thread_or_a_connection
 ) -> None:
     # One worker process with a pool of 4 connections: 24 duplicates that each held a
     # connection (or a thread of it) while waiting would leave nothing for the others.
-    spec = Shape("uvicorn", workers=1, max_waiters=0)
-    with serve(
-        subprocess_env, gunicorn_server, spec, waiting=True, DATABASE_POOL_SIZE="4"
-    ) as server:
+    spec = Shape("uvicorn", workers=1, max_waiters=0, pool=4)
+    with serve(subprocess_env, gunicorn_server, spec, waiting=True) as server:
         result = flood(server.url, alice, bob, path)
     report(f"uvicorn, async view {path}, waiting on", result)
 
@@ -269,10 +271,10 @@ def test_150_duplicates_under_uvicorn_leave_the_connections_bounded_and_every_en
 ) -> None:
     workers, pool_size, application = 2, 10, f"waiting-{uuid.uuid4().hex[:8]}"
     key, body = str(uuid.uuid4()), {**CHARGE, "delay_ms": 3000}
-    spec = Shape("uvicorn", workers=workers)
+    spec = Shape("uvicorn", workers=workers, pool=pool_size)
     # libpq names the server's connections after PGAPPNAME: they are counted apart from
     # the test's own and from other servers on the test database.
-    env = {"PGAPPNAME": application, "DATABASE_POOL_SIZE": str(pool_size)}
+    env = {"PGAPPNAME": application}
     with serve(subprocess_env, gunicorn_server, spec, waiting=False, **env) as server:
         url = server.url
         samples = sampled(lambda: backends(test_database_url, application))
