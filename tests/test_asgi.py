@@ -22,7 +22,7 @@ from testproject.payments import views
 from testproject.payments.models import Charge
 from tests import test_concurrency as concurrency
 from tests import test_e2e_payments as e2e
-from tests.client import replayed
+from tests.client import honouring_retry_after, replayed
 from tests.conftest import TokenUser
 from tests.servers import InProcessServer
 from tests.test_e2e_payments import CHARGE, counts, post, records, send_at_once
@@ -175,7 +175,7 @@ def test_async_view_rolls_back_a_failed_attempt_and_the_retry_executes_once(
         failed = None
     after_failure = counts(base_url)
     records_after_failure = records(key)
-    retry = post(base_url, alice, key, body, path)
+    retry = honouring_retry_after(lambda: post(base_url, alice, key, body, path))
     replay = post(base_url, alice, key, body, path)
 
     assert failed == (500 if fault == "fail_once" else None)

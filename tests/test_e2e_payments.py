@@ -20,7 +20,7 @@ import requests
 from django_idempotency.models import IdempotencyRecord
 from testproject.payments.models import Charge, Payment, Refund
 from tests.chain_processes import wait_for
-from tests.client import replayed
+from tests.client import honouring_retry_after, replayed
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -332,7 +332,7 @@ def test_worker_killed_after_its_write_leaves_nothing_and_the_retry_executes_onc
         post(live_gunicorn, alice, key, body, path)
     after_crash = counts(live_gunicorn, count_path)
     records_after_crash = records(key)
-    retry = post(live_gunicorn, alice, key, body, path)
+    retry = honouring_retry_after(lambda: post(live_gunicorn, alice, key, body, path))
     replay = post(live_gunicorn, alice, key, body, path)
 
     assert after_crash - before == (1, 0)
