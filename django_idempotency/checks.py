@@ -20,6 +20,7 @@ from django.utils.module_loading import import_string
 from django_idempotency import beat
 from django_idempotency.conf import KINDS, conf, wrong_type
 from django_idempotency.engine.errors import Misconfigured
+from django_idempotency.engine.unit import server_threads
 from django_idempotency.models import IdempotencyRecord
 from django_idempotency.partitions import catalog, tables
 from django_idempotency.problems import ERROR_FORMATS
@@ -62,6 +63,8 @@ INTEGERS = (
     ("DELETE_BATCH_SIZE", 1),
     ("OUTBOX_BATCH_SIZE", 1),
     ("OUTBOX_REDRIVE_LIMIT", 0),
+    ("MAX_WAITERS", 0),
+    ("SERVER_THREADS", 1),
 )
 
 
@@ -312,6 +315,51 @@ def check_settings(app_configs: Sequence[AppConfig] | None, **kwargs: Any) -> li
                 )
             )
     return messages
+
+
+@register()
+def check_servers(app_configs: Sequence[AppConfig] | None, **kwargs: Any) -> list[CheckMessage]:
+    """What the server shape asks of waiting duplicates and of database connections."""
+    if not _ours(app_configs):
+        return []
+    messages: list[CheckMessage] = []
+    cap = _as_written("MAX_WAITERS")
+    threads, source = (None, "") if _invalid_integer("SERVER_THREADS") else server_threads()
+    if isinstance(cap, int) and cap > 0 and threads is not None and cap >= threads:
+        messages.append(
+            CheckWarning(
+                f"IDEMPOTENCY_MAX_WAITERS is {cap}, but a server process has {threads} "
+                f"request thread(s) ({source}): waiting duplicates could hold every thread, "
+                "and other requests would wait behind them.",
+                hint=f"Set IDEMPOTENCY_MAX_WAITERS to {max(threads - 1, 0)} or fewer (leave "
+                "a thread for each slow request you expect at once), or to 0 so that "
+                "duplicates get 409 at once.",
+                id="django_idempotency.W008",
+            )
+        )
+    if getattr(settings, "ASGI_APPLICATION", None):
+        for alias in connections:
+            database = connections[alias].settings_dict
+            age = database.get("CONN_MAX_AGE", 0)
+            if age != 0 and not database.get("OPTIONS", {}).get("pool"):
+                messages.append(
+                    CheckWarning(
+                        f"Database {alias!r} keeps connections open (CONN_MAX_AGE = {age!r}) "
+                        "and the project runs under ASGI (ASGI_APPLICATION is set): Django "
+                        "opens a connection in each request's thread there, so connections "
+                        "pile up until the database refuses new clients.",
+                        hint=f"Use Django's connection pool (DATABASES[{alias!r}]['OPTIONS']"
+                        "['pool'] = {'max_size': ...} with CONN_MAX_AGE = 0; install "
+                        "psycopg[pool]), or set CONN_MAX_AGE = 0.",
+                        id="django_idempotency.W009",
+                    )
+                )
+    return messages
+
+
+def _invalid_integer(name: str) -> bool:
+    value = _as_written(name)
+    return value is not None and (not isinstance(value, int) or isinstance(value, bool))
 
 
 @register()

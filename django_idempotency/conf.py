@@ -63,7 +63,8 @@ class Settings:
 
     @property
     def WAIT(self) -> timedelta:
-        value: timedelta = _setting("IDEMPOTENCY_WAIT", timedelta(seconds=2))
+        # Waiting is opt-in: by default a duplicate gets 409 in-progress at once.
+        value: timedelta = _setting("IDEMPOTENCY_WAIT", timedelta(0))
         return value
 
     @property
@@ -73,7 +74,12 @@ class Settings:
 
     @property
     def MAX_WAITERS(self) -> int:
-        return int(_setting("IDEMPOTENCY_MAX_WAITERS", 4))
+        return int(_setting("IDEMPOTENCY_MAX_WAITERS", 0))
+
+    @property
+    def SERVER_THREADS(self) -> int | None:
+        value = _setting("IDEMPOTENCY_SERVER_THREADS", None)
+        return None if value is None else int(value)
 
     @property
     def LOOKUP_FIRST(self) -> bool:
@@ -298,6 +304,7 @@ KINDS: dict[str, Kind] = {
     "WAIT": DURATION,
     "MAX_WAIT": DURATION,
     "MAX_WAITERS": INTEGER,
+    "SERVER_THREADS": OPTIONAL_INTEGER,
     "LOOKUP_FIRST": BOOLEAN,
     "SECRET_KEY": OPTIONAL_TEXT,
     "SECRET_KEY_FALLBACKS": SECRETS,
@@ -345,6 +352,7 @@ REQUEST_SETTINGS = (
     "WAIT",
     "MAX_WAIT",
     "MAX_WAITERS",
+    "SERVER_THREADS",
     "LOOKUP_FIRST",
     "SECRET_KEY",
     "SECRET_KEY_FALLBACKS",

@@ -62,10 +62,11 @@ def idempotent(view: Any = None, **options: Unpack[ViewOptions]) -> Any:
                 refused = _unsupported(request)
                 if refused is not None:
                     return refused
-                # The unit's transaction lives on the thread that opened it: every
+                # The unit's transaction lives on the thread that claimed it: every
                 # sync_to_async(thread_sensitive=True) call of this request (Django's async
-                # ORM) runs there, so the view's writes join the claim's transaction.
-                decision = await sync_to_async(unit.open)(
+                # ORM) runs there, so the view's writes join the claim's transaction. A
+                # duplicate waits on the event loop.
+                decision = await unit.aopen(
                     principal_request=request, media_type=_media_type(request)
                 )
                 if not isinstance(decision, Run):

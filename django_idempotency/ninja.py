@@ -152,7 +152,7 @@ class AsyncIdempotentOperation(_Idempotent, AsyncOperation):
             return await super()._run_checks(request)
         with failing_closed():
             error = await super()._run_checks(request)
-        return error or _unsupported(self, request) or await sync_to_async(_open)(claim, request)
+        return error or _unsupported(self, request) or await _aopen(claim, request)
 
 
 _subclasses: dict[type[Operation], type[Operation]] = {}
@@ -216,6 +216,16 @@ def _open(claim: _Claim, request: HttpRequest) -> HttpResponse | None:
     """Claim the key now that the client is authenticated: None to run the view, or the
     replay or refusal to answer with."""
     decision = claim.unit.open(principal_request=_principal_request(request, claim.unit.policy))
+    if isinstance(decision, Run):
+        claim.claimed = True
+        return None
+    return decision.response()
+
+
+async def _aopen(claim: _Claim, request: HttpRequest) -> HttpResponse | None:
+    """``_open`` for an async operation: a duplicate waits on the event loop."""
+    principal_request = await sync_to_async(_principal_request)(request, claim.unit.policy)
+    decision = await claim.unit.aopen(principal_request=principal_request)
     if isinstance(decision, Run):
         claim.claimed = True
         return None

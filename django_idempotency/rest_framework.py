@@ -3,11 +3,11 @@ and for adrf's async views."""
 
 from __future__ import annotations
 
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Callable
 from inspect import isawaitable
 from typing import Any
 
-from asgiref.sync import sync_to_async
+from asgiref.sync import iscoroutinefunction, sync_to_async
 from django.core.exceptions import ImproperlyConfigured, ValidationError
 from django.db import router
 from django.http import Http404
@@ -95,6 +95,13 @@ class IdempotencyMixin:
         require_parser(request)
         renderers = getattr(self, "renderer_classes", ())
         media_type = request.accepted_media_type if len(renderers) > 1 else None
+        method = (request.method or "").lower()
+        handler = getattr(self, method, None)
+        if getattr(self, "view_is_async", False) and handler is not None:
+            # adrf runs initial() on a thread: claim in the handler instead, on the event
+            # loop, where a duplicate waits without holding a thread.
+            setattr(self, method, self._claiming(handler, unit, media_type))
+            return
         decision = unit.open(principal_request=request, media_type=media_type)
         if isinstance(decision, Run):
             self._idempotency = unit
@@ -102,6 +109,24 @@ class IdempotencyMixin:
         if isinstance(decision, Replay):
             self._check_object_permissions()
         raise Answered(decision.response())
+
+    def _claiming(
+        self, handler: Callable[..., Any], unit: RequestUnit, media_type: str | None
+    ) -> Callable[..., Awaitable[Any]]:
+        """The async view's handler, behind the claim of its key."""
+
+        async def claimed(request: Request, *args: Any, **kwargs: Any) -> Any:
+            decision = await unit.aopen(principal_request=request, media_type=media_type)
+            if isinstance(decision, Run):
+                self._idempotency = unit
+                if iscoroutinefunction(handler):
+                    return await handler(request, *args, **kwargs)
+                return await sync_to_async(handler)(request, *args, **kwargs)
+            if isinstance(decision, Replay):
+                await sync_to_async(self._check_object_permissions)()
+            raise Answered(decision.response())
+
+        return claimed
 
     def _check_object_permissions(self) -> None:
         # A detail route checks permissions on its object inside the handler, which a

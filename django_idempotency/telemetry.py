@@ -14,11 +14,12 @@ import logging
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Coroutine, Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from types import ModuleType
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, Concatenate, ParamSpec, TypeVar
 
 from django.conf import settings
 from django.db import DatabaseError, connections, router
@@ -63,6 +64,7 @@ logger = logging.getLogger("django_idempotency.telemetry")
 T = TypeVar("T")
 A = TypeVar("A")
 R = TypeVar("R")
+P = ParamSpec("P")
 
 SCOPE = "django_idempotency"
 
@@ -284,8 +286,8 @@ def _decided(decision: Decision) -> str:
 
 
 def traced_open(method: Callable[[UnitOfWork], Decision]) -> Callable[[UnitOfWork], Decision]:
-    """``UnitOfWork.open``: the ``idempotency.claim`` span, the claim's duration, and the
-    outcome of a claim that does not run the work."""
+    """``UnitOfWork.open``: the ``idempotency.claim`` span, the claim's duration (a waiting
+    duplicate's wait included), and the outcome of a claim that does not run the work."""
     if not ENABLED:  # pragma: no cover
         return method
 
@@ -293,34 +295,60 @@ def traced_open(method: Callable[[UnitOfWork], Decision]) -> Callable[[UnitOfWor
     def wrapper(unit: UnitOfWork) -> Decision:
         if not listening():
             return method(unit)
-        instruments = _instruments()
-        attributes = _attributes(unit.sender, unit.context)
-        tracer = _tracer()
-        started = time.perf_counter()
-        with tracer.start_as_current_span(
-            CLAIM_SPAN, attributes=attributes, record_exception=False, set_status_on_exception=False
-        ) as span:
-            try:
-                decision = method(unit)
-            except BaseException as exc:
-                outcome = outcome_of(exc)
-                # The exception's type only: a database error's text can quote a key.
-                span.set_status(Status(StatusCode.ERROR, type(exc).__name__))
-                raise
-            else:
-                outcome = _decided(decision)
-            finally:
-                elapsed = time.perf_counter() - started
-                span.set_attribute(OUTCOME, outcome)
-                measured = {**attributes, OUTCOME: outcome}
-                instruments.claim_duration.record(elapsed, measured)
-                if outcome in DUPLICATES:
-                    instruments.wait_duration.record(elapsed, measured)
-                if outcome != WON:
-                    _count(instruments, attributes, outcome)
-        return decision
+        with _measured_claim(unit) as decided:
+            decided.append(method(unit))
+        return decided[0]
 
     return wrapper
+
+
+def traced_aopen(
+    method: Callable[Concatenate[UnitOfWork, P], Coroutine[Any, Any, Decision]],
+) -> Callable[Concatenate[UnitOfWork, P], Coroutine[Any, Any, Decision]]:
+    """``UnitOfWork.aopen``: what ``traced_open`` measures, for the async wait."""
+    if not ENABLED:  # pragma: no cover
+        return method
+
+    @functools.wraps(method)
+    async def wrapper(unit: UnitOfWork, /, *args: P.args, **kwargs: P.kwargs) -> Decision:
+        if not listening():
+            return await method(unit, *args, **kwargs)
+        with _measured_claim(unit) as decided:
+            decided.append(await method(unit, *args, **kwargs))
+        return decided[0]
+
+    return wrapper
+
+
+@contextmanager
+def _measured_claim(unit: UnitOfWork) -> Iterator[list[Decision]]:
+    """The span and measurements of one claim; the block appends its decision."""
+    instruments = _instruments()
+    attributes = _attributes(unit.sender, unit.context)
+    tracer = _tracer()
+    started = time.perf_counter()
+    decided: list[Decision] = []
+    with tracer.start_as_current_span(
+        CLAIM_SPAN, attributes=attributes, record_exception=False, set_status_on_exception=False
+    ) as span:
+        try:
+            yield decided
+        except BaseException as exc:
+            outcome = outcome_of(exc)
+            # The exception's type only: a database error's text can quote a key.
+            span.set_status(Status(StatusCode.ERROR, type(exc).__name__))
+            raise
+        else:
+            outcome = _decided(decided[0])
+        finally:
+            elapsed = time.perf_counter() - started
+            span.set_attribute(OUTCOME, outcome)
+            measured = {**attributes, OUTCOME: outcome}
+            instruments.claim_duration.record(elapsed, measured)
+            if outcome in DUPLICATES:
+                instruments.wait_duration.record(elapsed, measured)
+            if outcome != WON:
+                _count(instruments, attributes, outcome)
 
 
 def _counted(

@@ -4,6 +4,9 @@ Environment: ``DATABASE_URL`` (else an embedded PostgreSQL, see ``testproject.da
 ``CELERY_BROKER_URL`` (default ``memory://``), ``DJANGO_DEBUG=1``, ``DJANGO_SECRET_KEY``,
 ``DJANGO_ALLOWED_HOSTS`` (comma-separated) and ``PAYMENTS_FAULTS_ENABLED=1``.
 
+Under ASGI (``testproject.asgi``) connections come from a pool of ``DATABASE_POOL_SIZE``
+(default 10) per process instead of staying open per request thread.
+
 Deployment shapes (docs/deployment-shapes.md): ``DATABASE_POOLING=transaction`` when
 ``DATABASE_URL`` goes through PgBouncer in transaction pooling mode; ``REPLICA_DATABASE_URL``
 adds a read replica; ``SHARD_DATABASE_URL`` a second database for tenant ``b``, with
@@ -83,9 +86,18 @@ TEMPLATES = [
 
 
 def _database(url: str) -> dict[str, Any]:
-    # Persistent connections: a gunicorn sync worker serves one request at a time, so one
-    # connection per worker, reused, with a health check after a server restart.
+    # Persistent connections under WSGI: a gunicorn sync worker serves one request at a
+    # time, so one connection per worker, reused, with a health check after a server restart.
     config: dict[str, Any] = dj_database_url.parse(url, conn_max_age=600, conn_health_checks=True)
+    if SERVED_BY_ASGI:
+        # Under ASGI each request runs its sync code in a thread of its own, so a persistent
+        # connection would stay open per request: a bounded pool per process instead.
+        config["CONN_MAX_AGE"] = 0
+        if DATABASE_POOLING != "transaction":
+            config["OPTIONS"] = {
+                **config.get("OPTIONS", {}),
+                "pool": {"min_size": 1, "max_size": DATABASE_POOL_SIZE, "timeout": 10},
+            }
     if DATABASE_POOLING == "transaction":
         # Behind PgBouncer in transaction pooling mode, consecutive transactions of one
         # connection may run on different server connections: nothing may outlive a
@@ -93,6 +105,15 @@ def _database(url: str) -> dict[str, Any]:
         config["DISABLE_SERVER_SIDE_CURSORS"] = True
         config["OPTIONS"] = {**config.get("OPTIONS", {}), "prepare_threshold": None}
     return config
+
+
+# testproject.asgi sets DJANGO_ASGI=1 before the settings load: served by uvicorn.
+SERVED_BY_ASGI = os.environ.get("DJANGO_ASGI") == "1"
+if SERVED_BY_ASGI:
+    # Also what tells django_idempotency's checks that the project runs under ASGI.
+    ASGI_APPLICATION = "testproject.asgi.application"
+# Connections per process under ASGI (psycopg's pool).
+DATABASE_POOL_SIZE = int(os.environ.get("DATABASE_POOL_SIZE", "10"))
 
 
 # "transaction" when DATABASE_URL points at PgBouncer with pool_mode = transaction.

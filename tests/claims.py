@@ -14,6 +14,7 @@ from django.db import DEFAULT_DB_ALIAS, connections, transaction
 from django.db.utils import load_backend
 
 from django_idempotency.engine.hashing import lock_id
+from django_idempotency.engine.unit import waiters
 from django_idempotency.models import IdempotencyRecord
 from django_idempotency.storage import records as storage
 
@@ -134,6 +135,16 @@ def wait_for_lock_waiters(count: int, timeout: float = 60) -> None:
     while advisory_lock_waiters() < count:
         if time.monotonic() > deadline:
             raise AssertionError(f"fewer than {count} claims are waiting after {timeout}s")
+        time.sleep(0.02)
+
+
+def wait_for_waiting_requests(count: int, timeout: float = 60) -> None:
+    """Until ``count`` requests served by this process (a live server in a thread) wait
+    for a holder, between their claims."""
+    deadline = time.monotonic() + timeout
+    while waiters.waiting < count:
+        if time.monotonic() > deadline:
+            raise AssertionError(f"fewer than {count} requests are waiting after {timeout}s")
         time.sleep(0.02)
 
 

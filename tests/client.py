@@ -4,7 +4,9 @@ reading what came back (any client's response)."""
 from __future__ import annotations
 
 import json
-from typing import Any
+import time
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 from django.test import Client
 
@@ -40,3 +42,18 @@ def problem(response: Any) -> dict[str, Any]:
     assert response["Cache-Control"] == "no-store"
     body: dict[str, Any] = json.loads(response.content)
     return body
+
+
+R = TypeVar("R")
+
+
+def honouring_retry_after(send: Callable[[], R], timeout: float = 30) -> R:
+    """``send()`` again while it answers ``409 in-progress``, after its ``Retry-After``, as a
+    client does (no waiting is the default): a worker killed mid-request holds its key
+    until PostgreSQL notices the lost connection."""
+    deadline = time.monotonic() + timeout
+    while True:
+        response: Any = send()
+        if response.status_code != 409 or time.monotonic() > deadline:
+            return response  # type: ignore[no-any-return]
+        time.sleep(int(response.headers["Retry-After"]))

@@ -28,6 +28,7 @@ import time
 from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 from urllib.parse import quote, urlsplit, urlunsplit
@@ -445,3 +446,15 @@ def private_redis(tmp_path: Path) -> Iterator[Any]:
     server.start()
     yield server
     server.stop()
+
+
+@pytest.fixture
+def waiting_on_main_thread(settings: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Waiting on (2 s) for requests that the test client serves on this, the main thread,
+    where a waiting request would hold a single-threaded server's only thread and so never
+    waits: for tests of what a duplicate that waited reports. The cap has tests of its own
+    (test_waiting)."""
+    from django_idempotency.engine import unit
+
+    settings.IDEMPOTENCY_WAIT = timedelta(seconds=2)
+    monkeypatch.setattr(unit, "waiter_limit", lambda: 1)

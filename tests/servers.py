@@ -1,6 +1,8 @@
 """Private servers for the deployment-shape tests, and the fixtures that start them.
 
 - ``live_uvicorn``: ``testproject.asgi`` under uvicorn (2 worker processes) on the test database.
+- ``live_gunicorn_waiting`` / ``live_uvicorn_waiting``: the same with waiting on, as the docs
+  show it (``tests/waiting_settings.py``), for the tests of waiting duplicates.
 - ``asgi_live_server``: Django's ASGI handler under uvicorn in a thread of the test process,
   the ASGI counterpart of pytest-django's ``live_server``.
 - ``live_user``: a committed user with a token, for tests that only talk to live servers;
@@ -149,6 +151,34 @@ def run_uvicorn(
 def live_uvicorn(subprocess_env: dict[str, str]) -> Iterator[str]:
     """Base URL of ``testproject.asgi`` under uvicorn, 2 worker processes, on the test database."""
     with run_uvicorn(subprocess_env) as server:
+        yield server.url
+
+
+# The documented waiting setup (tests/waiting_settings.py) for a server of the given shape.
+WAITING_SETTINGS = "tests.waiting_settings"
+
+
+def waiting_env(*, max_waiters: int, threads: int | None = None) -> dict[str, str]:
+    env = {"DJANGO_SETTINGS_MODULE": WAITING_SETTINGS, "WAITING_MAX_WAITERS": str(max_waiters)}
+    if threads is not None:
+        env["WAITING_SERVER_THREADS"] = str(threads)
+    return env
+
+
+@pytest.fixture(scope="module")
+def live_gunicorn_waiting(
+    gunicorn_server: Callable[..., contextlib.AbstractContextManager[GunicornServer]],
+) -> Iterator[str]:
+    """Base URL of gunicorn, 2 workers x 4 threads, with waiting on as the docs show it (at
+    most 2 requests of a process wait)."""
+    with gunicorn_server(workers=2, threads=4, env=waiting_env(max_waiters=2, threads=4)) as server:
+        yield server.url
+
+
+@pytest.fixture(scope="module")
+def live_uvicorn_waiting(subprocess_env: dict[str, str]) -> Iterator[str]:
+    """Base URL of ``testproject.asgi`` under uvicorn (1 worker) with waiting on."""
+    with run_uvicorn({**subprocess_env, **waiting_env(max_waiters=8)}, workers=1) as server:
         yield server.url
 
 
@@ -404,10 +434,12 @@ def live_pgbouncer(
     gunicorn_server: Callable[..., contextlib.AbstractContextManager[GunicornServer]],
 ) -> Iterator[str]:
     """Base URL of gunicorn (2 workers x 4 threads) whose database connections go through
-    ``pgbouncer`` in transaction pooling mode."""
+    ``pgbouncer`` in transaction pooling mode, with waiting on as the docs show it (a waiting
+    duplicate tries its claim again through the pool)."""
     env = {
         "DATABASE_URL": pgbouncer.url(database_name(test_database_url)),
         "DATABASE_POOLING": "transaction",
+        **waiting_env(max_waiters=2, threads=4),
     }
     with gunicorn_server(workers=2, threads=4, env=env) as server:
         yield server.url

@@ -10,6 +10,7 @@ from __future__ import annotations
 import inspect
 import uuid
 from collections import Counter
+from datetime import timedelta
 from functools import partial
 from typing import Any
 
@@ -21,7 +22,7 @@ from testproject.payments import views
 from testproject.payments.models import Charge
 from tests import test_concurrency as concurrency
 from tests import test_e2e_payments as e2e
-from tests.client import replayed
+from tests.client import honouring_retry_after, replayed
 from tests.conftest import TokenUser
 from tests.servers import InProcessServer
 from tests.test_e2e_payments import CHARGE, counts, post, records, send_at_once
@@ -74,10 +75,10 @@ def test_worker_killed_after_its_write_leaves_nothing_and_the_retry_executes_onc
 
 
 def test_duplicate_waiting_on_a_first_attempt_that_rolls_back_executes_itself(
-    live_uvicorn: str, alice: Any
+    live_uvicorn_waiting: str, alice: Any
 ) -> None:
     e2e.test_duplicate_waiting_on_a_first_attempt_that_rolls_back_executes_itself(
-        live_uvicorn, alice
+        live_uvicorn_waiting, alice
     )
 
 
@@ -174,7 +175,7 @@ def test_async_view_rolls_back_a_failed_attempt_and_the_retry_executes_once(
         failed = None
     after_failure = counts(base_url)
     records_after_failure = records(key)
-    retry = post(base_url, alice, key, body, path)
+    retry = honouring_retry_after(lambda: post(base_url, alice, key, body, path))
     replay = post(base_url, alice, key, body, path)
 
     assert failed == (500 if fault == "fail_once" else None)
@@ -194,7 +195,9 @@ IN_PROCESS_URLS = pytest.mark.urls("tests.urls")
 
 @pytest.fixture
 def many_waiters(settings: Any) -> Any:
-    """As in ``test_concurrency``: every duplicate of the one process may wait."""
+    """As in ``test_concurrency``: waiting on, and every duplicate of the one process may
+    wait."""
+    settings.IDEMPOTENCY_WAIT = timedelta(seconds=2)
     settings.IDEMPOTENCY_MAX_WAITERS = 100
     return settings
 

@@ -179,6 +179,8 @@ def test_check_ids_are_unique() -> None:
         "django_idempotency.W003",
         "django_idempotency.W004",
         "django_idempotency.W005",
+        "django_idempotency.W008",
+        "django_idempotency.W009",
         "django_idempotency.E101",
         "django_idempotency.W101",
         "django_idempotency.W102",
@@ -427,6 +429,8 @@ def test_e007_stays_silent_for_a_live_connection_at_read_committed(
         ("DELETE_BATCH_SIZE", 0, 1),
         ("COMPRESS_MIN_BYTES", -1, 0),
         ("OUTBOX_REDRIVE_LIMIT", -1, 0),
+        ("MAX_WAITERS", -1, 0),
+        ("SERVER_THREADS", 0, 1),
     ],
 )
 def test_e008_integer_out_of_range(name: str, value: object, smallest: int) -> None:
@@ -691,3 +695,133 @@ def test_e014_idempotent_outside_the_views_own_authentication() -> None:
         "/drf/dispatch-decorated/",  # method_decorator on an APIView's dispatch()
     ]
     assert "below @api_view" in errors[0].hint
+
+
+# The server shape (django_idempotency.W008, W009).
+
+
+def server_ids() -> list[str]:
+    return ids(checks.check_servers(None))
+
+
+@pytest.mark.parametrize(
+    ("overrides", "env", "threads", "source"),
+    [
+        (
+            {"IDEMPOTENCY_MAX_WAITERS": 4, "IDEMPOTENCY_SERVER_THREADS": 4},
+            None,
+            4,
+            "IDEMPOTENCY_SERVER_THREADS",
+        ),
+        (
+            {"IDEMPOTENCY_MAX_WAITERS": 8, "IDEMPOTENCY_SERVER_THREADS": 4},
+            None,
+            4,
+            "IDEMPOTENCY_SERVER_THREADS",
+        ),
+        ({"IDEMPOTENCY_MAX_WAITERS": 4}, "-w 4 --threads 4", 4, "GUNICORN_CMD_ARGS"),
+        ({"IDEMPOTENCY_MAX_WAITERS": 4}, "-w 4 --threads=2", 2, "GUNICORN_CMD_ARGS"),
+        # gunicorn's sync worker: one thread.
+        ({"IDEMPOTENCY_MAX_WAITERS": 1}, "--workers 4", 1, "GUNICORN_CMD_ARGS"),
+    ],
+    ids=[
+        "cap-equals-threads",
+        "cap-above-threads",
+        "gunicorn-args",
+        "gunicorn-args-eq",
+        "sync-worker",
+    ],
+)
+def test_w008_a_waiter_cap_that_cannot_leave_a_thread_free(
+    monkeypatch, overrides: dict[str, int], env: str | None, threads: int, source: str
+) -> None:
+    if env is not None:
+        monkeypatch.setenv("GUNICORN_CMD_ARGS", env)
+    with override_settings(**overrides):
+        (message,) = checks.check_servers(None)
+    assert message.id == "django_idempotency.W008"
+    cap = overrides["IDEMPOTENCY_MAX_WAITERS"]
+    assert message.msg.startswith(
+        f"IDEMPOTENCY_MAX_WAITERS is {cap}, but a server process has {threads} request "
+        f"thread(s) ({source})"
+    )
+    assert f"Set IDEMPOTENCY_MAX_WAITERS to {threads - 1} or fewer" in message.hint
+
+
+@pytest.mark.parametrize(
+    ("overrides", "env"),
+    [
+        ({}, "--threads 4"),  # the default cap: no request waits on a thread
+        ({"IDEMPOTENCY_MAX_WAITERS": 3, "IDEMPOTENCY_SERVER_THREADS": 4}, None),
+        ({"IDEMPOTENCY_MAX_WAITERS": 2}, "-w 4 --threads 4"),
+        # Nothing says how many threads there are.
+        ({"IDEMPOTENCY_MAX_WAITERS": 4}, None),
+    ],
+)
+def test_a_waiter_cap_below_the_thread_count_is_fine(
+    monkeypatch, overrides: dict[str, int], env: str | None
+) -> None:
+    monkeypatch.delenv("GUNICORN_CMD_ARGS", raising=False)
+    if env is not None:
+        monkeypatch.setenv("GUNICORN_CMD_ARGS", env)
+    with override_settings(**overrides):
+        assert server_ids() == []
+
+
+def test_w009_persistent_connections_under_asgi(monkeypatch) -> None:
+    from django.db import connection
+
+    monkeypatch.setitem(connection.settings_dict, "CONN_MAX_AGE", 600)
+    with override_settings(ASGI_APPLICATION="testproject.asgi.application"):
+        (message,) = checks.check_servers(None)
+    assert message.id == "django_idempotency.W009"
+    assert message.msg.startswith(
+        "Database 'default' keeps connections open (CONN_MAX_AGE = 600) and the project "
+        "runs under ASGI"
+    )
+    assert "['pool']" in message.hint and "CONN_MAX_AGE = 0" in message.hint
+
+
+@pytest.mark.parametrize(
+    ("asgi", "age", "options"),
+    [
+        (True, 0, {}),
+        (True, 0, {"pool": {"max_size": 10}}),
+        (True, None, {"pool": True}),  # Django's pool keeps connections itself
+        (False, 600, {}),  # WSGI: one connection per worker thread, reused
+    ],
+)
+def test_bounded_connections_under_asgi_are_fine(
+    monkeypatch, asgi: bool, age: int | None, options: dict[str, object]
+) -> None:
+    from django.db import connection
+
+    monkeypatch.setitem(connection.settings_dict, "CONN_MAX_AGE", age)
+    monkeypatch.setitem(connection.settings_dict, "OPTIONS", options)
+    with override_settings(ASGI_APPLICATION="testproject.asgi.application" if asgi else None):
+        assert server_ids() == []
+
+
+def test_the_test_project_under_asgi_uses_a_bounded_pool() -> None:
+    script = (
+        "import django; django.setup()\n"
+        "from django.conf import settings\n"
+        "from django.core.checks import run_checks\n"
+        "database = settings.DATABASES['default']\n"
+        "print(settings.ASGI_APPLICATION, database['CONN_MAX_AGE'],"
+        " database['OPTIONS']['pool']['max_size'])\n"
+        "print(sorted(m.id for m in run_checks() if m.id))\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script],
+        cwd=ROOT,
+        # What testproject/asgi.py sets before the settings load.
+        env={**os.environ, "DJANGO_SETTINGS_MODULE": "testproject.settings", "DJANGO_ASGI": "1"},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    declared, found = done.stdout.splitlines()
+    assert declared == "testproject.asgi.application 0 10"
+    assert "django_idempotency.W009" not in found

@@ -22,10 +22,11 @@ from django_idempotency.models import IdempotencyRecord
 from django_idempotency.partitions import apply, catalog
 from django_idempotency.partitions.tables import RECORDS
 from django_idempotency.storage.records import Outcome
-from tests.claims import claim, held_claim, store_first, wait_for_lock_waiters
+from tests.claims import claim, held_claim, store_first, wait_for_waiting_requests
 from tests.client import replayed
 from tests.factories import ScriptFactory, TokenFactory, new_key
 from tests.reliability.forgery import forge_colliding_key
+from tests.servers import waiting_env
 from tests.views import CALLS, GATES, business_rows
 
 pytestmark = [pytest.mark.urls("tests.urls"), pytest.mark.django_db(transaction=True)]
@@ -38,8 +39,9 @@ TIMEOUT = 90
 
 @pytest.fixture(autouse=True)
 def many_waiters(settings: Any) -> None:
-    """These tests make every duplicate of the live server's one process wait; the cap on
-    waiters has tests of its own."""
+    """Waiting on, and every duplicate of the live server's one process may wait; the
+    default (no waiting) and the cap on waiters have tests of their own (test_waiting)."""
+    settings.IDEMPOTENCY_WAIT = timedelta(seconds=2)
     settings.IDEMPOTENCY_MAX_WAITERS = 100
 
 
@@ -83,7 +85,7 @@ def test_parallel_duplicates_that_wait_get_the_replay_of_the_one_execution(
     with ThreadPoolExecutor(duplicates + 1) as pool:
         first = start_gated_first(pool, url, script, key)
         waiting = [pool.submit(post, url, script, key, Prefer="wait=60") for _ in range(duplicates)]
-        wait_for_lock_waiters(duplicates)
+        wait_for_waiting_requests(duplicates)
         GATES.open(script["gate"])
         first_response = first.result()
         responses = [future.result() for future in waiting]
@@ -215,7 +217,7 @@ def test_waiting_duplicate_executes_when_the_first_rolls_back(
     with ThreadPoolExecutor(2) as pool:
         first = start_gated_first(pool, url, script, key)
         duplicate = pool.submit(post, url, script, key, Prefer="wait=60")
-        wait_for_lock_waiters(1)
+        wait_for_waiting_requests(1)
         GATES.open(script["gate"])
         first_response, duplicate_response = first.result(), duplicate.result()
 
@@ -385,7 +387,9 @@ def test_waiting_duplicates_are_capped_per_process_and_others_are_still_served(
     alice = make_token_user("waiter-alice")
     key, body = new_key(), {"amount": 100, "currency": "inr", "delay_ms": 3000}
     headers = {**alice.headers, "Idempotency-Key": key, "Prefer": "wait=10"}
-    with gunicorn_server(workers=1, threads=12) as server, ThreadPoolExecutor(16) as pool:
+    # Waiting on as the docs show it, with a cap of 4 on a process of 12 threads.
+    env = waiting_env(max_waiters=4, threads=12)
+    with gunicorn_server(workers=1, threads=12, env=env) as server, ThreadPoolExecutor(16) as pool:
         url = server.url + "/api/charges/"
         holder = {**alice.headers, "Idempotency-Key": key}
         first = pool.submit(requests.post, url, json=body, headers=holder, timeout=30)
@@ -403,6 +407,6 @@ def test_waiting_duplicates_are_capped_per_process_and_others_are_still_served(
     assert other.status_code == 200
     assert served_in < 1.0
     statuses = Counter(a.status_code for a in answers)
-    # The default cap: 4 wait for the first and get its replay, the rest are told at once.
+    # The cap: 4 wait for the first and get its replay, the rest are told at once.
     assert statuses == {201: 4, 409: 6}, statuses
     assert all(a.headers["Preference-Applied"] == "wait=10" for a in answers)

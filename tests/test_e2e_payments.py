@@ -20,7 +20,7 @@ import requests
 from django_idempotency.models import IdempotencyRecord
 from testproject.payments.models import Charge, Payment, Refund
 from tests.chain_processes import wait_for
-from tests.client import replayed
+from tests.client import honouring_retry_after, replayed
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -332,7 +332,7 @@ def test_worker_killed_after_its_write_leaves_nothing_and_the_retry_executes_onc
         post(live_gunicorn, alice, key, body, path)
     after_crash = counts(live_gunicorn, count_path)
     records_after_crash = records(key)
-    retry = post(live_gunicorn, alice, key, body, path)
+    retry = honouring_retry_after(lambda: post(live_gunicorn, alice, key, body, path))
     replay = post(live_gunicorn, alice, key, body, path)
 
     assert after_crash - before == (1, 0)
@@ -373,34 +373,39 @@ def test_plain_django_view_requires_a_key_and_replays(live_gunicorn: str, alice:
 
 
 def test_duplicate_waiting_on_a_first_attempt_that_rolls_back_executes_itself(
-    live_gunicorn: str, alice: Any
+    live_gunicorn_waiting: str, alice: Any
 ) -> None:
+    # Waiting is opt-in: on a server that waits as the docs show it.
     key = str(uuid.uuid4())
     # The first attempt writes, then fails after a second; its duplicate arrives meanwhile.
     body = {**CHARGE, "fail_once": str(uuid.uuid4()), "delay_ms": 1000}
-    before = counts(live_gunicorn)
+    before = counts(live_gunicorn_waiting)
 
     with ThreadPoolExecutor(1) as pool:
-        first = start_first(pool, live_gunicorn, alice, key, body, before)
-        duplicate = post(live_gunicorn, alice, key, body)
+        first = start_first(pool, live_gunicorn_waiting, alice, key, body, before)
+        duplicate = post(live_gunicorn_waiting, alice, key, body)
         failed = first.result()
 
     assert failed.status_code == 500
     assert (duplicate.status_code, replayed(duplicate)) == (201, False), duplicate.text
-    assert counts(live_gunicorn) - before == (2, 1)
+    assert counts(live_gunicorn_waiting) - before == (2, 1)
     assert records(key) == 1
 
 
-def test_duplicate_that_will_not_wait_gets_409_at_once(live_gunicorn: str, alice: Any) -> None:
+def test_duplicate_that_will_not_wait_gets_409_at_once(
+    live_gunicorn_waiting: str, alice: Any
+) -> None:
     key = str(uuid.uuid4())
     body = {**CHARGE, "delay_ms": 1500}
 
     with ThreadPoolExecutor(1) as pool:
-        first = start_first(pool, live_gunicorn, alice, key, body, counts(live_gunicorn))
+        first = start_first(
+            pool, live_gunicorn_waiting, alice, key, body, counts(live_gunicorn_waiting)
+        )
         started = time.monotonic()
-        impatient = post(live_gunicorn, alice, key, body, Prefer="wait=0")
+        impatient = post(live_gunicorn_waiting, alice, key, body, Prefer="wait=0")
         waited = time.monotonic() - started
-        patient = post(live_gunicorn, alice, key, body, Prefer="wait=5")
+        patient = post(live_gunicorn_waiting, alice, key, body, Prefer="wait=5")
         created = first.result()
 
     assert impatient.status_code == 409

@@ -3,17 +3,21 @@
 from __future__ import annotations
 
 import json
+import time
 import zlib
+from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
 from typing import Any
 
+import psycopg
 import pytest
 import requests
 from django.core.exceptions import ImproperlyConfigured
 from django.db import connection
-from django.test import Client, RequestFactory
+from django.test import Client, RequestFactory, override_settings
 
-from django_idempotency.engine.unit import prefer_wait
+from django_idempotency.engine.hashing import lock_id
+from django_idempotency.engine.unit import prefer_wait, waiter_limit
 from django_idempotency.models import IdempotencyRecord
 from django_idempotency.storage import records
 from tests.claims import held_claim, unreachable_store
@@ -693,7 +697,8 @@ def test_unreachable_store_does_not_affect_requests_without_a_key(
     assert CALLS[script["tag"]] == 1
 
 
-# Prefer: wait (RFC 7240) parsing; the waiting itself is in test_concurrency.
+# Prefer: wait (RFC 7240) parsing; the waiting itself is in test_concurrency and
+# test_waiting.
 
 
 @pytest.mark.parametrize(
@@ -715,6 +720,77 @@ def test_prefer_wait_is_parsed_and_ill_formed_preferences_are_ignored(
 ) -> None:
     request = RequestFactory().post("/", headers={"Prefer": header} if header else {})
     assert prefer_wait(request.META) == expected
+
+
+@pytest.mark.django_db
+@ENDPOINTS
+def test_by_default_a_duplicate_gets_409_at_once_and_its_wait_preference_is_not_applied(
+    client, path: str
+) -> None:
+    key = new_key()
+    with held_claim("anonymous", key):
+        started = time.monotonic()
+        response = send(client, "POST", path, ScriptFactory(), key=key, headers={
+            "Prefer": "wait=5"
+        })  # fmt: skip
+        waited = time.monotonic() - started
+    assert response.status_code == 409
+    assert response.json()["type"].endswith("in-progress")
+    assert int(response.headers["Retry-After"]) >= 1
+    # Waiting is opt-in; a client cannot turn it on.
+    assert "Preference-Applied" not in response.headers
+    assert waited < 4
+
+
+@pytest.mark.django_db(transaction=True)
+@ENDPOINTS
+def test_a_stored_key_whose_lock_is_held_for_a_moment_is_replayed_not_409(
+    client, test_database_url: str, path: str
+) -> None:
+    # Another duplicate's claim holds the lock for the moment it takes to find the record: a
+    # claim that does not wait finds the lock taken, and must still replay what is stored.
+    key, script = new_key(), ScriptFactory()
+    first = send(client, "POST", path, script, key=key)
+    assert first.status_code == 201
+    with psycopg.connect(test_database_url) as other:  # its transaction holds the lock
+        other.execute("SELECT pg_advisory_xact_lock(1768187245, %s)", [lock_id("anonymous", key)])
+        again = send(client, "POST", path, script, key=key)
+    assert (again.status_code, replayed(again)) == (201, True), again.content
+    assert again.content == first.content
+
+
+def limit_on_a_thread() -> int:
+    """``waiter_limit()`` as a request thread of a threaded server sees it."""
+    with ThreadPoolExecutor(1) as pool:
+        return pool.submit(waiter_limit).result()
+
+
+@pytest.mark.parametrize(
+    ("overrides", "gunicorn_args", "expected"),
+    [
+        ({}, None, 0),  # the default: no request waits on a thread of its own
+        ({"IDEMPOTENCY_MAX_WAITERS": 6}, None, 6),
+        ({"IDEMPOTENCY_MAX_WAITERS": 6, "IDEMPOTENCY_SERVER_THREADS": 4}, None, 3),
+        ({"IDEMPOTENCY_MAX_WAITERS": 2, "IDEMPOTENCY_SERVER_THREADS": 4}, None, 2),
+        ({"IDEMPOTENCY_MAX_WAITERS": 6}, "-w 4 --threads 4", 3),
+        ({"IDEMPOTENCY_MAX_WAITERS": 6}, "-w 4", 0),
+    ],
+)
+def test_the_waiter_cap_always_leaves_a_thread_free_where_the_thread_count_is_known(
+    monkeypatch, overrides: dict[str, int], gunicorn_args: str | None, expected: int
+) -> None:
+    monkeypatch.delenv("GUNICORN_CMD_ARGS", raising=False)
+    if gunicorn_args is not None:
+        monkeypatch.setenv("GUNICORN_CMD_ARGS", gunicorn_args)
+    with override_settings(**overrides):
+        assert limit_on_a_thread() == expected
+
+
+def test_a_request_served_on_the_main_thread_never_waits_on_it() -> None:
+    # gunicorn's sync worker, uWSGI without threads: the main thread is the only one.
+    with override_settings(IDEMPOTENCY_MAX_WAITERS=6, IDEMPOTENCY_SERVER_THREADS=8):
+        assert waiter_limit() == 0
+        assert limit_on_a_thread() == 6
 
 
 @pytest.mark.django_db(transaction=True)

@@ -36,7 +36,7 @@ import requests
 
 from testproject.payments import executions
 from testproject.payments.models import Charge
-from tests.client import replayed
+from tests.client import honouring_retry_after, replayed
 from tests.conftest import GunicornServer, TokenUser
 from tests.servers import count, private_database
 from tests.test_e2e_payments import CHARGE, send_at_once
@@ -180,7 +180,7 @@ def test_a_crash_after_the_write_rolls_back_charge_and_claim_on_the_shard(
     with pytest.raises(requests.ConnectionError):
         tenants.post("b", key, body, path)
     after_failure = (tenants.charges("b"), tenants.records("b", key))
-    retry = tenants.post("b", key, body, path)
+    retry = honouring_retry_after(lambda: tenants.post("b", key, body, path))
     replay = tenants.post("b", key, body, path)
 
     assert after_failure == (0, 0)

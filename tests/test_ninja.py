@@ -198,8 +198,8 @@ def test_parallel_identical_requests_over_http_execute_once(
 
     base_url = request.getfixturevalue(server)
     user, key = make_token_user(), str(uuid.uuid4())
-    # Long enough for all ten to arrive while the first holds the key; the default wait
-    # (2 s) lets the duplicates wait for it and replay its answer.
+    # Long enough for all ten to arrive while the first holds the key: those that overlap it
+    # get 409 at once (waiting is off by default), the later ones its replay.
     body = {**CHARGE, "delay_ms": 500}
     before = counts(base_url)
 

@@ -24,7 +24,7 @@ from typing import Any
 import pytest
 import requests
 
-from tests.client import replayed
+from tests.client import honouring_retry_after, replayed
 from tests.conftest import GunicornServer
 from tests.servers import PostgresCluster, migrate, postgres_bin, primary_and_replica
 from tests.test_e2e_payments import CHARGE, send_at_once
@@ -216,7 +216,7 @@ def test_failed_first_attempt_then_retry_executes_once_while_the_replica_lags(
         except requests.ConnectionError:  # crash_once: the worker died mid-request
             failed = None
         records_after_failure = app.records(app.primary, key)
-        retry = app.post(key, body)
+        retry = honouring_retry_after(lambda: app.post(key, body))
         replay = app.post(key, body)
 
     assert failed == (500 if fault == "fail_once" else None)

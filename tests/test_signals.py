@@ -115,7 +115,7 @@ def test_key_reused_fires_with_the_differing_parts(client, receive: Any, path: s
 @pytest.mark.django_db
 @pytest.mark.parametrize("path", ["/drf/", "/plain/"])
 def test_request_conflicted_fires_with_how_long_the_duplicate_waited(
-    client, receive: Any, path: str
+    client, receive: Any, path: str, waiting_on_main_thread: None
 ) -> None:
     conflicted = receive(signals.request_conflicted)
     key = new_key()

@@ -203,7 +203,9 @@ def test_a_replay_is_a_replayed_claim_a_replay_span_and_a_replay_count(
 
 
 @pytest.mark.django_db(transaction=True)
-def test_a_409_conflict_is_counted_with_its_wait(client, collect: Any) -> None:
+def test_a_409_conflict_is_counted_with_its_wait(
+    client, collect: Any, waiting_on_main_thread: None
+) -> None:
     key = new_key()
     with held_claim("anonymous", key):
         started = time.monotonic()

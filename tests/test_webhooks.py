@@ -9,6 +9,7 @@ import threading
 import time
 import uuid
 from collections.abc import Iterator
+from datetime import timedelta
 from typing import Any
 
 import pytest
@@ -80,7 +81,10 @@ def test_another_delivery_id_is_another_event(charge: Charge) -> None:
     assert Settlement.objects.count() == 2
 
 
-def test_concurrent_redeliveries_settle_once(charge: Charge) -> None:
+def test_concurrent_redeliveries_settle_once(charge: Charge, settings: Any) -> None:
+    # Waiting on (it is opt-in), so that the redeliveries wait for the first and replay it.
+    settings.IDEMPOTENCY_WAIT = timedelta(seconds=5)
+    settings.IDEMPOTENCY_MAX_WAITERS = 4
     delivery, body = str(uuid.uuid4()), event(charge.pk)
     answers: list[Any] = []
 

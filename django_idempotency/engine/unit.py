@@ -9,8 +9,11 @@ outcome in. ``RequestUnit`` is the same for an HTTP request, which is all the vi
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import logging
+import os
+import re
 import threading
 import time
 from collections.abc import Generator, Iterator
@@ -20,7 +23,9 @@ from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Any
 
+from asgiref.sync import sync_to_async
 from django.core.exceptions import ImproperlyConfigured
+from django.core.handlers.asgi import ASGIRequest
 from django.db import InterfaceError, OperationalError, connections, router, transaction
 from django.http import HttpRequest, HttpResponse
 from django.http.response import HttpResponseBase
@@ -86,9 +91,14 @@ NEVER_STORED_HEADERS = frozenset(
 )
 # A duplicate that gave up waiting is told to come back after this many seconds.
 RETRY_AFTER_SECONDS = 1
+# A waiting request tries the claim again after a pause that doubles from the first to the
+# longest: a short holder is seen soon, a long one costs a few cheap claims a second.
+FIRST_PAUSE = 0.05
+LONGEST_PAUSE = 0.5
 # "wait" preferences are capped before they become a timedelta: any number of digits.
 MAX_PREFERRED_WAIT = 86400
 _LOST_STORE = (OperationalError, InterfaceError)
+GUNICORN_THREADS = re.compile(r"--threads[= ]+(\d+)")
 
 
 def store_unavailable(detail: str) -> StoreUnavailable:
@@ -116,16 +126,20 @@ def short(key: str) -> str:
 
 
 class _Waiters:
-    """How many duplicates of this process wait for a holder right now, capped so that
-    waiting duplicates never take every thread of a server."""
+    """How many requests of this process may wait for a holder on a thread of their own
+    right now (sync views, and async views under WSGI): ``count``, capped so that waiting
+    duplicates always leave a thread free for other requests. ``waiting``: the requests
+    waiting now, async ones included."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self.count = 0
+        self.waiting = 0
 
     def enter(self) -> bool:
+        limit = waiter_limit()
         with self._lock:
-            if self.count >= conf.MAX_WAITERS:
+            if self.count >= limit:
                 return False
             self.count += 1
             return True
@@ -133,6 +147,46 @@ class _Waiters:
     def leave(self) -> None:
         with self._lock:
             self.count -= 1
+
+    def slept(self, started: bool) -> bool:
+        """Count a request that goes to sleep for the first time; True from then on."""
+        if not started:
+            with self._lock:
+                self.waiting += 1
+        return True
+
+    def woke(self, started: bool) -> None:
+        if started:
+            with self._lock:
+                self.waiting -= 1
+
+
+def waiter_limit() -> int:
+    """How many requests of this process may wait on a thread of their own at once."""
+    if threading.current_thread() is threading.main_thread():
+        # A process that serves requests on its main thread serves one at a time (gunicorn's
+        # sync worker, uWSGI without threads): a waiting request would hold all of it.
+        return 0
+    limit = conf.MAX_WAITERS
+    threads, _ = server_threads()
+    if threads is not None:
+        limit = min(limit, threads - 1)
+    return max(limit, 0)
+
+
+def server_threads() -> tuple[int | None, str]:
+    """The request threads of one server process, and where that was learnt:
+    IDEMPOTENCY_SERVER_THREADS, else gunicorn's ``--threads`` in GUNICORN_CMD_ARGS; None
+    when neither says."""
+    threads = conf.SERVER_THREADS
+    if threads is not None:
+        return threads, "IDEMPOTENCY_SERVER_THREADS"
+    args = os.environ.get("GUNICORN_CMD_ARGS")
+    if args is None:
+        return None, ""
+    found = GUNICORN_THREADS.search(args)
+    # gunicorn's default is one thread (its sync worker).
+    return (int(found.group(1)) if found else 1), "GUNICORN_CMD_ARGS"
 
 
 waiters = _Waiters()
@@ -250,6 +304,11 @@ class UnitOfWork:
     ``close(outcome)`` stores it and commits, or ``fail(exc)`` rolls everything back.
     Under ``ATOMIC_REQUESTS`` the work runs in a savepoint of the request's transaction,
     so that DRF's ``set_rollback()`` undoes its writes while the 4xx is still stored.
+
+    With ``poll`` (requests), a duplicate waits between claims that answer at once, with
+    its connection given back, instead of inside the database's lock wait: ``open()``
+    sleeps on its thread, within the process's waiter cap; ``aopen()`` sleeps on the event
+    loop and holds neither a thread nor a connection while it does.
     """
 
     def __init__(
@@ -263,6 +322,7 @@ class UnitOfWork:
         lookup_first: bool = False,
         now: datetime | None = None,
         kind: str = "view",
+        poll: bool = False,
     ) -> None:
         self.work = work
         self.wait = wait
@@ -274,15 +334,83 @@ class UnitOfWork:
         self.now = now
         # What the work is, for the logs: a "view", a "task".
         self.kind = kind
-        self._steps: Generator[Decision, Outcome | BaseException, bool]
+        self.poll = poll
+        self._steps: Generator[Decision | None, Outcome | BaseException, bool]
         self._thread = 0
         self._thrown: BaseException | None = None
+        self._started = 0.0
+        self._deadline = 0.0
+        self._pause = FIRST_PAUSE
+        # Whether this unit holds one of the process's waiter slots (``waiters``).
+        self._slot = False
 
     @telemetry.traced_open
     def open(self) -> Decision:
+        self._start()
+        if not self.poll:
+            # A consumer: its claim waits inside the database.
+            decision = self._attempt(capped=None, wait=self.wait)
+            assert decision is not None
+            return decision
+        slept = False
+        try:
+            while (decision := self._attempt(capped=True)) is None:
+                slept = waiters.slept(slept)
+                time.sleep(self._next_pause())
+            return decision
+        finally:
+            waiters.woke(slept)
+            self._leave()
+
+    @telemetry.traced_aopen
+    async def aopen(self, *, holds_thread: bool = False) -> Decision:
+        """``open()`` for an async view. Between claims the coroutine sleeps on the event
+        loop; ``holds_thread``: the loop runs for a server thread that waits for it (an
+        async view under WSGI), so the waiter cap applies."""
+        self._start()
+        slept = False
+        try:
+            # The claims run on the request's one sync thread (thread-sensitive), where a
+            # won claim's transaction stays open for the view's ORM calls.
+            while (decision := await sync_to_async(self._attempt)(holds_thread)) is None:
+                slept = waiters.slept(slept)
+                await asyncio.sleep(self._next_pause())
+            return decision
+        finally:
+            waiters.woke(slept)
+            self._leave()
+
+    def _start(self) -> None:
+        self._started = time.monotonic()
+        self._deadline = self._started + self.wait.total_seconds()
+        self._pause = FIRST_PAUSE
+
+    def _next_pause(self) -> float:
+        pause = min(self._pause, max(self._deadline - time.monotonic(), 0.0))
+        self._pause = min(self._pause * 2, LONGEST_PAUSE)
+        return pause
+
+    def _attempt(self, capped: bool | None, wait: timedelta = timedelta(0)) -> Decision | None:
+        """One claim: the decision, or None when another request holds the key and this
+        one may wait and try again: it has time left, and, if it waits on a thread of its
+        own (``capped``), a waiter slot. ``capped`` None: it never tries again."""
         self._thread = threading.get_ident()
-        self._steps = self._transaction()
+        self._steps = self._transaction(capped, wait)
         return next(self._steps)
+
+    def _may_wait(self, capped: bool | None) -> bool:
+        if capped is None or time.monotonic() >= self._deadline:
+            return False
+        if capped and not self._slot:
+            # Taken at the first busy claim, on the request's thread, and kept until open()
+            # ends: a request that never waits never takes one.
+            self._slot = waiters.enter()
+        return self._slot or not capped
+
+    def _leave(self) -> None:
+        if self._slot:
+            self._slot = False
+            waiters.leave()
 
     @telemetry.counted_close
     def close(self, outcome: Outcome) -> bool:
@@ -317,7 +445,9 @@ class UnitOfWork:
             raise
         raise AssertionError("the unit of work did not end")  # pragma: no cover
 
-    def _transaction(self) -> Generator[Decision, Outcome | BaseException, bool]:
+    def _transaction(
+        self, capped: bool | None, wait: timedelta
+    ) -> Generator[Decision | None, Outcome | BaseException, bool]:
         work = self.work
         if self.lookup_first:
             with failing_closed():
@@ -333,8 +463,6 @@ class UnitOfWork:
         with failing_closed():
             lock, fallback_locks = self._locks()
         outermost = not connections[self.using].in_atomic_block
-        started = time.monotonic()
-        waiting = self.wait > timedelta(0) and waiters.enter()
         claimed: storage.Claimed | None = None
         try:
             with transaction.atomic(using=self.using):
@@ -346,13 +474,10 @@ class UnitOfWork:
                     # A consumer's records outlive MAX_TTL (IDEMPOTENCY_CONSUMER_TTL).
                     window=max(conf.MAX_TTL, work.ttl) + conf.EXPIRED_WINDOW,
                     gone=conf.EXPIRED_WINDOW,
-                    wait=self.wait if waiting else timedelta(0),
+                    wait=wait,
                     now=self.now,
                     also_lock=fallback_locks,
                 )
-                if waiting:
-                    waiting = False
-                    waiters.leave()
                 if claimed.outcome is storage.Outcome.WON:
                     # set(), not a token's reset(): an async view closes the unit in
                     # another context than the one that opened it.
@@ -377,12 +502,26 @@ class UnitOfWork:
             raise store_unavailable(
                 "The response could not be committed; nothing was saved. Retry with the same key."
             ) from exc
-        finally:
-            if waiting:
-                waiters.leave()
         # Not ours: the transaction ended above, which freed the lock at once.
         assert claimed is not None
-        yield self._found(claimed, waited=time.monotonic() - started)
+        if claimed.outcome is storage.Outcome.BUSY:
+            # A claim that does not wait finds the lock taken also while another duplicate
+            # holds it for the moment its own claim takes to find the record: what is
+            # committed is replayed, and only a key whose first request still runs is busy.
+            with failing_closed():
+                found = storage.lookup(
+                    self.using,
+                    principal=work.principal,
+                    key=work.key,
+                    window=max(conf.MAX_TTL, work.ttl) + conf.EXPIRED_WINDOW,
+                )
+            if found is not None:
+                claimed = storage.Claimed(storage.Outcome.FOUND, record=found)
+        if claimed.outcome is storage.Outcome.BUSY and self._may_wait(capped):
+            self._release()
+            yield None
+            return False
+        yield self._found(claimed, waited=time.monotonic() - self._started)
         return False
 
     def _locks(self) -> tuple[int, tuple[int, ...]]:
@@ -398,9 +537,16 @@ class UnitOfWork:
                 "processed."
             ) from exc
 
+    def _release(self) -> None:
+        """Give the connection back while waiting (to the pool, if there is one), unless the
+        request's own transaction (ATOMIC_REQUESTS) holds it."""
+        connection = connections[self.using]
+        if not connection.in_atomic_block:
+            connection.close()
+
     def _run(
         self, claimed: storage.Claimed, outermost: bool
-    ) -> Generator[Decision, Outcome | BaseException, bool]:
+    ) -> Generator[Decision | None, Outcome | BaseException, bool]:
         using = self.using
         riding: list[tuple[str, list[Any]]] = []
         if connections[using].settings_dict.get("ATOMIC_REQUESTS"):
@@ -621,10 +767,39 @@ class RequestUnit:
     def open(self, *, principal_request: Any = None, media_type: str | None = None) -> Decision:
         """Claim the key, or say how to answer instead. ``principal_request`` is the
         request that carries the authenticated user (DRF's), ``media_type`` the
-        negotiated one when the view can answer in several.
+        negotiated one when the view can answer in several. A duplicate that may wait
+        waits here, on this thread, within the process's waiter cap.
 
         ``Run`` with nothing claimed when the view's ``key_from`` found no key and the view
         does not require one: the request runs unprotected, as one without a key header."""
+        unit = self._unit_or_refusal(principal_request, media_type)
+        if isinstance(unit, Refuse | Run):
+            return unit
+        try:
+            decision = unit.open()
+        except IdempotencyError as error:
+            return self._refuse(error)
+        return self._decided(decision)
+
+    async def aopen(
+        self, *, principal_request: Any = None, media_type: str | None = None
+    ) -> Decision:
+        """``open()`` for an async view: a duplicate that may wait sleeps on the event loop
+        between claims, holding no thread and no database connection (under ASGI)."""
+        unit = await sync_to_async(self._unit_or_refusal)(principal_request, media_type)
+        if isinstance(unit, Refuse | Run):
+            return unit
+        # Under WSGI the event loop runs for a server thread that waits for it.
+        holds_thread = not isinstance(self.request, ASGIRequest)
+        try:
+            decision = await unit.aopen(holds_thread=holds_thread)
+        except IdempotencyError as error:
+            return self._refuse(error)
+        return self._decided(decision)
+
+    def _unit_or_refusal(
+        self, principal_request: Any, media_type: str | None
+    ) -> UnitOfWork | Refuse | Run:
         try:
             unit = self._unit = self._prepare(principal_request or self.request, media_type)
         except IdempotencyError as error:
@@ -632,10 +807,9 @@ class RequestUnit:
             return self._refuse(error)
         if unit is None:
             return Run()
-        try:
-            decision = unit.open()
-        except IdempotencyError as error:
-            return self._refuse(error)
+        return unit
+
+    def _decided(self, decision: Decision) -> Decision:
         if isinstance(decision, Refuse):
             return self._refuse(decision.error)
         if isinstance(decision, Replay):
@@ -697,16 +871,16 @@ class RequestUnit:
         parts = fingerprint(
             request, policy.exclude_fields, policy.fingerprint_headers, media_type=media_type
         )
-        preferred = prefer_wait(request.META)
-        asked = (
-            policy.wait
-            if preferred is None
-            else timedelta(seconds=min(preferred, MAX_PREFERRED_WAIT))
-        )
-        wait = min(asked, conf.MAX_WAIT)
-        if preferred is not None:
-            self._headers["Preference-Applied"] = f"wait={int(wait.total_seconds())}"
-        wait -= timedelta(seconds=time.monotonic() - self.arrived)
+        wait = policy.wait
+        if wait > timedelta(0):
+            # A client may ask for a shorter or longer wait only where waiting is on.
+            preferred = prefer_wait(request.META)
+            if preferred is not None:
+                wait = timedelta(seconds=min(preferred, MAX_PREFERRED_WAIT))
+            wait = min(wait, conf.MAX_WAIT)
+            if preferred is not None:
+                self._headers["Preference-Applied"] = f"wait={int(wait.total_seconds())}"
+            wait -= timedelta(seconds=time.monotonic() - self.arrived)
         work = Work(
             principal=principal,
             key=key,
@@ -722,6 +896,7 @@ class RequestUnit:
             context=request,
             using=self._database(),
             lookup_first=policy.lookup_first,
+            poll=True,
         )
 
     def _database(self) -> str:
