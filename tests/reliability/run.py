@@ -1,18 +1,19 @@
 """One reliability run: its phases, in order, and the report they add up to.
 
-1. setup: a fresh database, migrated, with token users and staff users (session login).
+1. setup: a fresh database, migrated, with token users and staff users (session login),
+   and its copy whose default isolation is REPEATABLE READ (for the deployment shapes).
 2. cold start: gunicorn starts while the database is down; every request fails with a
    5xx and nothing is stored; once the database is back the same keys execute once.
+   Meanwhile the deployment shapes' two servers start.
 3. isolation: token, session and anonymous principals against one key; the admin's
    rendering of a stored body that carries markup.
 4. contention: hundreds of clients on one key; distinct keys at once against the
    unprotected baseline (no global lock).
 5. the attacks of issue 9, once each (``attacks.py``): rolled-back work answered 2xx,
    a waiting-duplicate flood, a forged lock key, an oversized 4xx, multipart bodies.
-   Meanwhile the servers of the deployment shapes start.
-6. the deployment shapes of issue 22, once each (``shapes.py``): a database whose default
-   isolation is REPEATABLE READ (a copy of the run's, made at the setup), two app servers
-   with different SECRET_KEYs, ``@idempotent`` above the view's own authentication.
+6. the deployment shapes of issue 22, once each (``shapes.py``): the database's copy whose
+   default isolation is REPEATABLE READ, two app servers with different SECRET_KEYs on one
+   database, ``@idempotent`` above the view's own authentication.
 7. faulted traffic, per server shape: SDK clients under worker kills, database outages,
    connection cuts, crash_once/fail_once/slow/rolled-back/cookie-setting handlers, and
    partition maintenance.
@@ -181,23 +182,7 @@ class Runner:
         for index, shape in enumerate(shapes):
             with ExitStack() as stack:
                 if index == 0:
-                    # The copy is made first: nothing may be connected to its template.
-                    deployment = self.deployment_shapes(database)
-                    server = self.cold_start(database, shape, stack)
-                    self.log_in(server.url)
-                    with self.phase("isolation and privacy"):
-                        self.isolation(server.url)
-                        self.admin_escapes(server.url, database)
-                    with self.phase("contention: one hot key"):
-                        self.hot_key(server.url)
-                    with self.phase("contention: distinct keys at once"):
-                        self.scaling(server.url, shape)
-                    with deployment:
-                        with self.phase("attacks of issue 9"):
-                            deployment.start()
-                            self.attack(server.url, database)
-                        with self.phase("deployment shapes of issue 22"):
-                            self.make_shapes(server.url, deployment)
+                    server = self.before_traffic(database, shape, stack)
                 else:
                     with self.phase(f"start {shape.describe()}"):
                         server = stack.enter_context(serve(database, shape, self.logs))
@@ -206,6 +191,29 @@ class Runner:
                 with self.phase(f"recovery, {shape.describe()}"):
                     self.recover(server.url, shape)
                 self.say(f"[{time.monotonic() - self.started:7.1f}s] stop {shape.describe()}")
+
+    def before_traffic(
+        self, database: Database, shape: ServerShape, stack: ExitStack
+    ) -> GunicornServer:
+        """What is made once per run, on the first server shape, before its faulted
+        traffic. The deployment shapes' servers start during the cold start, and stop
+        after the shapes are made."""
+        # The copy is made first: nothing may be connected to its template.
+        with self.deployment_shapes(database) as deployment:
+            server = self.cold_start(database, shape, stack)
+            self.log_in(server.url)
+            with self.phase("isolation and privacy"):
+                self.isolation(server.url)
+                self.admin_escapes(server.url, database)
+            with self.phase("contention: one hot key"):
+                self.hot_key(server.url)
+            with self.phase("contention: distinct keys at once"):
+                self.scaling(server.url, shape)
+            with self.phase("attacks of issue 9"):
+                self.attack(server.url, database)
+            with self.phase("deployment shapes of issue 22"):
+                self.make_shapes(server.url, deployment)
+        return server
 
     def cold_start(
         self, database: Database, shape: ServerShape, stack: ExitStack
@@ -470,11 +478,13 @@ class Runner:
             self.attacks += attacks.made
 
     def deployment_shapes(self, database: Database) -> Shapes:
-        """The deployment shapes, with their copy of the database made."""
+        """The deployment shapes, their copy of the database made and their servers
+        starting in the background."""
         with self.phase("setup: the deployment shapes' database"):
             rng = random.Random(self.rng.random())
             shapes = Shapes(self.profile, database, self.ledger, rng, self.logs, self.say)
             self.elsewhere.append(shapes.prepare(self.beside))
+            shapes.start()
         return shapes
 
     def make_shapes(self, base_url: str, shapes: Shapes) -> None:

@@ -19,8 +19,8 @@ the promise for (``500`` problem type ``misconfigured``): a refusal executes not
 Every exchange goes in the run's ledger (the repeatable-read one marked with the copy's
 name), so the run's invariant covers them: a duplicate is a logical request with more than
 one row, a leak a principal answered another's response. The shapes' two servers start
-while the attacks of issue 9 run; the repeatable-read shape, on its own database, runs
-beside the other two.
+during the run's cold start; the repeatable-read shape, on its own database, runs beside
+the other two.
 """
 
 from __future__ import annotations
@@ -67,8 +67,8 @@ READ_TIMEOUT = 60.0
 
 class Shapes:
     """Make the copy (``prepare``, before anything connects to the run's database), start
-    the servers (``start``), make the shapes (``run``); the servers stop when the block of
-    ``with shapes:`` ends, the copy when ``beside`` closes."""
+    the servers in the background (``start``), make the shapes (``run``); the servers stop
+    when the block of ``with shapes:`` ends, the copy when ``beside`` closes."""
 
     def __init__(
         self,
