@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import pytest
 
+from tests.reliability.checks import DUPLICATE, LEAK, OTHER
 from tests.reliability.faults import maintenance_available
 from tests.reliability.postgres import explicit_server_url
 from tests.reliability.profiles import (
@@ -41,10 +42,17 @@ def failed_checks(report: Report, prefix: str) -> list[str]:
     return [f"{c.name}: {c.detail}" for c in matching if c.passed is False]
 
 
+def violations(report: Report, kind: str | None = None) -> str:
+    """The violations found, one a line, each naming its kind of request (its attack or
+    deployment shape); pytest would cut a list short."""
+    found = [v for v in report.violations if kind is None or v["kind"] == kind]
+    return "\n" + "\n".join(f"{v['kind']}, {v['what']}: {v['detail']}" for v in found)
+
+
 def test_every_key_answered_2xx_has_exactly_one_effect(report: Report) -> None:
     assert report.requests["logical requests"] > 150
-    assert report.duplicates == 0, report.violations
-    assert report.other_violations == 0, report.violations
+    assert report.duplicates == 0, violations(report, DUPLICATE)
+    assert report.other_violations == 0, violations(report, OTHER)
 
 
 def test_no_2xx_without_a_commit(report: Report) -> None:
@@ -54,7 +62,7 @@ def test_no_2xx_without_a_commit(report: Report) -> None:
 
 def test_no_principal_saw_another_principals_response(report: Report) -> None:
     assert report.kinds.get("cross-principal", 0) > 0
-    assert report.leaks == 0, report.violations
+    assert report.leaks == 0, violations(report, LEAK)
 
 
 def test_every_kind_of_fault_was_injected_and_survived(report: Report) -> None:
@@ -68,7 +76,7 @@ def test_every_kind_of_fault_was_injected_and_survived(report: Report) -> None:
 
 
 def test_every_key_is_answered_after_recovery_and_none_stays_blocked(report: Report) -> None:
-    assert report.unresolved == 0, report.violations
+    assert report.unresolved == 0, violations(report)
     assert failed_checks(report, "after recovery") == []
 
 
@@ -107,16 +115,19 @@ def test_multipart_to_a_json_endpoint_is_415_and_stores_nothing(report: Report) 
 
 def test_a_repeatable_read_database_runs_a_key_once_or_refuses_it(report: Report) -> None:
     # The database's default isolation is REPEATABLE READ; duplicates wait on the lock.
-    assert failed_checks(report, "repeatable read database") == []
+    failed = failed_checks(report, "repeatable read database")
+    assert not failed, "\n".join(failed)
 
 
 def test_two_app_servers_with_different_secret_keys_run_a_key_once(report: Report) -> None:
-    assert failed_checks(report, "two app servers, two SECRET_KEYs") == []
+    failed = failed_checks(report, "two app servers, two SECRET_KEYs")
+    assert not failed, "\n".join(failed)
 
 
 def test_idempotent_above_authentication_never_replays_to_another(report: Report) -> None:
     # Alice's charge, then Bob and a client with no credentials with her key and body.
-    assert failed_checks(report, "@idempotent above authentication") == []
+    failed = failed_checks(report, "@idempotent above authentication")
+    assert not failed, "\n".join(failed)
 
 
 def test_hot_key_executes_once(report: Report) -> None:
