@@ -134,12 +134,12 @@ class Shapes:
         second = self.servers[TWO_SECRETS].result().url
         with ThreadPoolExecutor(1) as aside:
             # On a database and a server of its own: beside the other two.
-            beside = aside.submit(
+            repeatable_read = aside.submit(
                 self.timed, REPEATABLE_READ, self.repeatable_read, isolated, alice
             )
             self.timed(TWO_SECRETS, self.two_secrets, base_url, second, alice)
             self.timed(MISORDERED, self.misordered, second, alice, bob)
-            beside.result()
+            repeatable_read.result()
         return self.checks
 
     def timed(self, name: str, shape: Callable[..., Any], *args: Any) -> Any:
