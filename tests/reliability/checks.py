@@ -88,13 +88,13 @@ def check_exchanges(database: Database, exchanges: Sequence[Exchange]) -> Findin
     for exchange in exchanges:
         table = table_for(exchange.path)
         sent[table].add(exchange.amount)
-        found = rows[table].get(exchange.amount, [])
+        effects = rows[table].get(exchange.amount, [])
         if len(senders[table, exchange.amount]) > 1:
             # Principals sent the same body under one key (a shape's stranger, on purpose):
             # each is judged by the rows it owns and by what it was answered.
             user_id = users.get(exchange.principal.username)
-            found = [row for row in found if row[1] == user_id]
-        _check_exchange(exchange, found, users, findings)
+            effects = [row for row in effects if row[1] == user_id]
+        _check_exchange(exchange, effects, users, findings)
     for table, found in rows.items():
         for amount in set(found) - sent[table]:
             findings.add(OTHER, "phantom row", f"{table}: amount {amount} was never sent")
