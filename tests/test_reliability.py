@@ -1,6 +1,7 @@
 """The reliability suite's short profile (``tests/reliability``), run once for this module:
-every kind of fault and every attack of issue 9 against the testproject under gunicorn,
-back to back, then the invariant. The long profile is a command (README, "Reliability").
+every kind of fault, every attack of issue 9 and every deployment shape of issue 22 against
+the testproject under gunicorn, back to back, then the invariant. The long profile is a
+command (README, "Reliability").
 
 The run uses a database of its own (a private PostgreSQL cluster, or its own database on
 the server of an explicit ``DATABASE_URL``), not pytest-django's test database.
@@ -10,9 +11,16 @@ from __future__ import annotations
 
 import pytest
 
+from tests.reliability.checks import DUPLICATE, LEAK, OTHER
 from tests.reliability.faults import maintenance_available
 from tests.reliability.postgres import explicit_server_url
-from tests.reliability.profiles import ATTACK_KINDS, CLIENT_FAULT_KINDS, FAULT_KINDS, PROFILES
+from tests.reliability.profiles import (
+    ATTACK_KINDS,
+    CLIENT_FAULT_KINDS,
+    FAULT_KINDS,
+    PROFILES,
+    SHAPE_KINDS,
+)
 from tests.reliability.report import Report
 from tests.reliability.run import run
 
@@ -34,10 +42,17 @@ def failed_checks(report: Report, prefix: str) -> list[str]:
     return [f"{c.name}: {c.detail}" for c in matching if c.passed is False]
 
 
+def violations(report: Report, kind: str | None = None) -> str:
+    """The violations found, one a line, each naming its kind of request (its attack or
+    deployment shape); pytest would cut a list short."""
+    found = [v for v in report.violations if kind is None or v["kind"] == kind]
+    return "\n" + "\n".join(f"{v['kind']}, {v['what']}: {v['detail']}" for v in found)
+
+
 def test_every_key_answered_2xx_has_exactly_one_effect(report: Report) -> None:
     assert report.requests["logical requests"] > 150
-    assert report.duplicates == 0, report.violations
-    assert report.other_violations == 0, report.violations
+    assert report.duplicates == 0, violations(report, DUPLICATE)
+    assert report.other_violations == 0, violations(report, OTHER)
 
 
 def test_no_2xx_without_a_commit(report: Report) -> None:
@@ -47,11 +62,11 @@ def test_no_2xx_without_a_commit(report: Report) -> None:
 
 def test_no_principal_saw_another_principals_response(report: Report) -> None:
     assert report.kinds.get("cross-principal", 0) > 0
-    assert report.leaks == 0, report.violations
+    assert report.leaks == 0, violations(report, LEAK)
 
 
 def test_every_kind_of_fault_was_injected_and_survived(report: Report) -> None:
-    for kind in (*FAULT_KINDS, *ATTACK_KINDS):
+    for kind in (*FAULT_KINDS, *ATTACK_KINDS, *SHAPE_KINDS):
         assert report.faults.get(kind, 0) > 0, report.faults
     for kind in CLIENT_FAULT_KINDS:
         assert report.kinds.get(kind, 0) > 0, report.kinds
@@ -61,7 +76,7 @@ def test_every_kind_of_fault_was_injected_and_survived(report: Report) -> None:
 
 
 def test_every_key_is_answered_after_recovery_and_none_stays_blocked(report: Report) -> None:
-    assert report.unresolved == 0, report.violations
+    assert report.unresolved == 0, violations(report)
     assert failed_checks(report, "after recovery") == []
 
 
@@ -96,6 +111,23 @@ def test_an_oversized_4xx_is_answered_not_stored(report: Report) -> None:
 
 def test_multipart_to_a_json_endpoint_is_415_and_stores_nothing(report: Report) -> None:
     assert failed_checks(report, "multipart to a JSON-only endpoint") == []
+
+
+def test_a_repeatable_read_database_runs_a_key_once_or_refuses_it(report: Report) -> None:
+    # The database's default isolation is REPEATABLE READ; duplicates wait on the lock.
+    failed = failed_checks(report, "repeatable read database")
+    assert not failed, "\n".join(failed)
+
+
+def test_two_app_servers_with_different_secret_keys_run_a_key_once(report: Report) -> None:
+    failed = failed_checks(report, "two app servers, two SECRET_KEYs")
+    assert not failed, "\n".join(failed)
+
+
+def test_idempotent_above_authentication_never_replays_to_another(report: Report) -> None:
+    # Alice's charge, then Bob and a client with no credentials with her key and body.
+    failed = failed_checks(report, "@idempotent above authentication")
+    assert not failed, "\n".join(failed)
 
 
 def test_hot_key_executes_once(report: Report) -> None:

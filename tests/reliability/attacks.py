@@ -24,7 +24,7 @@ import time
 import uuid
 from collections import Counter
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import ExitStack
 from dataclasses import dataclass
 from typing import Any
@@ -227,9 +227,9 @@ class Attacks:
         delay = self.profile.flood_delay_ms
         slow = self.ledger.new(bob, key=bob_key, kind="forged lock key", delay_ms=delay)
         fresh = self.ledger.new(alice, key=alice_key, kind="forged lock key victim")
-        before = _executions(base_url)
+        before = executions(base_url)
         holder = holding.submit(self.client(base_url, read_timeout=30).attempt, slow)
-        self.wait_for_handler(base_url, before)
+        wait_for_handler(base_url, before)
         started = time.monotonic()
         answer = self.client(base_url).attempt(fresh)
         waited = time.monotonic() - started
@@ -266,9 +266,9 @@ class Attacks:
             ]
             unrelated = self.ledger.new(bob, kind="flood bystander")
             pool = stack.enter_context(ThreadPoolExecutor(len(duplicates) + 1))
-            before = _executions(url)
+            before = executions(url)
             holder = pool.submit(self.client(url, read_timeout=30).attempt, slow)
-            self.wait_for_handler(url, before)
+            wait_for_handler(url, before)
             timed: list[tuple[Attempt, float]] = []
             lock = threading.Lock()
 
@@ -323,18 +323,23 @@ class Attacks:
             f"{len(bodies)} distinct answer",
         ))  # fmt: skip
 
-    # -- helpers --------------------------------------------------------------------------
 
-    def wait_for_handler(self, base_url: str, before: int, timeout: float = 10.0) -> None:
-        """Until the slow handler runs (it counts itself first): its claim is held."""
-        deadline = time.monotonic() + timeout
-        while _executions(base_url) == before:
-            if time.monotonic() > deadline:
-                raise RuntimeError("the slow charge never started")
-            time.sleep(0.05)
+def wait_for_handler(
+    base_url: str, before: int, holder: Future[Any] | None = None, timeout: float = 10.0
+) -> None:
+    """Until the slow handler runs (it counts itself first): its claim is held. Or until
+    ``holder``, the request sending it, has its answer: a refusal runs no handler."""
+    deadline = time.monotonic() + timeout
+    while executions(base_url) == before:
+        if holder is not None and holder.done():
+            return
+        if time.monotonic() > deadline:
+            raise RuntimeError("the slow charge never started")
+        time.sleep(0.05)
 
 
-def _executions(base_url: str) -> int:
+def executions(base_url: str) -> int:
+    """How many times the charge handler ran on ``base_url``'s database."""
     response = requests.get(base_url + "/api/charges/count/", timeout=30)
     response.raise_for_status()
     return int(json.loads(response.content)["executions"])

@@ -15,7 +15,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from tests.reliability.client import Attempt, Exchange
+from tests.reliability.client import EFFECT_OR_REFUSAL, Attempt, Exchange
 from tests.reliability.postgres import Database
 from tests.reliability.traffic import DRF_ENDPOINTS
 
@@ -82,10 +82,19 @@ def check_exchanges(database: Database, exchanges: Sequence[Exchange]) -> Findin
             rows[table] = found
 
     sent: dict[str, set[int]] = defaultdict(set)
+    senders: dict[tuple[str, int], set[str]] = defaultdict(set)
+    for exchange in exchanges:
+        senders[table_for(exchange.path), exchange.amount].add(exchange.principal.username)
     for exchange in exchanges:
         table = table_for(exchange.path)
         sent[table].add(exchange.amount)
-        _check_exchange(exchange, rows[table].get(exchange.amount, []), users, findings)
+        effects = rows[table].get(exchange.amount, [])
+        if len(senders[table, exchange.amount]) > 1:
+            # Principals sent the same body under one key (a shape's stranger, on purpose):
+            # each is judged by the rows it owns and by what it was answered.
+            user_id = users.get(exchange.principal.username)
+            effects = [row for row in effects if row[1] == user_id]
+        _check_exchange(exchange, effects, users, findings)
     for table, found in rows.items():
         for amount in set(found) - sent[table]:
             findings.add(OTHER, "phantom row", f"{table}: amount {amount} was never sent")
@@ -114,7 +123,9 @@ def _check_exchange(
         if owner != user_id:
             findings.add(LEAK, "effect on another principal", f"{label}: row {row_id}")
 
-    if exchange.expect == "effect":
+    if exchange.expect == EFFECT_OR_REFUSAL:
+        _effect_or_refusal(exchange, answered, rows, label, findings)
+    elif exchange.expect == "effect":
         if not answered:
             findings.unresolved += 1
             findings.add(OTHER, "never answered 2xx", f"{label}: {_outcomes(exchange)}")
@@ -144,6 +155,35 @@ def _check_exchange(
             findings.add(OTHER, what, f"{label}: {_outcomes(exchange)}")
         if rows:
             findings.add(OTHER, "effect while refused", f"{label}: {len(rows)} rows")
+
+
+def _effect_or_refusal(
+    exchange: Exchange,
+    answered: list[Attempt],
+    rows: list[tuple[int, int]],
+    label: str,
+    findings: Findings,
+) -> None:
+    """One effect of its own, or refused with nothing executed (a deployment shape)."""
+    if not answered:
+        final = exchange.final
+        if final is None or not final.refusal:
+            findings.unresolved += 1
+            what = "neither an effect nor a refusal"
+            findings.add(OTHER, what, f"{label}: {_outcomes(exchange)}")
+        if rows:
+            findings.add(OTHER, "effect while refused", f"{label}: {len(rows)} rows")
+        return
+    body = _json(answered[0].body)
+    if body.get("user") != exchange.principal.username:
+        # Another principal's stored answer, replayed: nothing else in it is this one's.
+        who = body.get("user")
+        findings.add(LEAK, "another principal's response", f"{label}: user {who!r}")
+        return
+    if not rows:
+        findings.add(OTHER, NO_COMMIT, f"{label}: no committed row")
+    elif body.get("id") != rows[0][0]:
+        findings.add(OTHER, "response names another row", f"{label}: id {body.get('id')}")
 
 
 def _check_answer(exchange: Exchange, attempt: Attempt, label: str, findings: Findings) -> None:
@@ -176,6 +216,8 @@ def _check_answer(exchange: Exchange, attempt: Attempt, label: str, findings: Fi
             kind = LEAK if exchange.kind == "cross-principal" else OTHER
             findings.add(kind, "fresh request refused as a reused key", label)
     elif status is not None and 400 <= status < 500 and exchange.expect != "none":
+        if exchange.expect == EFFECT_OR_REFUSAL and attempt.refusal:
+            return
         findings.add(OTHER, f"unexpected {status}", f"{label}: {attempt.body[:200]!r}")
 
 
@@ -191,15 +233,18 @@ def _json(body: bytes) -> dict[str, Any]:
     return data if isinstance(data, dict) else {}
 
 
-def check_records(database: Database) -> Findings:
-    """The stored records themselves: one per key, never a half-result, no secrets."""
+def check_records(database: Database, exchanges: Sequence[Exchange] = ()) -> Findings:
+    """The stored records themselves: one per key, never a half-result, no secrets.
+    ``exchanges`` name the request a key stored twice belongs to."""
     findings = Findings()
+    kinds = {e.key: e.kind for e in exchanges}
     with database.connect() as conn:
-        for scope, key_count in conn.execute(
-            "SELECT scope, count(*) FROM django_idempotency_record GROUP BY scope, key "
-            "HAVING count(*) > 1"
+        for scope, key, path, key_count in conn.execute(
+            "SELECT scope, key, min(path), count(*) FROM django_idempotency_record "
+            "GROUP BY scope, key HAVING count(*) > 1"
         ):
-            findings.add(DUPLICATE, "key stored twice", f"{scope}: {key_count} records")
+            sent = f"{kinds[key]} {path}" if key in kinds else path
+            findings.add(DUPLICATE, "key stored twice", f"{sent}, {scope}: {key_count} records")
         for status, code, count in conn.execute(
             "SELECT status, response_code, count(*) FROM django_idempotency_record "
             "WHERE status <> 1 OR response_code IS NULL OR response_code >= 500 "

@@ -18,6 +18,12 @@ from tests.reliability.profiles import RetryPolicy
 # Stripe's SDKs and most others retry these (409 is Stripe's idempotency_key_in_use).
 RETRYABLE_STATUSES = frozenset({409, 429, 500, 502, 503, 504})
 TIMEOUT, CONNECTION_ERROR = "timeout", "connection-error"
+# The problem type of a deployment that cannot keep the promise: nothing ran, and every
+# retry gets the same answer until the deployment is fixed.
+MISCONFIGURED = "misconfigured"
+# What an exchange of a deployment shape (shapes.py) must end as: one effect of its own, or
+# a refusal with nothing executed (``refusal``).
+EFFECT_OR_REFUSAL = "effect or refusal"
 
 
 @dataclass(frozen=True)
@@ -50,7 +56,15 @@ class Attempt:
 
     @property
     def retryable(self) -> bool:
+        if self.problem == MISCONFIGURED:
+            return False
         return self.status is None or self.status in RETRYABLE_STATUSES
+
+    @property
+    def refusal(self) -> bool:
+        """Refused with nothing executed: the library's ``misconfigured``, or the view's
+        own authentication."""
+        return (self.status == 500 and self.problem == MISCONFIGURED) or self.status in (401, 403)
 
 
 @dataclass
@@ -67,9 +81,12 @@ class Exchange:
     body: dict[str, Any]
     kind: str = "plain"  # plain, crash, fail, slow, cross-principal, reuse, hot, ...
     # "effect": must end 2xx with exactly one row; "refused": must end 422 with no row;
-    # "none": must never end 2xx (the store was down, or the principal may not call).
+    # "none": must never end 2xx (the store was down, or the principal may not call);
+    # EFFECT_OR_REFUSAL: either "effect", or a refusal with no row (``Attempt.refusal``).
     expect: str = "effect"
     attempts: list[Attempt] = field(default_factory=list)
+    # The database the served app wrote to, when it is not the run's own (its name).
+    database: str | None = None
 
     @property
     def amount(self) -> int:

@@ -18,13 +18,14 @@ gunicorn tags with ``PGAPPNAME`` so the checker's and maintenance's connections 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import shutil
 import subprocess
 import tempfile
 import time
 import warnings
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -205,6 +206,35 @@ def provision(server_url: str | None) -> Iterator[Database]:
         yield from _external(server_url)
     else:
         yield from _private()
+
+
+@contextlib.contextmanager
+def copy_of(database: Database, suffix: str, defaults: Mapping[str, str]) -> Iterator[Database]:
+    """A copy of ``database`` on its server, whose sessions start with ``defaults`` (``ALTER
+    DATABASE … SET``, as an operator sets them), dropped afterwards. Nothing may be connected
+    to ``database`` while it is copied (``CREATE DATABASE … TEMPLATE``)."""
+    name = f"{database.name}_{suffix}"
+    copy = dataclasses.replace(database, url=with_database(database.server_url, name), events=[])
+    drop = sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(name))
+    with database.connect(database.server_url) as conn:
+        conn.execute(drop)
+        conn.execute(
+            sql.SQL("CREATE DATABASE {} TEMPLATE {}").format(
+                sql.Identifier(name), sql.Identifier(database.name)
+            )
+        )
+        for setting, value in defaults.items():
+            conn.execute(
+                sql.SQL("ALTER DATABASE {} SET {} = {}").format(
+                    sql.Identifier(name), sql.Identifier(setting), sql.Literal(value)
+                )
+            )
+    try:
+        yield copy
+    finally:
+        # The run may have failed with its server down: there is nothing to drop then.
+        with contextlib.suppress(psycopg.Error), database.connect(database.server_url) as conn:
+            conn.execute(drop)
 
 
 def _external(server_url: str) -> Iterator[Database]:

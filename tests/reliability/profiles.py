@@ -1,6 +1,7 @@
-"""How hard a run pushes: the short profile runs in every test run (every kind of fault
-once, back to back, in about 25 s), the long one is the proof; the chain profiles
-take the side-effect chain beyond the request (processor, outbox, relays, Celery workers)."""
+"""How hard a run pushes: the short profile runs in every test run (every kind of fault,
+attack and deployment shape once, back to back, in about 30 s), the long one is the proof;
+the chain profiles take the side-effect chain beyond the request (processor, outbox, relays,
+Celery workers)."""
 
 from __future__ import annotations
 
@@ -127,6 +128,11 @@ class Profile:
     flood_delay_ms: int = 3000
     flood_shape: ServerShape = ServerShape(workers=2, threads=4)
     flood_max_waiters: int = 2
+    # The deployment shapes of issue 22 (shapes.py): the slow charge that the
+    # repeatable-read database's duplicates wait behind and that the second app server's
+    # duplicate arrives during, and how many duplicates wait on the repeatable-read one.
+    shape_delay_ms: int = 3000
+    shape_duplicates: int = 5
     policy: RetryPolicy = field(default_factory=RetryPolicy)
     # The chain profiles: the processes of the side-effect chain and their faults; and the
     # share of charges whose ledger task is killed mid-task, killed after its commit and
@@ -175,6 +181,14 @@ ATTACK_KINDS = (
     "oversized 4xx",
     "multipart to a JSON-only endpoint",
 )
+# The deployment shapes of issue 22, each made once per run (tests/reliability/shapes.py).
+SHAPE_KINDS = (
+    "repeatable read database",
+    "two app servers, two SECRET_KEYs",
+    "@idempotent above authentication",
+)
+# Where the shapes' servers serve the suite's misordered view (urls.py, views.py).
+MISORDERED_PATH = "/reliability/charges-misordered/"
 
 # What the chain profiles share: charges only (the endpoint that captures and posts), token
 # principals, and no rolled-back work: its clean retry reuses the key with another amount,
@@ -214,6 +228,10 @@ PROFILES = {
         # A slow handler never outlives back-to-back faults: the recovery finishes it.
         stragglers_seconds=1.0,
         flood_delay_ms=2500,
+        # One charge of 1 s executed at most three times, on a database of its own, while
+        # the other two shapes run: about 3 s.
+        shape_delay_ms=1000,
+        shape_duplicates=2,
         # Clients give up on an attempt after 1.5 s, and slow handlers outlast that by
         # 0.2 to 0.5 s: the same timeouts and retries as 3 s would make, sooner.
         policy=RetryPolicy(read_timeout=1.5, max_delay=1.5),

@@ -1,21 +1,26 @@
 """One reliability run: its phases, in order, and the report they add up to.
 
-1. setup: a fresh database, migrated, with token users and staff users (session login).
+1. setup: a fresh database, migrated, with token users and staff users (session login),
+   and its copy whose default isolation is REPEATABLE READ (for the deployment shapes).
 2. cold start: gunicorn starts while the database is down; every request fails with a
    5xx and nothing is stored; once the database is back the same keys execute once.
+   Meanwhile the deployment shapes' two servers start.
 3. isolation: token, session and anonymous principals against one key; the admin's
    rendering of a stored body that carries markup.
 4. contention: hundreds of clients on one key; distinct keys at once against the
    unprotected baseline (no global lock).
 5. the attacks of issue 9, once each (``attacks.py``): rolled-back work answered 2xx,
    a waiting-duplicate flood, a forged lock key, an oversized 4xx, multipart bodies.
-6. faulted traffic, per server shape: SDK clients under worker kills, database outages,
+6. the deployment shapes of issue 22, once each (``shapes.py``): the database's copy whose
+   default isolation is REPEATABLE READ, two app servers with different SECRET_KEYs on one
+   database, ``@idempotent`` above the view's own authentication.
+7. faulted traffic, per server shape: SDK clients under worker kills, database outages,
    connection cuts, crash_once/fail_once/slow/rolled-back/cookie-setting handlers, and
    partition maintenance.
-7. recovery: every unanswered request is retried until answered; every faulted key is
+8. recovery: every unanswered request is retried until answered; every faulted key is
    retried once more and must be answered from the store.
-8. the invariant (every key answered 2xx has exactly one committed effect: no duplicate
-   effect, no 2xx without a commit) and the leak checks over the database and the logs.
+9. the invariant (every key answered 2xx has exactly one committed effect: no duplicate
+   effect, no 2xx without a commit) and the leak checks over the databases and the logs.
 """
 
 from __future__ import annotations
@@ -56,6 +61,7 @@ from tests.reliability.faults import (
 from tests.reliability.postgres import Database, provision
 from tests.reliability.profiles import Profile, ServerShape
 from tests.reliability.report import Check, Report, percentiles
+from tests.reliability.shapes import Shapes
 from tests.reliability.traffic import DRF_ENDPOINTS, Ledger, Traffic
 
 COUNT_PATH = "/api/charges/count/"
@@ -102,7 +108,12 @@ class Runner:
         self.recovered = 0
         # (server shape, logical requests, seconds) of each faulted-traffic phase.
         self.throughput: list[tuple[str, int, float]] = []
+        # Attack or deployment shape -> requests it sent.
         self.attacks: Counter[str] = Counter()
+        # Databases made beside the run's own (the deployment shapes'), checked with it and
+        # dropped when the run ends.
+        self.beside = ExitStack()
+        self.elsewhere: list[Database] = []
         self.load_at_start = os.getloadavg()
         # gunicorn loads the code at the start: a commit made during the run is not tested.
         self.code_version = _code_version()
@@ -123,6 +134,10 @@ class Runner:
         return SDKClient(base_url, policy, random.Random(self.rng.random()))
 
     def run(self, database: Database, traffic_seconds: float) -> Report:
+        with self.beside:
+            return self.run_on(database, traffic_seconds)
+
+    def run_on(self, database: Database, traffic_seconds: float) -> Report:
         report = Report(
             profile=self.profile.name,
             started=datetime.now(UTC).isoformat(timespec="seconds"),
@@ -142,8 +157,8 @@ class Runner:
             database.bring_back()
         with self.phase("invariant and leak checks"):
             findings = [
-                checks.check_exchanges(database, self.ledger.exchanges),
-                checks.check_records(database),
+                *self.check_database(database, database),
+                *(f for copy in self.elsewhere for f in self.check_database(copy, database)),
                 *self.beyond_the_request(database),
                 self.scan_logs(),
             ]
@@ -153,6 +168,13 @@ class Runner:
         self.fill(report, findings)
         return report
 
+    def check_database(self, where: Database, database: Database) -> list[checks.Findings]:
+        """The invariant over ``where``, for the exchanges its app served (the run's own
+        ``database`` or a shape's copy)."""
+        name = None if where is database else where.name
+        served = [e for e in self.ledger.exchanges if e.database == name]
+        return [checks.check_exchanges(where, served), checks.check_records(where, served)]
+
     # -- phases ---------------------------------------------------------------------------
 
     def phases_in_order(self, database: Database, traffic_seconds: float) -> None:
@@ -160,17 +182,7 @@ class Runner:
         for index, shape in enumerate(shapes):
             with ExitStack() as stack:
                 if index == 0:
-                    server = self.cold_start(database, shape, stack)
-                    self.log_in(server.url)
-                    with self.phase("isolation and privacy"):
-                        self.isolation(server.url)
-                        self.admin_escapes(server.url, database)
-                    with self.phase("contention: one hot key"):
-                        self.hot_key(server.url)
-                    with self.phase("contention: distinct keys at once"):
-                        self.scaling(server.url, shape)
-                    with self.phase("attacks of issue 9"):
-                        self.attack(server.url, database)
+                    server = self.before_traffic(database, shape, stack)
                 else:
                     with self.phase(f"start {shape.describe()}"):
                         server = stack.enter_context(serve(database, shape, self.logs))
@@ -179,6 +191,29 @@ class Runner:
                 with self.phase(f"recovery, {shape.describe()}"):
                     self.recover(server.url, shape)
                 self.say(f"[{time.monotonic() - self.started:7.1f}s] stop {shape.describe()}")
+
+    def before_traffic(
+        self, database: Database, shape: ServerShape, stack: ExitStack
+    ) -> GunicornServer:
+        """What is made once per run, on the first server shape, before its faulted
+        traffic. The deployment shapes' servers start during the cold start, and stop
+        after the shapes are made."""
+        # The copy is made first: nothing may be connected to its template.
+        with self.deployment_shapes(database) as deployment:
+            server = self.cold_start(database, shape, stack)
+            self.log_in(server.url)
+            with self.phase("isolation and privacy"):
+                self.isolation(server.url)
+                self.admin_escapes(server.url, database)
+            with self.phase("contention: one hot key"):
+                self.hot_key(server.url)
+            with self.phase("contention: distinct keys at once"):
+                self.scaling(server.url, shape)
+            with self.phase("attacks of issue 9"):
+                self.attack(server.url, database)
+            with self.phase("deployment shapes of issue 22"):
+                self.make_shapes(server.url, deployment)
+        return server
 
     def cold_start(
         self, database: Database, shape: ServerShape, stack: ExitStack
@@ -441,6 +476,23 @@ class Runner:
             self.checks += attacks.run(base_url, alice, bob)
         finally:
             self.attacks += attacks.made
+
+    def deployment_shapes(self, database: Database) -> Shapes:
+        """The deployment shapes, their copy of the database made and their servers
+        starting in the background."""
+        with self.phase("setup: the deployment shapes' database"):
+            rng = random.Random(self.rng.random())
+            shapes = Shapes(self.profile, database, self.ledger, rng, self.logs, self.say)
+            self.elsewhere.append(shapes.prepare(self.beside))
+            shapes.start()
+        return shapes
+
+    def make_shapes(self, base_url: str, shapes: Shapes) -> None:
+        alice, bob = self.token_principals()[:2]
+        try:
+            self.checks += shapes.run(base_url, alice, bob)
+        finally:
+            self.attacks += shapes.made
 
     def faulted_traffic(
         self, server: GunicornServer, database: Database, shape: ServerShape, seconds: float
