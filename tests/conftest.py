@@ -104,13 +104,23 @@ def django_db_setup(django_db_setup: None, django_db_blocker: Any) -> Iterator[N
         )
 
 
-@pytest.fixture(scope="session", autouse=True)
-def shared_secret_read(django_db_setup: None, django_db_blocker: Any) -> None:
+@pytest.fixture(autouse=True)
+def shared_secret_read(request: pytest.FixtureRequest) -> None:
     """The app reads its secret once per process, as a server does before its first request:
-    here, so that no test that counts a request's statements sees that read."""
-    from django_idempotency.engine.hashing import current_secret
+    here, before the first test that uses the test database, so that no test that counts a
+    request's statements sees that read. (A session that uses no test database, such as the
+    reliability module alone, never sets it up, so nothing is read then.)"""
+    if request.node.get_closest_marker("django_db") is None:
+        return
+    from django.db import connection
 
-    with django_db_blocker.unblock():
+    from django_idempotency.engine.hashing import current_secret
+    from django_idempotency.storage import secret
+
+    request.getfixturevalue("django_db_setup")
+    if ("default", str(connection.settings_dict["NAME"])) in secret._found:
+        return
+    with request.getfixturevalue("django_db_blocker").unblock():
         current_secret("default")
 
 

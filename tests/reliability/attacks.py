@@ -56,7 +56,10 @@ class Forged:
     seconds: float
 
 
-class Attacks:
+class Phase:
+    """A phase made once per run (the attacks, the deployment shapes): what it needs of the
+    run, the checks it adds to the report, and how many requests of each kind it sent."""
+
     def __init__(
         self,
         profile: Profile,
@@ -73,9 +76,11 @@ class Attacks:
         self.rng = rng
         self.logs = logs
         self.checks: list[Check] = []
-        # Attack kind -> how many attack requests were sent.
+        # Kind -> how many of its requests were sent.
         self.made: Counter[str] = Counter()
 
+
+class Attacks(Phase):
     def run(self, base_url: str, alice: Principal, bob: Principal) -> list[Check]:
         shape, cap = self.profile.flood_shape, self.profile.flood_max_waiters
         with (

@@ -39,7 +39,7 @@ from typing import Any
 
 from tests.conftest import GunicornServer
 from tests.reliability.app import serve
-from tests.reliability.attacks import executions, wait_for_handler
+from tests.reliability.attacks import Phase, executions, wait_for_handler
 from tests.reliability.client import (
     EFFECT_OR_REFUSAL,
     MISCONFIGURED,
@@ -49,9 +49,8 @@ from tests.reliability.client import (
     SDKClient,
 )
 from tests.reliability.postgres import Database, copy_of
-from tests.reliability.profiles import MISORDERED_PATH, SHAPE_KINDS, Profile, ServerShape
+from tests.reliability.profiles import MISORDERED_PATH, SHAPE_KINDS, ServerShape
 from tests.reliability.report import Check
-from tests.reliability.traffic import Ledger
 
 REPEATABLE_READ, TWO_SECRETS, MISORDERED = SHAPE_KINDS
 SHAPES_SETTINGS = "tests.reliability.shapes_settings"
@@ -65,29 +64,13 @@ SECOND_SERVER = ServerShape(workers=2)
 READ_TIMEOUT = 60.0
 
 
-class Shapes:
+class Shapes(Phase):
     """Make the copy (``prepare``, before anything connects to the run's database), start
     the servers in the background (``start``), make the shapes (``run``); the servers stop
     when the block of ``with shapes:`` ends, the copy when ``beside`` closes."""
 
-    def __init__(
-        self,
-        profile: Profile,
-        database: Database,
-        ledger: Ledger,
-        rng: random.Random,
-        logs: list[str],
-        say: Callable[[str], None],
-    ) -> None:
-        self.profile = profile
-        self.database = database
-        self.ledger = ledger
-        self.rng = rng
-        self.logs = logs
-        self.say = say
-        self.checks: list[Check] = []
-        # Shape -> how many requests it sent.
-        self.made: Counter[str] = Counter()
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
         self.copy: Database | None = None
         self.servers: dict[str, Future[GunicornServer]] = {}
         self.stack = ExitStack()
