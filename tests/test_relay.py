@@ -191,7 +191,6 @@ def test_the_published_signal_names_the_ids_outside_any_transaction(app: Celery)
     assert sent == [(ids, "default", False)]
 
 
-@override_settings(IDEMPOTENCY_OUTBOX_LEASE=timedelta(milliseconds=300))
 def test_a_relay_whose_lease_expired_cannot_mark_rows(
     app: Celery, private_redis: RedisServer
 ) -> None:
@@ -200,7 +199,9 @@ def test_a_relay_whose_lease_expired_cannot_mark_rows(
     stalled = slow.claim()
     assert [m.id for m in stalled.messages] == ids
     assert fast.claim().messages == ()  # leased: nobody else takes them meanwhile
-    time.sleep(0.4)
+    # The slow relay's lease runs out (made so, rather than waited for: a busy machine may
+    # stall any relay past a short lease, the fast one too).
+    OutboxMessage.objects.update(lease_until=timezone.now() - timedelta(seconds=1))
     # Lease run out, nobody took over yet: still no mark (the fence alone would allow it).
     assert slow.mark(stalled, stalled.messages[:1]) == 0
     taken = fast.claim()
@@ -411,9 +412,11 @@ def test_a_relay_killed_between_publish_and_mark_publishes_again_with_the_same_i
     assert [h["id"] for h in private_redis.queued()] == [message_id]
     row = OutboxMessage.objects.get()
     assert row.published_at is None and row.lease_owner  # published, never marked
-    time.sleep(1.1)  # the dead relay's lease runs out
+    # The dead relay's lease runs out (made so rather than waited for); the next relay runs
+    # with the default lease, which no busy machine outlasts between its claim and its mark.
+    OutboxMessage.objects.update(lease_until=timezone.now() - timedelta(seconds=1))
     done = subprocess.run(
-        [sys.executable, "manage.py", "idempotency_relay", "--once"], cwd=ROOT, env=env,
+        [sys.executable, "manage.py", "idempotency_relay", "--once"], cwd=ROOT, env=relay_env(),
         capture_output=True, text=True, timeout=60,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr

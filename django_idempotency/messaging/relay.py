@@ -56,7 +56,9 @@ CLAIM = f"""
 WITH batch AS (
     SELECT id, created_at FROM {TABLE}
      WHERE published_at IS NULL AND (lease_until IS NULL OR lease_until < now())
-     ORDER BY created_at
+     -- The id breaks ties of one millisecond, so that a batch boundary never takes a later
+     -- message of that millisecond before an earlier one.
+     ORDER BY created_at, id
      LIMIT %s
        FOR UPDATE SKIP LOCKED
 ), next_fence AS (
