@@ -753,7 +753,9 @@ def test_a_stored_key_whose_lock_is_held_for_a_moment_is_replayed_not_409(
     first = send(client, "POST", path, script, key=key)
     assert first.status_code == 201
     with psycopg.connect(test_database_url) as other:  # its transaction holds the lock
-        other.execute("SELECT pg_advisory_xact_lock(1768187245, %s)", [lock_id("anonymous", key)])
+        other.execute(
+            "SELECT pg_advisory_xact_lock(1768187245, %s)", [lock_id("default", "anonymous", key)]
+        )
         again = send(client, "POST", path, script, key=key)
     assert (again.status_code, replayed(again)) == (201, True), again.content
     assert again.content == first.content
