@@ -1,11 +1,5 @@
-"""What operators watch, through OpenTelemetry (the ``otel`` extra): spans on the claim and
-the replay, counters and histograms of outcomes, gauges of partition headroom and outbox
-backlog. Without ``opentelemetry-api`` installed every hook here is a no-op; with it, until
-the application sets a provider, the unit of work's hooks skip their spans and measurements.
-
-Attributes are of low cardinality (the view, the outcome): never a key, a principal or a
-body, which are bearer-like, personal, and would make one time series per request.
-"""
+"""Operator-time telemetry: gauges of partition headroom and outbox backlog read at scrape
+time, and the relay's receivers, wired by ``connect()`` from ``AppConfig.ready()``."""
 
 from __future__ import annotations
 
@@ -14,73 +8,117 @@ import logging
 import threading
 import time
 import uuid
-from collections.abc import Callable, Coroutine, Iterable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
-from datetime import UTC, datetime
-from types import ModuleType
-from typing import TYPE_CHECKING, Any, Concatenate, ParamSpec, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from django.conf import settings
 from django.db import DatabaseError, connections, router
-from django.http import HttpRequest
 
 from django_idempotency import signals
 from django_idempotency.engine.errors import (
-    IdempotencyError,
-    InProgress,
-    KeyExpired,
-    KeyReused,
-    RolledBack,
-    StoreUnavailable,
+    CONFLICT,
+    ERROR,
+    EXPIRED,
+    FAILED,
+    REFUSED,
+    REPLAYED,
+    REUSED,
+    ROLLED_BACK_OUTCOME,
+    STORE_UNAVAILABLE_OUTCOME,
+    WON,
 )
+from django_idempotency.engine.instrumentation import (
+    CLAIM_DURATION,
+    CLAIM_SPAN,
+    CONFLICTS,
+    DUPLICATES,
+    DURATION_BUCKETS,
+    ENABLED,
+    ENCODING,
+    KIND,
+    OUTCOME,
+    REDELIVERED,
+    REPLAY_SPAN,
+    REPLAYS,
+    REQUESTS,
+    ROLLED_BACK,
+    SCOPE,
+    STATUS_CODE,
+    STORE_UNAVAILABLE,
+    VIEW,
+    WAIT_DURATION,
+    listening,
+    outcome_of,
+    view_name,
+)
+from django_idempotency.partitions import catalog, tables
+from django_idempotency.partitions.catalog import covered_until
 
-try:
-    from opentelemetry import metrics, trace
+if ENABLED:
+    from opentelemetry import metrics
     from opentelemetry.metrics import Observation
-    from opentelemetry.trace import Status, StatusCode
-except ImportError:  # pragma: no cover  (tests/test_telemetry.py proves it in a subprocess)
-    ENABLED = False
-else:
-    ENABLED = True
-    from opentelemetry.metrics import _internal as metrics_internal
-
-    # What the API holds until the application sets a provider (None, or the proxies its
-    # getters hand out), or a no-op one: spans and instruments that record nothing.
-    SILENT_PROVIDERS: tuple[type, ...] = (
-        type(None),
-        trace.ProxyTracerProvider,
-        trace.NoOpTracerProvider,
-        metrics_internal._ProxyMeterProvider,
-        metrics.NoOpMeterProvider,
-    )
 
 if TYPE_CHECKING:
     from opentelemetry.metrics import CallbackOptions
 
-    from django_idempotency.engine.unit import Decision, Replay, UnitOfWork
+# This module's names, and the request-time ones it kept importable from here when they
+# moved to the engine's instrumentation (and covered_until to the partitions' catalog).
+__all__ = [
+    "BACKLOG_COUNT_LIMIT",
+    "CLAIM_DURATION",
+    "CLAIM_SPAN",
+    "CONFLICT",
+    "CONFLICTS",
+    "DATABASE",
+    "DUPLICATES",
+    "DURATION_BUCKETS",
+    "ENABLED",
+    "ENCODING",
+    "ERROR",
+    "EXPIRED",
+    "FAILED",
+    "GAUGE_CACHE_SECONDS",
+    "KIND",
+    "LAG_BUCKETS",
+    "OUTBOX_BACKLOG",
+    "OUTBOX_MODEL",
+    "OUTBOX_OLDEST_AGE",
+    "OUTBOX_REDRIVEN",
+    "OUTCOME",
+    "PARTITION_HEADROOM",
+    "RECORDS_MODEL",
+    "REDELIVERED",
+    "REFUSED",
+    "RELAY_LAG",
+    "REPLAYED",
+    "REPLAYS",
+    "REPLAY_SPAN",
+    "REQUESTS",
+    "REUSED",
+    "ROLLED_BACK",
+    "ROLLED_BACK_OUTCOME",
+    "SCOPE",
+    "STATUS_CODE",
+    "STORE_UNAVAILABLE",
+    "STORE_UNAVAILABLE_OUTCOME",
+    "TABLE",
+    "VIEW",
+    "WAIT_DURATION",
+    "WON",
+    "connect",
+    "covered_until",
+    "forget_readings",
+    "listening",
+    "message_time",
+    "outcome_of",
+    "view_name",
+]
 
 logger = logging.getLogger("django_idempotency.telemetry")
 T = TypeVar("T")
-A = TypeVar("A")
-R = TypeVar("R")
-P = ParamSpec("P")
-
-SCOPE = "django_idempotency"
-
-# Spans.
-CLAIM_SPAN = "idempotency.claim"
-REPLAY_SPAN = "idempotency.replay"
 
 # Instruments.
-REQUESTS = "idempotency.requests"
-REPLAYS = "idempotency.replays"
-CONFLICTS = "idempotency.conflicts"
-STORE_UNAVAILABLE = "idempotency.store_unavailable"
-ROLLED_BACK = "idempotency.rolled_back"
-CLAIM_DURATION = "idempotency.claim.duration"
-WAIT_DURATION = "idempotency.wait.duration"
-REDELIVERED = "idempotency.messages.redelivered"
 RELAY_LAG = "idempotency.relay.lag"
 OUTBOX_REDRIVEN = "idempotency.outbox.redriven"
 PARTITION_HEADROOM = "idempotency.partitions.headroom"
@@ -88,29 +126,10 @@ OUTBOX_BACKLOG = "idempotency.outbox.backlog"
 OUTBOX_OLDEST_AGE = "idempotency.outbox.oldest_age"
 
 # Attribute keys.
-VIEW = "idempotency.view"  # the view, or the task of an exactly-once consumer
-KIND = "idempotency.kind"  # "request" or "task"
-OUTCOME = "idempotency.outcome"
 DATABASE = "idempotency.database"  # a database alias
 TABLE = "idempotency.table"
-STATUS_CODE = "http.response.status_code"
-ENCODING = "idempotency.encoding"  # how a replayed body went out: "deflate" or "identity"
 
-# Outcomes.
-WON = "won"
-REPLAYED = "replayed"
-CONFLICT = "conflict"
-REUSED = "reused"
-EXPIRED = "expired"
-REFUSED = "refused"
-ROLLED_BACK_OUTCOME = "rolled-back"
-STORE_UNAVAILABLE_OUTCOME = "store-unavailable"
-FAILED = "failed"  # the work raised: the claim and the work's writes were rolled back
-ERROR = "error"  # anything else raised by the engine (a misconfiguration)
-DUPLICATES = frozenset((REPLAYED, CONFLICT, REUSED, EXPIRED))
-
-# Seconds: a claim takes a round trip; a duplicate may wait up to IDEMPOTENCY_MAX_WAIT.
-DURATION_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
+# Seconds: from an enqueue to the relay marking the message published.
 LAG_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1800)
 
 # Gauges read the catalog and the outbox at most this often per process and database.
@@ -120,88 +139,17 @@ GAUGE_CACHE_SECONDS = 60.0
 BACKLOG_COUNT_LIMIT = 100_000
 
 
-def outcome_of(error: BaseException) -> str:
-    """The outcome an engine error stands for."""
-    if isinstance(error, InProgress):
-        return CONFLICT
-    if isinstance(error, KeyReused):
-        return REUSED
-    if isinstance(error, KeyExpired):
-        return EXPIRED
-    if isinstance(error, RolledBack):
-        return ROLLED_BACK_OUTCOME
-    if isinstance(error, StoreUnavailable):
-        return STORE_UNAVAILABLE_OUTCOME
-    if isinstance(error, IdempotencyError):
-        return REFUSED
-    return ERROR
-
-
-def view_name(sender: Any) -> str:
-    """``module.qualname`` of a view (function or class) or a task class."""
-    module = getattr(sender, "__module__", None) or ""
-    name = getattr(sender, "__qualname__", None) or type(sender).__qualname__
-    return f"{module}.{name}" if module else name
-
-
-def _attributes(sender: Any, context: Any) -> dict[str, str]:
-    if isinstance(context, HttpRequest):
-        return {VIEW: view_name(sender), KIND: "request"}
-    # A Celery task class: its name is what operators know it by.
-    name = getattr(sender, "name", None)
-    return {VIEW: name if isinstance(name, str) else view_name(sender), KIND: "task"}
-
-
 @dataclass(frozen=True)
 class _Instruments:
-    requests: Any
-    replays: Any
-    conflicts: Any
-    store_unavailable: Any
-    rolled_back: Any
-    claim_duration: Any
-    wait_duration: Any
-    redelivered: Any
     relay_lag: Any
     redriven: Any
 
 
 @functools.cache
 def _instruments() -> _Instruments:
-    # Made from the global meter provider once; before the application sets one, the API's
-    # proxy instruments forward to it as soon as it does.
+    # Like the request-time ones: proxies until the application sets its meter provider.
     meter = metrics.get_meter(SCOPE)
     return _Instruments(
-        requests=meter.create_counter(
-            REQUESTS, "{request}", "Idempotent requests and deliveries, by outcome."
-        ),
-        replays=meter.create_counter(REPLAYS, "{request}", "Stored outcomes replayed."),
-        conflicts=meter.create_counter(
-            CONFLICTS, "{request}", "Duplicates refused with 409: the first was still running."
-        ),
-        store_unavailable=meter.create_counter(
-            STORE_UNAVAILABLE, "{request}", "Refused with 503: the records' database was lost."
-        ),
-        rolled_back=meter.create_counter(
-            ROLLED_BACK, "{request}", "Successes whose transaction was rolled back (500)."
-        ),
-        claim_duration=meter.create_histogram(
-            CLAIM_DURATION,
-            "s",
-            "From the start of the claim to its decision (run, replay or refuse).",
-            explicit_bucket_boundaries_advisory=DURATION_BUCKETS,
-        ),
-        wait_duration=meter.create_histogram(
-            WAIT_DURATION,
-            "s",
-            "How long a duplicate spent before its answer was known.",
-            explicit_bucket_boundaries_advisory=DURATION_BUCKETS,
-        ),
-        redelivered=meter.create_counter(
-            REDELIVERED,
-            "{message}",
-            "Redelivered messages that exactly-once consumers answered from the store.",
-        ),
         relay_lag=meter.create_histogram(
             RELAY_LAG,
             "s",
@@ -214,207 +162,6 @@ def _instruments() -> _Instruments:
             "Published outbox messages no exactly-once consumer had recorded, published again.",
         ),
     )
-
-
-@functools.cache
-def _tracer() -> Any:
-    # Like the instruments: a proxy until the application sets its tracer provider.
-    return trace.get_tracer(SCOPE)
-
-
-# Whether a provider was seen set: OpenTelemetry sets each at most once per process, so
-# once heard, always heard.
-_heard = False
-_environment_read = False
-
-
-def listening() -> bool:
-    """Whether the application set a tracer or a meter provider. Until it does, the hooks
-    skip their spans and measurements, which would record nothing and cost a claim tens
-    of microseconds."""
-    global _heard, _environment_read
-    if _heard:
-        return True
-    if not _environment_read:
-        # Once: the getters load a provider that OTEL_PYTHON_TRACER_PROVIDER (or
-        # OTEL_PYTHON_METER_PROVIDER) names, and read os.environ on every call, which costs
-        # microseconds; later checks read the globals they fill.
-        _environment_read = True
-        trace.get_tracer_provider()
-        metrics.get_meter_provider()
-    tracer = _global(trace, "_TRACER_PROVIDER", trace.get_tracer_provider)
-    meter = _global(metrics_internal, "_METER_PROVIDER", metrics.get_meter_provider)
-    _heard = not isinstance(tracer, SILENT_PROVIDERS) or not isinstance(meter, SILENT_PROVIDERS)
-    return _heard
-
-
-def _global(module: ModuleType, name: str, getter: Callable[[], object]) -> object:
-    # The API's global as it is; an API that no longer keeps it there is asked its getter.
-    try:
-        found: object = getattr(module, name)
-    except AttributeError:
-        return getter()
-    return found
-
-
-def _count(instruments: _Instruments, attributes: dict[str, str], outcome: str) -> None:
-    attributes = {**attributes, OUTCOME: outcome}
-    instruments.requests.add(1, attributes)
-    if outcome == REPLAYED:
-        instruments.replays.add(1, attributes)
-        if attributes[KIND] == "task":
-            instruments.redelivered.add(1, {VIEW: attributes[VIEW]})
-    elif outcome == CONFLICT:
-        instruments.conflicts.add(1, attributes)
-    elif outcome == STORE_UNAVAILABLE_OUTCOME:
-        instruments.store_unavailable.add(1, attributes)
-    elif outcome == ROLLED_BACK_OUTCOME:
-        instruments.rolled_back.add(1, attributes)
-
-
-def _decided(decision: Decision) -> str:
-    from django_idempotency.engine.unit import Refuse, Replay
-
-    if isinstance(decision, Replay):
-        return REPLAYED
-    if isinstance(decision, Refuse):
-        return outcome_of(decision.error)
-    return WON
-
-
-# Hooks of the unit of work (decorators on its methods, so they stay one line each).
-
-
-def traced_open(method: Callable[[UnitOfWork], Decision]) -> Callable[[UnitOfWork], Decision]:
-    """``UnitOfWork.open``: the ``idempotency.claim`` span, the claim's duration (a waiting
-    duplicate's wait included), and the outcome of a claim that does not run the work."""
-    if not ENABLED:  # pragma: no cover
-        return method
-
-    @functools.wraps(method)
-    def wrapper(unit: UnitOfWork) -> Decision:
-        if not listening():
-            return method(unit)
-        with _measured_claim(unit) as decided:
-            decided.append(method(unit))
-        return decided[0]
-
-    return wrapper
-
-
-def traced_aopen(
-    method: Callable[Concatenate[UnitOfWork, P], Coroutine[Any, Any, Decision]],
-) -> Callable[Concatenate[UnitOfWork, P], Coroutine[Any, Any, Decision]]:
-    """``UnitOfWork.aopen``: what ``traced_open`` measures, for the async wait."""
-    if not ENABLED:  # pragma: no cover
-        return method
-
-    @functools.wraps(method)
-    async def wrapper(unit: UnitOfWork, /, *args: P.args, **kwargs: P.kwargs) -> Decision:
-        if not listening():
-            return await method(unit, *args, **kwargs)
-        with _measured_claim(unit) as decided:
-            decided.append(await method(unit, *args, **kwargs))
-        return decided[0]
-
-    return wrapper
-
-
-@contextmanager
-def _measured_claim(unit: UnitOfWork) -> Iterator[list[Decision]]:
-    """The span and measurements of one claim; the block appends its decision."""
-    instruments = _instruments()
-    attributes = _attributes(unit.sender, unit.context)
-    tracer = _tracer()
-    started = time.perf_counter()
-    decided: list[Decision] = []
-    with tracer.start_as_current_span(
-        CLAIM_SPAN, attributes=attributes, record_exception=False, set_status_on_exception=False
-    ) as span:
-        try:
-            yield decided
-        except BaseException as exc:
-            outcome = outcome_of(exc)
-            # The exception's type only: a database error's text can quote a key.
-            span.set_status(Status(StatusCode.ERROR, type(exc).__name__))
-            raise
-        else:
-            outcome = _decided(decided[0])
-        finally:
-            elapsed = time.perf_counter() - started
-            span.set_attribute(OUTCOME, outcome)
-            measured = {**attributes, OUTCOME: outcome}
-            instruments.claim_duration.record(elapsed, measured)
-            if outcome in DUPLICATES:
-                instruments.wait_duration.record(elapsed, measured)
-            if outcome != WON:
-                _count(instruments, attributes, outcome)
-
-
-def _counted(
-    success: str,
-) -> Callable[[Callable[[UnitOfWork, A], R]], Callable[[UnitOfWork, A], R]]:
-    """Count how a won claim's ``close`` or ``fail`` ended: ``success`` when it returned
-    (or when ``fail`` re-raised the work's own exception), else what it raised."""
-
-    def decorate(method: Callable[[UnitOfWork, A], R]) -> Callable[[UnitOfWork, A], R]:
-        if not ENABLED:  # pragma: no cover
-            return method
-
-        @functools.wraps(method)
-        def wrapper(unit: UnitOfWork, argument: A) -> R:
-            if not listening():
-                return method(unit, argument)
-            ended = ERROR
-            try:
-                result = method(unit, argument)
-                ended = success
-                return result
-            except BaseException as raised:
-                ended = success if raised is argument else outcome_of(raised)
-                raise
-            finally:
-                _count(_instruments(), _attributes(unit.sender, unit.context), ended)
-
-        return wrapper
-
-    return decorate
-
-
-# ``UnitOfWork.close``: won, rolled-back or store-unavailable.
-counted_close = _counted(WON)
-# ``UnitOfWork.fail``: the work raised, so everything was rolled back.
-counted_fail = _counted(FAILED)
-
-
-def refused(sender: Any, context: Any, error: IdempotencyError) -> None:
-    """A request refused before its claim (no key, a malformed key, no principal, or the
-    store lost while the principal was loaded)."""
-    if ENABLED and listening():
-        _count(_instruments(), _attributes(sender, context), outcome_of(error))
-
-
-def traced_replay(method: Callable[[Replay], Any]) -> Callable[[Replay], Any]:
-    """``Replay.response``: the ``idempotency.replay`` span (decoding the stored body)."""
-    if not ENABLED:  # pragma: no cover
-        return method
-
-    @functools.wraps(method)
-    def wrapper(replay: Replay) -> Any:
-        if not listening():
-            return method(replay)
-        tracer = _tracer()
-        with tracer.start_as_current_span(
-            REPLAY_SPAN,
-            attributes={STATUS_CODE: replay.record.response_code},
-            record_exception=False,
-        ) as span:
-            response = method(replay)
-            encoding = "deflate" if response.get("Content-Encoding") == "deflate" else "identity"
-            span.set_attribute(ENCODING, encoding)
-            return response
-
-    return wrapper
 
 
 # Receivers and gauges, set up from AppConfig.ready().
@@ -541,8 +288,6 @@ def _on(alias: str, read: Callable[[Any], list[T]]) -> list[T]:
 
 
 def _headroom(alias: str) -> list[tuple[float, dict[str, str]]]:
-    from django_idempotency.partitions import catalog, tables
-
     def read(connection: Any) -> list[tuple[float, dict[str, str]]]:
         found = []
         now = catalog.database_now(connection)
@@ -553,29 +298,13 @@ def _headroom(alias: str) -> list[tuple[float, dict[str, str]]]:
             if catalog.table_kind(connection, table) != "partitioned":
                 continue
             partitions = catalog.list_partitions(connection, table)
-            days = (covered_until(partitions, now) - now).total_seconds() / 86400
+            days = (catalog.covered_until(partitions, now) - now).total_seconds() / 86400
             found.append((max(days, 0.0), {DATABASE: alias, TABLE: table.table}))
         return found
 
     if connections[alias].vendor != "postgresql":
         return []
     return _on(alias, read)
-
-
-def covered_until(partitions: Iterable[Any], now: datetime) -> datetime:
-    """The first moment from ``now`` on that no live partition holds (``now`` itself when
-    none holds it). A DEFAULT partition is not counted: we never create one."""
-    spans = sorted(
-        (p.lower or datetime.min.replace(tzinfo=UTC), p.upper)
-        for p in partitions
-        if p.live and not p.default and p.upper is not None
-    )
-    reached = now
-    for lower, upper in spans:
-        if lower > reached:
-            break
-        reached = max(reached, upper)
-    return reached
 
 
 def _observe_headroom(options: CallbackOptions) -> Iterable[Observation]:

@@ -491,3 +491,15 @@ def test_a_request_without_todays_partition_is_503_and_runs_no_ddl(
     assert table_states() == before  # no partition was made
     assert business_rows(script["tag"]) == 0
     assert [r for r in caplog.records if r.levelno >= logging.CRITICAL], caplog.text
+
+
+def test_covered_until_stops_at_a_gap_and_at_now_when_nothing_holds_now() -> None:
+    day = timedelta(days=1)
+    base = datetime(2026, 1, 1, tzinfo=UTC)
+    parts = [
+        catalog.Partition(f"p{n}", base + n * day, base + (n + 1) * day, None) for n in (0, 1, 2, 4)
+    ]
+    assert catalog.covered_until(parts, base + day / 2) == base + 3 * day
+    assert catalog.covered_until(parts, base + 3 * day + day / 2) == base + 3 * day + day / 2
+    detached = [catalog.Partition("p1", base, base + day, None, attached=False)]
+    assert catalog.covered_until(detached, base) == base

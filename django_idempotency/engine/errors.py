@@ -1,8 +1,21 @@
-"""Errors the engine raises; each knows its problem type, title and HTTP status."""
+"""Errors the engine raises; each knows its problem type, title and HTTP status, and the
+outcome label under which telemetry counts it."""
 
 from __future__ import annotations
 
 from typing import Any
+
+# Outcome labels: how a keyed request or delivery ended (docs/observability.md, "Outcomes").
+WON = "won"
+REPLAYED = "replayed"
+CONFLICT = "conflict"
+REUSED = "reused"
+EXPIRED = "expired"
+REFUSED = "refused"
+ROLLED_BACK_OUTCOME = "rolled-back"
+STORE_UNAVAILABLE_OUTCOME = "store-unavailable"
+FAILED = "failed"  # the work raised: the claim and the work's writes were rolled back
+ERROR = "error"  # anything else raised by the engine (a misconfiguration)
 
 
 class IdempotencyError(Exception):
@@ -13,6 +26,7 @@ class IdempotencyError(Exception):
     stripe_status: int = 400
     stripe_type: str = "invalid_request_error"
     stripe_code: str = ""
+    outcome: str = REFUSED
 
     def __init__(self, detail: str, **extra: Any) -> None:
         super().__init__(detail)
@@ -34,21 +48,25 @@ class InvalidKey(IdempotencyError):
 class KeyReused(IdempotencyError):
     status, name, title = 422, "key-reused", "Idempotency-Key is already used"
     stripe_status, stripe_type, stripe_code = 400, "idempotency_error", ""
+    outcome = REUSED
 
 
 class InProgress(IdempotencyError):
     status, name, title = 409, "in-progress", "A request is outstanding for this Idempotency-Key"
     stripe_status, stripe_code = 409, "idempotency_key_in_use"
+    outcome = CONFLICT
 
 
 class KeyExpired(IdempotencyError):
     status, name, title = 410, "key-expired", "Idempotency-Key has expired"
     stripe_status, stripe_code = 410, "idempotency_key_expired"
+    outcome = EXPIRED
 
 
 class StoreUnavailable(IdempotencyError):
     status, name, title = 503, "store-unavailable", "The idempotency store is unavailable"
     stripe_status, stripe_type, stripe_code = 503, "api_error", "idempotency_store_unavailable"
+    outcome = STORE_UNAVAILABLE_OUTCOME
 
 
 class PrincipalMissing(IdempotencyError):
@@ -69,3 +87,4 @@ class Misconfigured(IdempotencyError):
 class RolledBack(IdempotencyError):
     status, name, title = 500, "rolled-back", "The request's work was rolled back"
     stripe_status, stripe_type, stripe_code = 500, "api_error", "idempotency_rolled_back"
+    outcome = ROLLED_BACK_OUTCOME

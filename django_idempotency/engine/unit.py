@@ -1,11 +1,5 @@
-"""What to do with a key: claim it and run the work in one transaction, replay the stored
-outcome, or refuse.
-
-``UnitOfWork`` owns one key's transaction from the claim to the commit, whatever runs the
-work (a view, a Celery task): ``open()`` returns a typed decision, ``close()`` takes the
-outcome in. ``RequestUnit`` is the same for an HTTP request, which is all the view glue
-(the DRF mixin and ``@idempotent``) talks to.
-"""
+"""What to do with a key: ``UnitOfWork`` claims it and runs the work in one transaction,
+replays the stored outcome or refuses; ``RequestUnit`` is its adapter for an HTTP request."""
 
 from __future__ import annotations
 
@@ -21,7 +15,7 @@ from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
-from typing import Any
+from typing import Any, ClassVar
 
 from asgiref.sync import sync_to_async
 from django.core.exceptions import ImproperlyConfigured
@@ -31,9 +25,12 @@ from django.http import HttpRequest, HttpResponse
 from django.http.response import HttpResponseBase
 from django.utils.cache import patch_vary_headers
 
-from django_idempotency import signals, telemetry
+from django_idempotency import signals
 from django_idempotency.conf import conf
+from django_idempotency.engine import instrumentation
 from django_idempotency.engine.errors import (
+    REPLAYED,
+    WON,
     IdempotencyError,
     InProgress,
     KeyExpired,
@@ -227,6 +224,8 @@ error_budget = _ErrorBudget()
 class Run:
     """The key is claimed: run the work, then ``close()``."""
 
+    outcome: ClassVar[str] = WON
+
 
 @dataclass(frozen=True, slots=True)
 class Replay:
@@ -236,8 +235,9 @@ class Replay:
     headers: dict[str, str] = field(default_factory=dict)
     # The client accepts the "deflate" coding: a compressed body goes out as stored.
     deflate: bool = False
+    outcome: ClassVar[str] = REPLAYED
 
-    @telemetry.traced_replay
+    @instrumentation.traced_replay
     def response(self) -> HttpResponse:
         """The stored response, byte for byte (after decoding), marked as a replay."""
         record = self.record
@@ -262,6 +262,10 @@ class Refuse:
     """The key cannot be used now (or ever, for this work): answer with the error."""
 
     error: IdempotencyError
+
+    @property
+    def outcome(self) -> str:
+        return self.error.outcome
 
     def response(self) -> HttpResponse:
         return problem_response(self.error)
@@ -344,7 +348,7 @@ class UnitOfWork:
         # Whether this unit holds one of the process's waiter slots (``waiters``).
         self._slot = False
 
-    @telemetry.traced_open
+    @instrumentation.traced_open
     def open(self) -> Decision:
         self._start()
         if not self.poll:
@@ -362,7 +366,7 @@ class UnitOfWork:
             waiters.woke(slept)
             self._leave()
 
-    @telemetry.traced_aopen
+    @instrumentation.traced_aopen
     async def aopen(self, *, holds_thread: bool = False) -> Decision:
         """``open()`` for an async view. Between claims the coroutine sleeps on the event
         loop; ``holds_thread``: the loop runs for a server thread that waits for it (an
@@ -412,7 +416,7 @@ class UnitOfWork:
             self._slot = False
             waiters.leave()
 
-    @telemetry.counted_close
+    @instrumentation.counted_close
     def close(self, outcome: Outcome) -> bool:
         """Store the outcome (when it is one we keep) and commit with the work's writes;
         an outcome not kept rolls everything back. Returns whether it was stored.
@@ -420,7 +424,7 @@ class UnitOfWork:
         commit fails."""
         return bool(self._finish(outcome))
 
-    @telemetry.counted_fail
+    @instrumentation.counted_fail
     def fail(self, exc: BaseException) -> None:
         """Roll back the claim and everything the work wrote (the work raised)."""
         self._finish(exc)
@@ -803,7 +807,7 @@ class RequestUnit:
         try:
             unit = self._unit = self._prepare(principal_request or self.request, media_type)
         except IdempotencyError as error:
-            telemetry.refused(self.sender, self.request, error)
+            instrumentation.refused(self.sender, error)
             return self._refuse(error)
         if unit is None:
             return Run()

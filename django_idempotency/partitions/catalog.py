@@ -3,7 +3,7 @@ the database's clock. Reads only."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from datetime import UTC, date, datetime, timedelta
 from decimal import Decimal
@@ -149,3 +149,19 @@ def holds(found: Sequence[Partition], moment: datetime) -> bool:
     if any(p.live and p.default for p in found):
         return True
     return any(p.covers(moment, moment + timedelta(microseconds=1)) for p in found)
+
+
+def covered_until(found: Iterable[Partition], now: datetime) -> datetime:
+    """The first moment from ``now`` on that no live partition holds (``now`` itself when
+    none holds it). A DEFAULT partition is not counted: we never create one."""
+    spans = sorted(
+        (p.lower or datetime.min.replace(tzinfo=UTC), p.upper)
+        for p in found
+        if p.live and not p.default and p.upper is not None
+    )
+    reached = now
+    for lower, upper in spans:
+        if lower > reached:
+            break
+        reached = max(reached, upper)
+    return reached
