@@ -1,16 +1,17 @@
 """The records admin: read-only pages, exact search, cheap filters, escaped bodies, and a
-permissioned delete that frees the key."""
+permissioned delete that frees the key; the outbox admin: read-only, append-only."""
 
 from __future__ import annotations
 
 import importlib.util
 import json
+import uuid
 import zlib
 from datetime import timedelta
 
 import pytest
 from django.contrib.auth.models import Permission, User
-from django.db import connection
+from django.db import connection, transaction
 from django.test import override_settings
 from django.test.utils import CaptureQueriesContext
 from django.urls import reverse
@@ -19,7 +20,8 @@ from django.utils.html import escape
 
 from django_idempotency.admin import EstimatedCountPaginator
 from django_idempotency.endpoints import idempotent_endpoints
-from django_idempotency.models import IdempotencyRecord
+from django_idempotency.messaging.outbox import enqueue_event, enqueue_task
+from django_idempotency.models import IdempotencyRecord, OutboxMessage
 from django_idempotency.partitions.catalog import day_bounds, utc_today
 from django_idempotency.partitions.tables import RECORDS
 from tests.factories import IdempotencyRecordFactory, new_key
@@ -477,3 +479,54 @@ def test_the_endpoint_filter_offers_ninja_operations(superuser_client) -> None:
     response = superuser_client.get(CHANGELIST, {"endpoint": "/ninja/charges/"})
     assert {"/ninja/charges/", "/ninja/charges/async/"} <= set(offered(response, "endpoint"))
     assert listed(response) == [charge.pk]
+
+
+# The outbox admin.
+
+OUTBOX_CHANGELIST = reverse("admin:django_idempotency_outboxmessage_changelist")
+
+
+def enqueued_task() -> uuid.UUID:
+    with transaction.atomic():
+        return uuid.UUID(enqueue_task("tests.noop", [1], {"note": "x" * 100}))
+
+
+def test_outbox_admin_lists_newest_first_without_its_large_columns(superuser_client):
+    older = enqueued_task()
+    with transaction.atomic():
+        newer = uuid.UUID(enqueue_event("charge.captured", {"id": 7}))
+
+    with CaptureQueriesContext(connection) as queries:
+        response = superuser_client.get(OUTBOX_CHANGELIST)
+
+    assert response.status_code == 200
+    assert listed(response) == [newer, older]
+    assert response.context["action_form"] is None
+    page = next(q["sql"].upper() for q in queries if "ORDER BY" in q["sql"].upper())
+    assert not [column for column in ('"PAYLOAD"', '"KWARGS"', '"LAST_ERROR"') if column in page]
+
+
+def test_outbox_admin_filters_by_state_and_finds_an_exact_message_id(superuser_client):
+    pending, published = enqueued_task(), enqueued_task()
+    OutboxMessage.objects.filter(pk=published).update(published_at=timezone.now())
+
+    assert listed(superuser_client.get(OUTBOX_CHANGELIST, {"state": "pending"})) == [pending]
+    assert listed(superuser_client.get(OUTBOX_CHANGELIST, {"state": "published"})) == [published]
+    assert superuser_client.get(OUTBOX_CHANGELIST, {"state": "lost"}).status_code == 302
+    assert listed(superuser_client.get(OUTBOX_CHANGELIST, {"q": f" {pending} "})) == [pending]
+    assert listed(superuser_client.get(OUTBOX_CHANGELIST, {"q": "no-such-id"})) == []
+
+
+def test_outbox_admin_adds_changes_and_deletes_nothing(superuser_client):
+    message = enqueued_task()
+    detail = reverse("admin:django_idempotency_outboxmessage_change", args=[message])
+    delete = reverse("admin:django_idempotency_outboxmessage_delete", args=[message])
+
+    assert superuser_client.get(detail).status_code == 200
+    assert (
+        superuser_client.get(reverse("admin:django_idempotency_outboxmessage_add")).status_code
+        == 403
+    )
+    assert superuser_client.post(detail, {"name": "changed"}).status_code == 403
+    assert superuser_client.post(delete, {"post": "yes"}).status_code == 403
+    assert OutboxMessage.objects.filter(pk=message, name="tests.noop").exists()

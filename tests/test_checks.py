@@ -156,7 +156,8 @@ def test_checks_skip_other_apps() -> None:
 
 
 def test_check_ids_are_unique() -> None:
-    source = Path(checks.__file__).read_text()
+    modules = sorted(Path(checks.__file__).parent.glob("*.py"))
+    source = "\n".join(module.read_text() for module in modules)
     found = re.findall(r'id="(django_idempotency\.[EW]\d{3})"', source)
     assert sorted(found) == sorted(set(found))
     assert set(found) == {

@@ -1,41 +1,35 @@
-"""A read-only admin for idempotency records that stays fast on a large partitioned table.
-
-Every query it makes is bounded: no full ``COUNT(*)`` (the planner's estimate instead), no
-``SELECT DISTINCT`` for filter choices (they come from the URLconf and the partition
-catalog), an exact key search, and the newest-first order read from the primary key index.
-"""
+"""The records' admin: filters whose choices come from the URLconf and the partition catalog
+(no ``SELECT DISTINCT``), an exact key or username search, principals shown by name."""
 
 from __future__ import annotations
 
 import contextlib
 import json
-import uuid
 from collections.abc import Mapping
 from datetime import date, timedelta
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from django.contrib import admin
 from django.contrib.admin.options import IncorrectLookupParameters
 from django.contrib.admin.views.main import ChangeList
 from django.contrib.auth import get_user_model
 from django.core.exceptions import ValidationError
-from django.core.paginator import Paginator
 from django.db import connections
 from django.db.models import Q, QuerySet
 from django.http import HttpRequest
 from django.utils import timezone
 from django.utils.formats import date_format
-from django.utils.functional import cached_property
 from django.utils.html import format_html, format_html_join
 from django.utils.safestring import SafeString
 from django.utils.translation import gettext
 from django.utils.translation import gettext_lazy as _
 
+from django_idempotency.admin.base import DetailDeferringChangeList, ReadOnlyLargeTableAdmin
 from django_idempotency.conf import conf
 from django_idempotency.endpoints import idempotent_endpoints
 from django_idempotency.engine.errors import InvalidKey
 from django_idempotency.engine.identity import PARTS, parse_key
-from django_idempotency.models import IdempotencyRecord, OutboxMessage
+from django_idempotency.models import IdempotencyRecord
 from django_idempotency.partitions import catalog
 from django_idempotency.partitions.tables import RECORDS
 from django_idempotency.storage import records as storage
@@ -44,40 +38,6 @@ from django_idempotency.storage import records as storage
 DETAIL_ONLY_FIELDS = ("fingerprint", "response_headers", "response_body")
 # Stored bodies longer than this are cut in the detail view, which must stay a web page.
 BODY_PREVIEW_CHARS = 100_000
-
-
-if TYPE_CHECKING:
-    # Generic in django-stubs only; at runtime these take no type argument.
-    RecordPaginator = Paginator[IdempotencyRecord]
-    RecordModelAdmin = admin.ModelAdmin[IdempotencyRecord]
-else:
-    RecordPaginator = Paginator
-    RecordModelAdmin = admin.ModelAdmin
-
-
-class EstimatedCountPaginator(RecordPaginator):
-    """Counts with the planner's estimate on PostgreSQL, where an exact ``COUNT(*)`` reads
-    every row of every partition. Small results are counted exactly: that is cheap, worth
-    showing, and keeps the changelist from fetching a whole result it believed was small."""
-
-    # Larger than ModelAdmin.list_max_show_all, so "Show all" only ever lists exact counts.
-    exact_below = 1000
-    estimated = False
-
-    @cached_property
-    def count(self) -> int:
-        queryset: QuerySet[Any] = self.object_list  # type: ignore[assignment]
-        if connections[queryset.db].vendor != "postgresql":
-            return super().count
-        unordered = queryset.order_by()
-        plan = json.loads(unordered.explain(format="json"))
-        estimate = int(plan[0]["Plan"]["Plan Rows"])
-        if estimate < self.exact_below:
-            exact = unordered[: self.exact_below].count()
-            if exact < self.exact_below:
-                return exact
-        self.estimated = True
-        return max(estimate, self.exact_below)
 
 
 def _user_kinds() -> frozenset[str]:
@@ -117,16 +77,6 @@ def principals_of_username(username: str) -> list[str]:
 def _principal_label(principal: str, labels: Mapping[str, str]) -> str:
     label = labels.get(principal)
     return principal if label is None else f"{label} ({principal})"
-
-
-class DetailDeferringChangeList(ChangeList):
-    """A list that never loads the columns only the detail page shows
-    (the model admin's ``detail_only_fields``)."""
-
-    def get_queryset(self, request: HttpRequest, exclude_parameters: Any = None) -> QuerySet[Any]:
-        queryset = super().get_queryset(request, exclude_parameters)
-        detail_only: tuple[str, ...] = getattr(self.model_admin, "detail_only_fields", ())
-        return queryset.defer(*detail_only)
 
 
 class RecordChangeList(DetailDeferringChangeList):
@@ -257,7 +207,7 @@ def body_text(record: IdempotencyRecord) -> str:
 
 
 @admin.register(IdempotencyRecord)
-class IdempotencyRecordAdmin(RecordModelAdmin):
+class IdempotencyRecordAdmin(ReadOnlyLargeTableAdmin[IdempotencyRecord]):
     detail_only_fields = DETAIL_ONLY_FIELDS
     list_display = (
         "key",
@@ -271,16 +221,6 @@ class IdempotencyRecordAdmin(RecordModelAdmin):
     list_filter = (CreatedFilter, ResponseStatusFilter, MethodFilter, EndpointFilter)
     search_fields = ("key",)
     search_help_text = _("The exact Idempotency-Key, as the client sent it, or a username.")
-    # Newest first from the primary key index of each partition, merged; the other
-    # columns have no index to sort by.
-    ordering = ("-id",)
-    sortable_by = ()
-    list_per_page = 50
-    paginator = EstimatedCountPaginator
-    show_full_result_count = False
-    show_facets = admin.ShowFacets.NEVER
-    # Deleting frees a key; it is done one record at a time, from its page.
-    actions = None
     fieldsets = (
         (_("Request"), {"fields": ("key", "principal", "method", "path", "fingerprint_parts")}),
         (
@@ -323,14 +263,7 @@ class IdempotencyRecordAdmin(RecordModelAdmin):
             found |= Q(scope__in=principals)
         return queryset.filter(found), False
 
-    def has_add_permission(self, request: HttpRequest) -> bool:
-        return False
-
-    def has_change_permission(
-        self, request: HttpRequest, obj: IdempotencyRecord | None = None
-    ) -> bool:
-        return False
-
+    # Deleting frees a key; it is done one record at a time, from its page (no bulk action).
     def delete_model(self, request: HttpRequest, obj: IdempotencyRecord) -> None:
         # created_at prunes the delete to the record's own partition.
         IdempotencyRecord.objects.using(obj._state.db).filter(
@@ -362,141 +295,3 @@ class IdempotencyRecordAdmin(RecordModelAdmin):
     @admin.display(description=_("response body"))
     def body(self, obj: IdempotencyRecord) -> SafeString:
         return _pre(body_text(obj))
-
-
-# The outbox ----------------------------------------------------------------------------
-
-if TYPE_CHECKING:
-    OutboxModelAdmin = admin.ModelAdmin[OutboxMessage]
-else:
-    OutboxModelAdmin = admin.ModelAdmin
-
-# Columns the list never shows: arguments and payloads may be large.
-OUTBOX_DETAIL_ONLY_FIELDS = ("args", "kwargs", "payload", "options", "last_error")
-
-
-class OutboxStateFilter(admin.SimpleListFilter):
-    # "pending" and "failing" read the partial index of unpublished rows only, "checking"
-    # the redrive's partial index.
-    title = _("state")
-    parameter_name = "state"
-
-    def lookups(self, request: HttpRequest, model_admin: Any) -> list[tuple[str, str]]:
-        return [
-            ("pending", gettext("Pending")),
-            ("failing", gettext("Pending, after a failed publish")),
-            ("published", gettext("Published")),
-            ("checking", gettext("Published, consumer's record not yet checked")),
-        ]
-
-    def queryset(self, request: HttpRequest, queryset: QuerySet[Any]) -> QuerySet[Any]:
-        value = self.value()
-        if value is None:
-            return queryset
-        if value == "pending":
-            return queryset.filter(published_at__isnull=True)
-        if value == "failing":
-            return queryset.filter(published_at__isnull=True, attempts__gt=0)
-        if value == "published":
-            return queryset.filter(published_at__isnull=False)
-        if value == "checking":
-            return queryset.filter(redrive_at__isnull=False)
-        raise IncorrectLookupParameters(value)
-
-
-class OutboxCreatedFilter(admin.SimpleListFilter):
-    """Recent time ranges, which PostgreSQL prunes to the partitions they cover."""
-
-    title = _("created")
-    parameter_name = "created"
-    recent = {"1h": timedelta(hours=1), "24h": timedelta(hours=24), "7d": timedelta(days=7)}
-
-    def lookups(self, request: HttpRequest, model_admin: Any) -> list[tuple[str, str]]:
-        return [
-            ("1h", gettext("Last hour")),
-            ("24h", gettext("Last 24 hours")),
-            ("7d", gettext("Last 7 days")),
-        ]
-
-    def queryset(self, request: HttpRequest, queryset: QuerySet[Any]) -> QuerySet[Any]:
-        value = self.value()
-        if value is None:
-            return queryset
-        if value not in self.recent:
-            raise IncorrectLookupParameters(value)
-        return queryset.filter(created_at__gte=timezone.now() - self.recent[value])
-
-
-@admin.register(OutboxMessage)
-class OutboxMessageAdmin(OutboxModelAdmin):
-    detail_only_fields = OUTBOX_DETAIL_ONLY_FIELDS
-    list_display = (
-        "id",
-        "kind",
-        "name",
-        "created_at",
-        "published_at",
-        "attempts",
-        "redrives",
-        "lease_owner",
-    )
-    list_filter = (OutboxStateFilter, OutboxCreatedFilter, "kind")
-    search_fields = ("id",)
-    search_help_text = _("The exact message id, which is the Celery task id.")
-    # Newest first from the primary key index of each partition (UUIDv7 ids grow with time).
-    ordering = ("-id",)
-    sortable_by = ()
-    list_per_page = 50
-    paginator = EstimatedCountPaginator
-    show_full_result_count = False
-    show_facets = admin.ShowFacets.NEVER
-    actions = None
-    fieldsets = (
-        (_("Message"), {"fields": ("id", "kind", "name", "args", "kwargs", "payload", "options")}),
-        (_("Publishing"), {"fields": ("created_at", "published_at", "attempts", "last_error")}),
-        (_("Lease"), {"fields": ("lease_owner", "lease_until", "fence")}),
-        (_("Redrive"), {"fields": ("redrive_at", "redrives")}),
-    )
-    readonly_fields = (
-        "id",
-        "kind",
-        "name",
-        "args",
-        "kwargs",
-        "payload",
-        "options",
-        "created_at",
-        "published_at",
-        "attempts",
-        "last_error",
-        "lease_owner",
-        "lease_until",
-        "fence",
-        "redrive_at",
-        "redrives",
-    )
-
-    def get_changelist(self, request: HttpRequest, **kwargs: Any) -> type[ChangeList]:
-        return DetailDeferringChangeList
-
-    def get_search_results(
-        self, request: HttpRequest, queryset: QuerySet[OutboxMessage], search_term: str
-    ) -> tuple[QuerySet[OutboxMessage], bool]:
-        term = search_term.strip()
-        if not term:
-            return queryset, False
-        try:
-            message_id = uuid.UUID(term)
-        except ValueError:  # no message has it; the nil UUID is nobody's (none() has no plan)
-            message_id = uuid.UUID(int=0)
-        return queryset.filter(id=message_id), False
-
-    def has_add_permission(self, request: HttpRequest) -> bool:
-        return False
-
-    def has_change_permission(self, request: HttpRequest, obj: OutboxMessage | None = None) -> bool:
-        return False
-
-    def has_delete_permission(self, request: HttpRequest, obj: OutboxMessage | None = None) -> bool:
-        # A deleted pending message would never be published: the outbox is append-only.
-        return False

@@ -1,0 +1,20 @@
+"""Read-only admins for the records and the outbox that stay fast on large partitioned tables:
+every query bounded (no full ``COUNT(*)``, no ``SELECT DISTINCT``, exact search, newest first
+from the primary key index). Importing the package registers both."""
+
+from django_idempotency.admin.base import (
+    DetailDeferringChangeList,
+    EstimatedCountPaginator,
+    ReadOnlyLargeTableAdmin,
+)
+from django_idempotency.admin.outbox import OutboxMessageAdmin
+from django_idempotency.admin.records import IdempotencyRecordAdmin, usernames
+
+__all__ = [
+    "DetailDeferringChangeList",
+    "EstimatedCountPaginator",
+    "IdempotencyRecordAdmin",
+    "OutboxMessageAdmin",
+    "ReadOnlyLargeTableAdmin",
+    "usernames",
+]

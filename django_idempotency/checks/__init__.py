@@ -1,0 +1,23 @@
+"""System checks: ``django_idempotency.E0xx`` for settings, ``W0xx`` for the environment,
+``E1xx``/``W1xx`` for the partitioned tables; one module per concern. Importing the package
+registers them all."""
+
+from django_idempotency.checks.databases import check_databases, check_isolation
+from django_idempotency.checks.messaging import check_consumers, check_outbox_backlog
+from django_idempotency.checks.partitions import check_partitions
+from django_idempotency.checks.servers import check_servers
+from django_idempotency.checks.settings import check_beat, check_settings
+from django_idempotency.checks.views import check_records_follow_writes, check_views
+
+__all__ = [
+    "check_beat",
+    "check_consumers",
+    "check_databases",
+    "check_isolation",
+    "check_outbox_backlog",
+    "check_partitions",
+    "check_records_follow_writes",
+    "check_servers",
+    "check_settings",
+    "check_views",
+]

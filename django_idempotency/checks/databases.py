@@ -1,0 +1,132 @@
+"""What the records' database runs: PostgreSQL or the fallback (W003), an isolation level the
+claim refuses (E007, from OPTIONS and from a live connection), ATOMIC_REQUESTS elsewhere (W002)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from django.apps import AppConfig
+from django.core.checks import CheckMessage, Error, Tags, register
+from django.core.checks import Warning as CheckWarning
+from django.db import DatabaseError, connections, router, transaction
+
+from django_idempotency.checks.base import ours
+from django_idempotency.models import IdempotencyRecord
+
+# The levels whose snapshot is taken before the claim holds the key's lock (migration 0007).
+REFUSED_LEVELS = frozenset({"repeatable read", "serializable"})
+# pg_settings.source of default_transaction_isolation: where a level that DATABASES does not
+# show was set.
+LEVEL_SOURCES = {
+    "database": "ALTER DATABASE ... SET default_transaction_isolation",
+    "user": "ALTER ROLE ... SET default_transaction_isolation",
+    "database user": "ALTER ROLE ... IN DATABASE ... SET default_transaction_isolation",
+    "client": "the connection's options (OPTIONS['options'] or PGOPTIONS)",
+    "session": "SET default_transaction_isolation on the connection",
+    "configuration file": "postgresql.conf",
+}
+
+
+@register()
+def check_databases(app_configs: Sequence[AppConfig] | None, **kwargs: Any) -> list[CheckMessage]:
+    """What the DATABASES setting means for the records' database; no query is made."""
+    if not ours(app_configs):
+        return []
+    messages: list[CheckMessage] = []
+    alias = router.db_for_write(IdempotencyRecord)
+    connection = connections[alias]
+    if connection.vendor != "postgresql":
+        messages.append(
+            CheckWarning(
+                f"Idempotency records are stored on {connection.display_name} (database "
+                f"{alias!r}) in a plain table: expired records leave by batched DELETEs and a "
+                "duplicate request gets 409 at once instead of waiting for the replay.",
+                hint="This fallback is meant for development; use PostgreSQL in production.",
+                id="django_idempotency.W003",
+            )
+        )
+    else:
+        level = _refused_in_options(alias)
+        if level is not None:
+            messages.append(_isolation_refused(alias, level, _in_options(alias)))
+    for other in connections:
+        if other != alias and connections[other].settings_dict.get("ATOMIC_REQUESTS"):
+            messages.append(
+                CheckWarning(
+                    f"ATOMIC_REQUESTS is on for database {other!r}, but idempotency records "
+                    f"are stored on {alias!r}: the record commits before the request's "
+                    f"transaction on {other!r} does, so if that commit fails, retries replay a "
+                    "response whose writes never happened.",
+                    hint="Route IdempotencyRecord to the database your idempotent views write "
+                    "to; only writes to that database commit together with the record.",
+                    id="django_idempotency.W002",
+                )
+            )
+    return messages
+
+
+@register(Tags.database)
+def check_isolation(
+    app_configs: Sequence[AppConfig] | None,
+    databases: Sequence[str] | None = None,
+    **kwargs: Any,
+) -> list[CheckMessage]:
+    """The isolation level a transaction on each records' database actually gets, wherever
+    it was set (check_databases sees only OPTIONS, without a query)."""
+    if not ours(app_configs):
+        return []
+    messages: list[CheckMessage] = []
+    records = router.db_for_write(IdempotencyRecord)
+    for alias in databases or ():
+        connection = connections[alias]
+        if connection.vendor != "postgresql" or not router.allow_migrate_model(
+            alias, IdempotencyRecord
+        ):
+            continue
+        in_options = _refused_in_options(alias) is not None
+        if in_options and alias == records:
+            continue  # said by check_databases, without a query
+        try:
+            # In a transaction, as the claim runs: Django's OPTIONS, the database's and the
+            # role's defaults and the connection's options all show here.
+            with transaction.atomic(using=alias), connection.cursor() as cursor:
+                cursor.execute(
+                    "SELECT current_setting('transaction_isolation'), source FROM pg_settings "
+                    "WHERE name = 'default_transaction_isolation'"
+                )
+                level, source = cursor.fetchone()
+        except DatabaseError:
+            continue  # unreachable: the request path answers 503 and says so
+        if level in REFUSED_LEVELS:
+            where = _in_options(alias) if in_options else LEVEL_SOURCES.get(source, source)
+            messages.append(_isolation_refused(alias, level, where))
+    return messages
+
+
+def _refused_in_options(alias: str) -> str | None:
+    """The refused level that ``isolation_level`` in the alias' OPTIONS sets, if it does."""
+    from django.db.backends.postgresql.psycopg_any import IsolationLevel
+
+    level = connections[alias].settings_dict.get("OPTIONS", {}).get("isolation_level")
+    if level in (IsolationLevel.REPEATABLE_READ, IsolationLevel.SERIALIZABLE):
+        return IsolationLevel(level).name.replace("_", " ").lower()
+    return None
+
+
+def _in_options(alias: str) -> str:
+    return f"'isolation_level' in DATABASES[{alias!r}]['OPTIONS']"
+
+
+def _isolation_refused(alias: str, level: str, where: str) -> Error:
+    return Error(
+        f"Database {alias!r}, where idempotency records are stored, runs transactions at "
+        f"{level.upper()} (set by {where}): the claim cannot see a record committed while it "
+        "waited for the key's lock, so it refuses to run, and every idempotent request and "
+        "exactly-once task fails (500 misconfigured).",
+        hint="Run that database at READ COMMITTED, PostgreSQL's default: remove "
+        "'isolation_level' from its OPTIONS and default_transaction_isolation from its "
+        "OPTIONS['options'], and RESET default_transaction_isolation with ALTER DATABASE or "
+        "ALTER ROLE; or route IdempotencyRecord to a database that runs at READ COMMITTED.",
+        id="django_idempotency.E007",
+    )

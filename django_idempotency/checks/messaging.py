@@ -1,0 +1,96 @@
+"""The exactly-once chain: a relay that keeps up with the outbox (W120), exactly-once tasks
+that keep late acknowledgement (E010)."""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import importlib.util
+from collections.abc import Sequence
+from typing import Any
+
+from django.apps import AppConfig, apps
+from django.core.checks import CheckMessage, Error, Tags, register
+from django.core.checks import Warning as CheckWarning
+from django.db import DatabaseError, router
+from django.db.models import Min
+from django.utils import timezone
+
+from django_idempotency.checks.base import ours
+from django_idempotency.conf import conf, wrong_type
+from django_idempotency.models import OutboxMessage
+
+
+@register(Tags.database)
+def check_outbox_backlog(
+    app_configs: Sequence[AppConfig] | None,
+    databases: Sequence[str] | None = None,
+    **kwargs: Any,
+) -> list[CheckMessage]:
+    """Whether the outbox relay keeps up: the oldest unpublished message's age."""
+    if not ours(app_configs) or wrong_type("OUTBOX_MAX_AGE"):
+        return []
+    messages: list[CheckMessage] = []
+    for alias in databases or ():
+        if not router.allow_migrate_model(alias, OutboxMessage):
+            continue
+        pending = OutboxMessage.objects.using(alias).filter(published_at__isnull=True)
+        try:
+            oldest = pending.aggregate(oldest=Min("created_at"))["oldest"]
+        except DatabaseError:
+            continue  # not migrated yet
+        if oldest is not None and timezone.now() - oldest > conf.OUTBOX_MAX_AGE:
+            messages.append(
+                CheckWarning(
+                    f"The oldest unpublished outbox message on database {alias!r} was written "
+                    f"at {oldest.isoformat()}, more than IDEMPOTENCY_OUTBOX_MAX_AGE "
+                    f"({conf.OUTBOX_MAX_AGE}) ago: no relay is running, or it cannot reach "
+                    "the broker.",
+                    hint="Run `manage.py idempotency_relay` (one or more, as long-running "
+                    "processes) and read its log; rows that fail to publish show their last "
+                    "error in the admin.",
+                    id="django_idempotency.W120",
+                )
+            )
+    return messages
+
+
+@register()
+def check_consumers(app_configs: Sequence[AppConfig] | None, **kwargs: Any) -> list[CheckMessage]:
+    """Exactly-once tasks whose settings break the guarantee: without ``acks_late`` a
+    message is acknowledged before it runs, so a worker that dies mid-task loses it; without
+    ``reject_on_worker_lost`` Celery acknowledges a killed worker's task anyway."""
+    if not ours(app_configs) or importlib.util.find_spec("celery") is None:
+        return []
+    # Tasks are declared at import: import each app's tasks module, as Celery's
+    # autodiscovery does, so that the check sees the tasks a worker would run.
+    for config in apps.get_app_configs():
+        try:
+            found = importlib.util.find_spec(f"{config.name}.tasks")
+        except ImportError:
+            found = None
+        if found is not None:
+            importlib.import_module(f"{config.name}.tasks")
+    from celery import current_app
+
+    from django_idempotency.messaging.consumers import declared
+
+    # A shared task's class is made when an app is finalized; an app that finalizes only by
+    # hand (autofinalize=False) is left alone.
+    with contextlib.suppress(RuntimeError):
+        current_app.finalize(auto=True)
+    messages: list[CheckMessage] = []
+    for task in declared:
+        off = [name for name in ("acks_late", "reject_on_worker_lost") if not getattr(task, name)]
+        if off and getattr(task, "name", None):
+            messages.append(
+                Error(
+                    f"The exactly-once task {task.name!r} runs with {' and '.join(off)} off, so "
+                    "a worker that dies while running it loses the message instead of "
+                    "having it redelivered.",
+                    hint="Remove acks_late=False / reject_on_worker_lost=False from the task's "
+                    "decorator: ExactlyOnceTask turns both on.",
+                    id="django_idempotency.E010",
+                )
+            )
+    return messages

@@ -1,0 +1,158 @@
+"""What each idempotent view of the URLconf risks: a claim before authentication (E014), a
+shared anonymous principal (W004), a durable block (W005), records away from its writes (E012)."""
+
+from __future__ import annotations
+
+import inspect
+import re
+from collections.abc import Sequence
+from typing import Any
+
+from django.apps import AppConfig
+from django.conf import settings
+from django.core.checks import CheckMessage, Error, Tags, register
+from django.core.checks import Warning as CheckWarning
+from django.db import router
+
+from django_idempotency.checks.base import ours
+from django_idempotency.engine.errors import Misconfigured
+from django_idempotency.models import IdempotencyRecord
+
+
+@register(Tags.urls)
+def check_views(app_configs: Sequence[AppConfig] | None, **kwargs: Any) -> list[CheckMessage]:
+    """What each idempotent view of the URLconf risks: a shared anonymous scope, a durable
+    block that cannot run in the claim's transaction."""
+    # Like Django's own URL checks: no URLconf, nothing to judge.
+    if not ours(app_configs) or not getattr(settings, "ROOT_URLCONF", None):
+        return []
+    messages: list[CheckMessage] = []
+    for endpoint in _endpoints():
+        name = f"{endpoint.route} ({_qualname(endpoint.handler)})"
+        policy = endpoint.policy
+        if _claims_before_authentication(endpoint):
+            messages.append(
+                Error(
+                    f"The idempotent view {name} is decorated with @idempotent outside the "
+                    "view's own dispatch (above @api_view, around as_view(), or on "
+                    "dispatch()), so the key is claimed before the view authenticates the "
+                    "client: every caller shares the anonymous principal.",
+                    hint="Put @idempotent below @api_view (next to the function), use "
+                    "IdempotencyMixin on a DRF class view, or decorate the method handler "
+                    '(method_decorator(idempotent, name="post")).',
+                    id="django_idempotency.E014",
+                )
+            )
+        elif (
+            policy.principal is None
+            and not policy.allow_anonymous
+            and _open_to_anonymous(endpoint.view)
+        ):
+            messages.append(
+                CheckWarning(
+                    f"The idempotent view {name} lets anonymous clients in, and all of them "
+                    "share one principal: one anonymous client's key can replay another's "
+                    "response.",
+                    hint="Require authentication on this view, or give it a principal "
+                    "callable (idempotency_principal / principal=) that tells anonymous "
+                    "clients apart, such as by an API client id; or, where shared anonymous "
+                    "keys are meant, set allow_anonymous=True.",
+                    id="django_idempotency.W004",
+                )
+            )
+        if _opens_durable_block(endpoint.handler):
+            messages.append(
+                CheckWarning(
+                    f"The idempotent view {name} opens transaction.atomic(durable=True), which "
+                    "cannot run inside the transaction that holds its key: such requests fail "
+                    "with a clear error instead of running.",
+                    hint="Use a plain transaction.atomic() in an idempotent view.",
+                    id="django_idempotency.W005",
+                )
+            )
+    return messages
+
+
+def _endpoints() -> list[Any]:
+    from django_idempotency.endpoints import idempotent_endpoints
+
+    try:
+        return idempotent_endpoints()
+    except Misconfigured:  # a setting of the wrong type: E013 says which
+        return []
+
+
+def _qualname(handler: Any) -> str:
+    target = inspect.unwrap(handler) if callable(handler) else handler
+    if not hasattr(target, "__qualname__"):
+        target = type(target)
+    return f"{target.__module__}.{target.__qualname__}"
+
+
+def _claims_before_authentication(endpoint: Any) -> bool:
+    """``@idempotent`` around the whole dispatch of a class view that authenticates there
+    (DRF's, or one with Django's access mixins): on the function that ``@api_view`` or
+    ``as_view()`` returned, or on ``dispatch()`` (which ``as_view()`` copies from)."""
+    handler = endpoint.handler
+    view_class = getattr(handler, "cls", None) or getattr(handler, "view_class", None)
+    if view_class is None or getattr(handler, "idempotency_options", None) is None:
+        return False
+    from django.contrib.auth.mixins import AccessMixin
+
+    return hasattr(view_class, "permission_classes") or issubclass(view_class, AccessMixin)
+
+
+def _open_to_anonymous(view: Any) -> bool:
+    """A DRF view (a class, or ``@api_view``'s) whose permissions all allow anonymous
+    clients, or a Ninja operation without ``auth``; plain views cannot be judged from
+    outside (their decorators decide)."""
+    if hasattr(view, "auth_callbacks") and hasattr(view, "view_func"):  # Ninja's operation
+        return not view.auth_callbacks
+    permissions = getattr(view, "permission_classes", None)
+    if permissions is None:
+        return False
+    from rest_framework.permissions import AllowAny
+
+    return all(permission is AllowAny for permission in permissions)
+
+
+def _opens_durable_block(handler: Any) -> bool:
+    try:
+        source = inspect.getsource(inspect.unwrap(handler))
+    except (OSError, TypeError):
+        return False
+    return re.search(r"atomic\([^)]*durable\s*=\s*True", source) is not None
+
+
+@register(Tags.database)
+def check_records_follow_writes(
+    app_configs: Sequence[AppConfig] | None,
+    databases: Sequence[str] | None = None,
+    **kwargs: Any,
+) -> list[CheckMessage]:
+    """A generic view's records go to the database of its model's writes: the records'
+    table must be migrated there, or every request of that view fails."""
+    if not ours(app_configs) or not databases or not getattr(settings, "ROOT_URLCONF", None):
+        return []
+    try:
+        from django_idempotency.rest_framework import written_model
+    except ImportError:  # without DRF, no view has a model to follow
+        return []
+    messages: list[CheckMessage] = []
+    for endpoint in _endpoints():
+        model = written_model(endpoint.view) if endpoint.policy.using is None else None
+        if model is None:
+            continue
+        alias = router.db_for_write(model)
+        if alias in databases and not router.allow_migrate_model(alias, IdempotencyRecord):
+            messages.append(
+                Error(
+                    f"The idempotent view {endpoint.route} writes {model._meta.label} to "
+                    f"database {alias!r}, where its records must live to commit with those "
+                    "writes, but the routers do not migrate IdempotencyRecord there.",
+                    hint=f"Let allow_migrate() accept django_idempotency on {alias!r} and "
+                    "migrate it, or give the view idempotency_using.",
+                    id="django_idempotency.E012",
+                )
+            )
+    return messages
