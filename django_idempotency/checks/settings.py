@@ -149,42 +149,38 @@ def check_settings(app_configs: Sequence[AppConfig] | None, **kwargs: Any) -> li
                     id="django_idempotency.E008",
                 )
             )
-    principal = as_written("PRINCIPAL")
-    if principal is not None and "PRINCIPAL" not in invalid:
-        try:
-            func = conf.PRINCIPAL
-        except ImportError as exc:
-            problem = f"cannot be imported ({exc})"
-        else:
-            problem = "" if callable(func) else "is not callable"
-        if problem:
-            messages.append(
-                Error(
-                    f"IDEMPOTENCY_PRINCIPAL {principal!r} {problem}.",
-                    hint="Give a function taking the request and returning a string, or its "
-                    'dotted path, such as "myproject.api.tenant_of".',
-                    id="django_idempotency.E009",
-                )
-            )
-    display = as_written("PRINCIPAL_DISPLAY")
-    if display is not None and "PRINCIPAL_DISPLAY" not in invalid:
-        # Found only when the admin's records page fails, without this check.
-        try:
-            labels = conf.PRINCIPAL_DISPLAY
-        except ImportError as exc:
-            problem = f"cannot be imported ({exc})"
-        else:
-            problem = "" if callable(labels) else "is not callable"
-        if problem:
-            messages.append(
-                Error(
-                    f"IDEMPOTENCY_PRINCIPAL_DISPLAY {display!r} {problem}.",
-                    hint="Give a function taking a list of principals and returning a dict "
-                    "from principal to label, or its dotted path, or remove the setting.",
-                    id="django_idempotency.E011",
-                )
-            )
+    messages += _function_setting(
+        "PRINCIPAL",
+        invalid,
+        hint="Give a function taking the request and returning a string, or its dotted path, "
+        'such as "myproject.api.tenant_of".',
+        id="django_idempotency.E009",
+    )
+    # Found only when the admin's records page fails, without this check.
+    messages += _function_setting(
+        "PRINCIPAL_DISPLAY",
+        invalid,
+        hint="Give a function taking a list of principals and returning a dict from principal "
+        "to label, or its dotted path, or remove the setting.",
+        id="django_idempotency.E011",
+    )
     return messages
+
+
+def _function_setting(name: str, invalid: set[str], *, hint: str, id: str) -> list[CheckMessage]:
+    """A setting that names a function: it must import, and be callable."""
+    written = as_written(name)
+    if written is None or name in invalid:
+        return []
+    try:
+        func = getattr(conf, name)
+    except ImportError as exc:
+        problem = f"cannot be imported ({exc})"
+    else:
+        problem = "" if callable(func) else "is not callable"
+    if not problem:
+        return []
+    return [Error(f"IDEMPOTENCY_{name} {written!r} {problem}.", hint=hint, id=id)]
 
 
 @register()

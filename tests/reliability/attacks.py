@@ -79,6 +79,19 @@ class Phase:
         # Kind -> how many of its requests were sent.
         self.made: Counter[str] = Counter()
 
+    def timed(self, name: str, step: Callable[..., Any], *args: Any) -> Any:
+        started = time.monotonic()
+        try:
+            return step(*args)
+        finally:
+            self.say(f"  {name}: {time.monotonic() - started:.1f}s")
+
+    def client(self, base_url: str, read_timeout: float | None = None) -> SDKClient:
+        policy = self.profile.policy
+        if read_timeout is not None:
+            policy = dataclasses.replace(policy, read_timeout=read_timeout)
+        return SDKClient(base_url, policy, random.Random(self.rng.random()))
+
 
 class Attacks(Phase):
     def run(self, base_url: str, alice: Principal, bob: Principal) -> list[Check]:
@@ -106,19 +119,6 @@ class Attacks(Phase):
             self.timed("flood", self.flood, flood_server.result().url, alice, bob)
             self.timed("forged lock key, the held charge's end", judge_forgery)
         return self.checks
-
-    def timed(self, name: str, attack: Callable[..., Any], *args: Any) -> Any:
-        started = time.monotonic()
-        try:
-            return attack(*args)
-        finally:
-            self.say(f"  {name}: {time.monotonic() - started:.1f}s")
-
-    def client(self, base_url: str, read_timeout: float | None = None) -> SDKClient:
-        policy = self.profile.policy
-        if read_timeout is not None:
-            policy = dataclasses.replace(policy, read_timeout=read_timeout)
-        return SDKClient(base_url, policy, random.Random(self.rng.random()))
 
     def stored(self, key: str) -> int:
         with self.database.connect() as conn:

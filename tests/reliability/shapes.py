@@ -25,13 +25,10 @@ the other two.
 
 from __future__ import annotations
 
-import dataclasses
 import json
-import random
 import secrets
 import time
 from collections import Counter
-from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import ExitStack
 from types import TracebackType
@@ -46,7 +43,6 @@ from tests.reliability.client import (
     Attempt,
     Exchange,
     Principal,
-    SDKClient,
 )
 from tests.reliability.postgres import Database, copy_of
 from tests.reliability.profiles import MISORDERED_PATH, SHAPE_KINDS, ServerShape
@@ -124,19 +120,6 @@ class Shapes(Phase):
             self.timed(MISORDERED, self.misordered, second, alice, bob)
             repeatable_read.result()
         return self.checks
-
-    def timed(self, name: str, shape: Callable[..., Any], *args: Any) -> Any:
-        started = time.monotonic()
-        try:
-            return shape(*args)
-        finally:
-            self.say(f"  {name}: {time.monotonic() - started:.1f}s")
-
-    def client(self, base_url: str, read_timeout: float | None = None) -> SDKClient:
-        policy = self.profile.policy
-        if read_timeout is not None:
-            policy = dataclasses.replace(policy, read_timeout=read_timeout)
-        return SDKClient(base_url, policy, random.Random(self.rng.random()))
 
     # -- the shapes -----------------------------------------------------------------------
 
