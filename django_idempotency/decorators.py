@@ -14,6 +14,7 @@ from django.http import Http404, HttpRequest, HttpResponse, JsonResponse
 from django.http.request import RawPostDataException
 from django.http.response import HttpResponseBase
 
+from django_idempotency import problems
 from django_idempotency.engine.errors import IdempotencyError
 from django_idempotency.engine.identity import unparseable_multipart
 from django_idempotency.engine.options import ViewOptions, policy_for
@@ -165,10 +166,7 @@ def _unsupported(request: Any) -> HttpResponseBase | None:
 
 def unsupported_media_type(request: HttpRequest, reason: str) -> HttpResponse:
     """A plain view's 415, in the words of DRF's."""
-    return JsonResponse(
-        {"detail": f'Unsupported media type "{request.content_type}" in request: {reason}.'},
-        status=415,
-    )
+    return JsonResponse(problems.unsupported_media_type(request.content_type, reason), status=415)
 
 
 def _unread(request: Any, exc: BaseException) -> bool:

@@ -20,7 +20,12 @@ from django_idempotency.engine.errors import (
 from django_idempotency.engine.identity import MAX_KEY_LENGTH, has_body, unparseable_multipart
 from django_idempotency.engine.options import Policy, ViewOptions, policy_for
 from django_idempotency.engine.unit import RequestUnit, Run, failing_closed
-from django_idempotency.problems import PROBLEM_CONTENT_TYPE, possible_errors, problem_response
+from django_idempotency.problems import (
+    PROBLEM_CONTENT_TYPE,
+    possible_errors,
+    problem_response,
+    unsupported_media_type,
+)
 
 Func = TypeVar("Func", bound=Callable[..., Any])
 
@@ -205,9 +210,7 @@ def _unsupported(operation: Any, request: HttpRequest) -> HttpResponse | None:
             return None
         reason = "this operation takes no form or file parameters"
     response: HttpResponse = operation.api.create_response(
-        request,
-        {"detail": f'Unsupported media type "{request.content_type}" in request: {reason}.'},
-        status=415,
+        request, unsupported_media_type(request.content_type, reason), status=415
     )
     return response
 

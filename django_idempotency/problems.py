@@ -51,6 +51,12 @@ def problem_response(exc: IdempotencyError) -> HttpResponse:
     return response
 
 
+def unsupported_media_type(content_type: str | None, reason: str) -> dict[str, str]:
+    """The body of a view's 415 for a body it cannot parse, in the words of DRF's, whatever
+    the view style answers it (plain, ``@api_view``, Ninja)."""
+    return {"detail": f'Unsupported media type "{content_type}" in request: {reason}.'}
+
+
 def possible_errors(policy: Policy) -> list[type[IdempotencyError]]:
     """The errors a covered request may get instead of its view's answer, given the view's
     policy and the settings: what API schemas document."""

@@ -453,13 +453,12 @@ class UnitOfWork:
         self, capped: bool | None, wait: timedelta
     ) -> Generator[Decision | None, Outcome | BaseException, bool]:
         work = self.work
+        # A consumer's records outlive MAX_TTL (IDEMPOTENCY_CONSUMER_TTL).
+        window = max(conf.MAX_TTL, work.ttl) + conf.EXPIRED_WINDOW
         if self.lookup_first:
             with failing_closed():
                 found = storage.lookup(
-                    self.using,
-                    principal=work.principal,
-                    key=work.key,
-                    window=conf.MAX_TTL + conf.EXPIRED_WINDOW,
+                    self.using, principal=work.principal, key=work.key, window=window
                 )
             if found is not None:
                 yield self._found(storage.Claimed(storage.Outcome.FOUND, record=found))
@@ -475,8 +474,7 @@ class UnitOfWork:
                     lock=lock,
                     principal=work.principal,
                     key=work.key,
-                    # A consumer's records outlive MAX_TTL (IDEMPOTENCY_CONSUMER_TTL).
-                    window=max(conf.MAX_TTL, work.ttl) + conf.EXPIRED_WINDOW,
+                    window=window,
                     gone=conf.EXPIRED_WINDOW,
                     wait=wait,
                     now=self.now,
@@ -514,10 +512,7 @@ class UnitOfWork:
             # committed is replayed, and only a key whose first request still runs is busy.
             with failing_closed():
                 found = storage.lookup(
-                    self.using,
-                    principal=work.principal,
-                    key=work.key,
-                    window=max(conf.MAX_TTL, work.ttl) + conf.EXPIRED_WINDOW,
+                    self.using, principal=work.principal, key=work.key, window=window
                 )
             if found is not None:
                 claimed = storage.Claimed(storage.Outcome.FOUND, record=found)
