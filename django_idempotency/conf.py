@@ -293,7 +293,7 @@ FUNCTION = Kind("a function, or its dotted path as a str", _is_function)
 OPTIONAL_FUNCTION = Kind("a function, its dotted path as a str, or None", _or_none(_is_function))
 
 # What every IDEMPOTENCY_<name> setting must be; the settings' docs say the same. A setting
-# left out here is a test failure (tests/test_checks.py).
+# left out here is a test failure (tests/operators/test_checks.py).
 KINDS: dict[str, Kind] = {
     "HEADER": TEXT,
     "METHODS": TEXTS,

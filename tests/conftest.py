@@ -40,7 +40,7 @@ from hypothesis import settings as hypothesis_settings
 ROOT = Path(__file__).resolve().parent.parent
 
 # The other deployment shapes' servers (uvicorn, PgBouncer) and their fixtures.
-pytest_plugins = ["tests.servers"]
+pytest_plugins = ["tests.support.servers", "tests.support.partitions"]
 
 # Database round trips make per-example timings meaningless; CI also prints the blob to
 # reproduce a failure.
@@ -450,7 +450,7 @@ def anon_client() -> Any:
 @pytest.fixture
 def private_redis(tmp_path: Path) -> Iterator[Any]:
     """A redis-server of the test's own on a free port (never the machine's), killed after."""
-    from tests.chain_processes import RedisServer
+    from tests.support.chain_processes import RedisServer
 
     server = RedisServer.on_free_port(tmp_path)
     server.start()

@@ -48,7 +48,7 @@ class IdempotencyRecordFactory(DjangoModelFactory):
 
 
 class ScriptFactory(factory.DictFactory):
-    """A request body for ``tests.views``; each gets its own tag, so counts never mix."""
+    """A request body for ``tests.support.views``; each gets its own tag, so counts never mix."""
 
     tag = factory.LazyFunction(lambda: uuid.uuid4().hex)
 

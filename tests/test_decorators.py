@@ -15,10 +15,10 @@ from django.test import Client, RequestFactory
 
 from django_idempotency.decorators import idempotent
 from django_idempotency.models import IdempotencyRecord
-from tests.claims import held_claim
-from tests.client import problem, send
 from tests.factories import ScriptFactory, UserFactory, new_key
-from tests.views import CALLS
+from tests.support.claims import held_claim
+from tests.support.client import problem, send
+from tests.support.views import CALLS
 
 pytestmark = pytest.mark.django_db
 
@@ -92,7 +92,7 @@ def test_required_and_methods_keywords() -> None:
     assert CALLS[tag] == 2
 
 
-@pytest.mark.urls("tests.urls")
+@pytest.mark.urls("tests.support.urls")
 def test_login_required_outside_runs_before_a_replay() -> None:
     user, key, script = UserFactory(), new_key(), ScriptFactory()
     logged_in = Client()
@@ -110,7 +110,7 @@ def test_login_required_outside_runs_before_a_replay() -> None:
     assert CALLS[script["tag"]] == 1
 
 
-@pytest.mark.urls("tests.urls")
+@pytest.mark.urls("tests.support.urls")
 @pytest.mark.parametrize(
     ("suffix", "key", "body_change"),
     [("required/", None, {}), ("", "bad key", {}), ("", "good-key", {"x": 1})],
@@ -132,7 +132,7 @@ def test_decorator_and_mixin_produce_the_same_errors(
     assert bodies[0] == bodies[1]
 
 
-@pytest.mark.urls("tests.urls")
+@pytest.mark.urls("tests.support.urls")
 @pytest.mark.parametrize(("reject", "status"), [("raise404", 404), ("forbidden", 403)])
 def test_http404_and_permission_denied_are_stored_and_replayed_like_drf(
     client, reject: str, status: int
@@ -156,8 +156,8 @@ def test_http404_and_permission_denied_are_stored_and_replayed_like_drf(
 def views_server(
     gunicorn_server: Any, django_db_blocker: Any, django_db_setup: None
 ) -> Iterator[str]:
-    """gunicorn (1 worker, 4 threads) serving the test-only views (``tests.urls``)."""
-    env = {"DJANGO_SETTINGS_MODULE": "tests.views_settings"}
+    """gunicorn (1 worker, 4 threads) serving the test-only views (``tests.support.urls``)."""
+    env = {"DJANGO_SETTINGS_MODULE": "tests.support.views_settings"}
     with gunicorn_server(workers=1, threads=4, env=env) as server:
         yield server.url
 
@@ -212,12 +212,12 @@ def test_idempotent_below_authentication_scopes_each_users_key_to_them(
 # naming the setting), never a traceback or a value read as something else.
 
 
-@pytest.mark.urls("tests.urls")
+@pytest.mark.urls("tests.support.urls")
 @pytest.mark.parametrize(
     ("setting", "value"),
     [("IDEMPOTENCY_TTL", 3600), ("IDEMPOTENCY_REQUIRED", "False"),
      ("IDEMPOTENCY_PRINCIPAL", "nowhere.principal"),
-     ("IDEMPOTENCY_PRINCIPAL", "tests.views.CALLS")],
+     ("IDEMPOTENCY_PRINCIPAL", "tests.support.views.CALLS")],
 )  # fmt: skip
 @pytest.mark.parametrize("path", ["/plain/", "/drf/", "/adrf/", "/ninja/open/"])
 def test_a_setting_of_the_wrong_type_refuses_idempotent_requests_as_misconfigured(
@@ -237,7 +237,7 @@ def test_a_setting_of_the_wrong_type_refuses_idempotent_requests_as_misconfigure
     assert any(setting in message for message in logged), logged
 
 
-@pytest.mark.urls("tests.urls")
+@pytest.mark.urls("tests.support.urls")
 def test_a_method_decorator_view_keeps_one_policy_however_many_requests() -> None:
     # method_decorator() decorates a new partial of the method on every request: each one
     # cached a policy, holding its request, for ever.

@@ -20,8 +20,8 @@ from django.urls import path
 from django_idempotency.models import IdempotencyRecord
 from testproject.payments import executions
 from testproject.payments.models import Charge
-from tests.client import problem, replayed, send
-from tests.views import CALLS
+from tests.support.client import problem, replayed, send
+from tests.support.views import CALLS
 
 ninja = pytest.importorskip("ninja")
 from ninja.errors import HttpError  # noqa: E402
@@ -194,7 +194,7 @@ def test_under_atomic_requests_too(token_user: Any, monkeypatch: pytest.MonkeyPa
 def test_parallel_identical_requests_over_http_execute_once(
     request: pytest.FixtureRequest, make_token_user: Any, server: str, url: str
 ) -> None:
-    from tests.test_e2e_payments import counts, send_at_once
+    from tests.support.payments import counts, send_at_once
 
     base_url = request.getfixturevalue(server)
     user, key = make_token_user(), str(uuid.uuid4())

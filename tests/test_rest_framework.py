@@ -18,11 +18,11 @@ from rest_framework.views import APIView
 
 from django_idempotency.models import IdempotencyRecord
 from django_idempotency.rest_framework import IdempotencyMixin
-from tests.client import problem, replayed, send
 from tests.factories import ScriptFactory, TokenFactory, new_key
-from tests.views import CALLS, TRACE, tenant_principal
+from tests.support.client import problem, replayed, send
+from tests.support.views import CALLS, TRACE, tenant_principal
 
-pytestmark = [pytest.mark.urls("tests.urls"), pytest.mark.django_db]
+pytestmark = [pytest.mark.urls("tests.support.urls"), pytest.mark.django_db]
 
 
 def token_client(token: Any) -> APIClient:
@@ -435,7 +435,7 @@ def test_a_replay_of_a_delete_is_a_404_for_an_object_the_queryset_hides(
     make_token_user: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     from testproject.payments.models import Charge
-    from tests.payment_views import ChargeViewSet
+    from tests.support.payment_views import ChargeViewSet
 
     alice = make_token_user()
     charge = Charge.objects.create(amount=100, currency="eur", user=alice.user)

@@ -21,8 +21,8 @@ from rest_framework import generics, serializers
 
 import django_idempotency.contrib.spectacular  # noqa: F401  what AppConfig.ready() imports
 from django_idempotency.rest_framework import IdempotencyMixin
-from tests import urls as test_urls
 from tests.conftest import unmeasured
+from tests.support import urls as test_urls
 
 ROOT = Path(__file__).resolve().parent.parent
 PROBLEM = "application/problem+json"

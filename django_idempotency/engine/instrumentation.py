@@ -27,7 +27,7 @@ from django_idempotency.engine.errors import (
 try:
     from opentelemetry import metrics, trace
     from opentelemetry.trace import Status, StatusCode
-except ImportError:  # pragma: no cover  (tests/test_telemetry.py proves it in a subprocess)
+except ImportError:  # pragma: no cover  (operators/test_telemetry.py proves it in a subprocess)
     ENABLED = False
 else:
     ENABLED = True

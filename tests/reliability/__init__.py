@@ -8,8 +8,9 @@ every logical request answered 2xx has exactly one committed effect (no duplicat
 no 2xx without a commit), and no principal saw another's response.
 
 ``python -m tests.reliability --profile short|long [--report PATH]``; the short profile
-also runs in the test suite (``tests/test_reliability.py``). The chain profiles (``chain``,
-``chain-short``, ``chain_run.py``) follow each charge beyond the request: its capture at the
-fake processor and its ledger posting through the outbox, relays and Celery workers, while
-those are killed and the broker restarted (``tests/test_reliability_chain.py``).
+also runs in the test suite (``tests/scenarios/test_reliability.py``). The chain profiles
+(``chain``, ``chain-short``, ``chain_run.py``) follow each charge beyond the request: its
+capture at the fake processor and its ledger posting through the outbox, relays and Celery
+workers, while those are killed and the broker restarted
+(``tests/scenarios/test_reliability_chain.py``).
 """

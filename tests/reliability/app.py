@@ -18,7 +18,7 @@ from tests.conftest import ROOT, GunicornServer, run_gunicorn, unmeasured
 from tests.reliability.client import Principal
 from tests.reliability.postgres import APP_NAME, MAINTENANCE_NAME, Database
 from tests.reliability.profiles import Profile, ServerShape
-from tests.servers import run_pgbouncer
+from tests.support.servers import run_pgbouncer
 
 # The demo users' public tokens (``manage.py seed_demo``), used as two of the principals.
 DEMO_USERS = {"alice": "a" * 40, "bob": "b" * 40}

@@ -18,7 +18,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from tests.chain_processes import QUEUE, UNACKED
+from tests.support.chain_processes import QUEUE, UNACKED
 
 
 @dataclass

@@ -23,14 +23,6 @@ from pathlib import Path
 
 import psutil
 
-from tests.chain_processes import (
-    CHAIN_SETTINGS,
-    CeleryWorker,
-    RedisServer,
-    kill_group,
-    run_processor,
-    wait_for,
-)
 from tests.conftest import ROOT, die_with_parent, unmeasured
 from tests.reliability.app import django_env
 from tests.reliability.broker_log import BrokerLog, replay
@@ -39,6 +31,14 @@ from tests.reliability.chain_worker import DELIVERIES
 from tests.reliability.faults import Fault, Injector
 from tests.reliability.postgres import Database
 from tests.reliability.profiles import ChainShape
+from tests.support.chain_processes import (
+    CHAIN_SETTINGS,
+    CeleryWorker,
+    RedisServer,
+    kill_group,
+    run_processor,
+    wait_for,
+)
 
 BROKER, RELAY, WORKER = "broker", "relay", "celery worker"
 # Logged by each kind once it can take faults: the relay has its SIGUSR1 handler by then.

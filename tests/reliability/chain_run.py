@@ -27,7 +27,6 @@ from typing import Any
 import psycopg
 import redis
 
-from tests.chain_processes import CHAIN_SETTINGS, processor_captures, processor_stats
 from tests.conftest import GunicornServer
 from tests.reliability import chain_checks, checks
 from tests.reliability.app import serve
@@ -38,6 +37,7 @@ from tests.reliability.postgres import Database
 from tests.reliability.profiles import ChainShape
 from tests.reliability.report import Check, Report
 from tests.reliability.run import Runner
+from tests.support.chain_processes import CHAIN_SETTINGS, processor_captures, processor_stats
 
 # What the chain's logs say, counted for the report.
 LOGGED = {

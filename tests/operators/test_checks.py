@@ -1,0 +1,828 @@
+"""System checks: each id is raised when it should be and only then, with a hint."""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import os
+import re
+import secrets
+import subprocess
+import sys
+from collections.abc import Iterator
+from datetime import timedelta
+from io import StringIO
+from pathlib import Path
+
+import pytest
+from django.core.checks import CheckMessage, Error, run_checks
+from django.core.management import call_command
+from django.core.management.base import SystemCheckError
+from django.test import modify_settings, override_settings
+
+from django_idempotency import checks
+from django_idempotency import conf as conf_module
+from django_idempotency.partitions.tables import RECORDS
+from tests.support.partitions import detach_and_drop, execute, today
+
+ROOT = Path(__file__).resolve().parents[2]
+TABLE = RECORDS.table
+
+pytestmark = pytest.mark.django_db
+
+
+def partition_messages() -> list[CheckMessage]:
+    return checks.check_partitions(None, databases=["default"])
+
+
+def ids(messages: list[CheckMessage]) -> list[str]:
+    return [message.id for message in messages if message.id]
+
+
+def drop_future_partitions(keep: int) -> None:
+    """Inside the test's transaction: rolled back afterwards."""
+    for n in range(1 + keep, 8):
+        name = RECORDS.partition_name(today() + timedelta(days=n))
+        if not execute("SELECT to_regclass(%s)", [name])[0][0]:
+            continue
+        execute(f'ALTER TABLE {TABLE} DETACH PARTITION "{name}"')
+        execute(f'DROP TABLE "{name}"')
+
+
+def test_a_healthy_table_raises_nothing() -> None:
+    assert partition_messages() == []
+
+
+def test_database_checks_only_run_when_asked_for_a_database() -> None:
+    drop_future_partitions(keep=0)
+    assert checks.check_partitions(None, databases=None) == []
+
+
+def test_w101_a_day_short_of_the_headroom_that_maintenance_keeps() -> None:
+    # IDEMPOTENCY_PARTITIONS_AHEAD is 7: between midnight and the next hourly run, 6 is normal.
+    drop_future_partitions(keep=6)
+    assert partition_messages() == []
+    drop_future_partitions(keep=5)
+    (message,) = partition_messages()
+    assert message.id == "django_idempotency.W101"
+    assert message.msg == (
+        f"Only 5 future partitions of {TABLE} exist on database 'default' "
+        "(IDEMPOTENCY_PARTITIONS_AHEAD is 7): partition maintenance is not running. Writes "
+        "fail (503) in 6 days at most."
+    )
+    assert "idempotency_partitions" in message.hint
+
+
+@override_settings(IDEMPOTENCY_PARTITIONS_AHEAD=2)
+def test_w101_with_the_smallest_headroom_warns_when_one_future_partition_is_left() -> None:
+    drop_future_partitions(keep=2)
+    assert partition_messages() == []
+    drop_future_partitions(keep=1)
+    assert ids(partition_messages()) == ["django_idempotency.W101"]
+
+
+def test_e101_no_partition_holds_the_current_time() -> None:
+    detach_and_drop(today())
+    (message,) = partition_messages()
+    assert message.id == "django_idempotency.E101"
+    assert isinstance(message, Error)
+    assert message.msg.startswith(f"No partition of {TABLE} on database 'default' holds ")
+    assert "idempotent requests answer 503" in message.msg
+    assert "idempotency_partitions" in message.hint
+    with pytest.raises(SystemCheckError, match=r"django_idempotency\.E101"):
+        call_command("check", "--database", "default", stdout=StringIO())
+
+
+def test_w102_table_not_partitioned() -> None:
+    execute(f"ALTER TABLE {TABLE} RENAME TO partitioned_away")
+    assert partition_messages() == []  # not migrated yet: nothing to say
+    execute(f"CREATE TABLE {TABLE} (LIKE partitioned_away INCLUDING ALL)")
+    (message,) = partition_messages()
+    assert message.id == "django_idempotency.W102"
+    assert "not partitioned" in message.msg and message.hint
+
+
+def test_w103_default_partition() -> None:
+    execute(f"CREATE TABLE {TABLE}_rest PARTITION OF {TABLE} DEFAULT")
+    (message,) = partition_messages()
+    assert message.id == "django_idempotency.W103"
+    assert "DEFAULT partition" in message.msg and message.hint
+
+
+# With django-celery-beat installed, as the celery extra brings it.
+needs_beat = pytest.mark.skipif(
+    importlib.util.find_spec("django_celery_beat") is None,
+    reason="the celery extra is not installed",
+)
+
+
+@needs_beat
+@override_settings(IDEMPOTENCY_BEAT_REGISTER=True)
+def test_w001_beat_registration_without_django_celery_beat() -> None:
+    assert checks.check_beat(None) == []
+    with modify_settings(INSTALLED_APPS={"remove": "django_celery_beat"}):
+        (message,) = checks.check_beat(None)
+    assert message.id == "django_idempotency.W001"
+    assert "cron" in message.hint
+
+
+@modify_settings(INSTALLED_APPS={"remove": "django_celery_beat"})
+def test_no_beat_check_unless_registration_is_asked_for() -> None:
+    assert checks.check_beat(None) == []
+
+
+@needs_beat
+@override_settings(IDEMPOTENCY_BEAT_REGISTER=True, IDEMPOTENCY_BEAT_CRONTAB="hourly")
+def test_e001_malformed_crontab() -> None:
+    (message,) = checks.check_beat(None)
+    assert message.id == "django_idempotency.E001"
+    assert "expected 5 fields" in message.msg and "17 * * * *" in message.hint
+
+
+def test_the_check_command_runs_the_database_checks() -> None:
+    drop_future_partitions(keep=0)
+    with pytest.raises(SystemCheckError, match=r"django_idempotency\.W101"):
+        call_command("check", "--database", "default", "--fail-level", "WARNING", stderr=StringIO())
+    # Without --database, database checks stay quiet (Django's convention).
+    assert "django_idempotency.W101" not in ids(run_checks())
+
+
+def test_checks_skip_other_apps() -> None:
+    from django.apps import apps
+
+    drop_future_partitions(keep=0)
+    auth = [apps.get_app_config("auth")]
+    assert checks.check_partitions(auth, databases=["default"]) == []
+
+
+def test_check_ids_are_unique() -> None:
+    modules = sorted(Path(checks.__file__).parent.glob("*.py"))
+    source = "\n".join(module.read_text() for module in modules)
+    found = re.findall(r'id="(django_idempotency\.[EW]\d{3})"', source)
+    assert sorted(found) == sorted(set(found))
+    assert set(found) == {
+        "django_idempotency.E001",
+        "django_idempotency.E002",
+        "django_idempotency.E003",
+        "django_idempotency.E004",
+        "django_idempotency.E005",
+        "django_idempotency.E006",
+        "django_idempotency.E007",
+        "django_idempotency.E008",
+        "django_idempotency.E009",
+        "django_idempotency.E010",
+        "django_idempotency.E012",
+        "django_idempotency.E011",
+        "django_idempotency.E013",
+        "django_idempotency.E014",
+        "django_idempotency.W001",
+        "django_idempotency.W002",
+        "django_idempotency.W003",
+        "django_idempotency.W004",
+        "django_idempotency.W005",
+        "django_idempotency.W008",
+        "django_idempotency.W009",
+        "django_idempotency.E101",
+        "django_idempotency.W101",
+        "django_idempotency.W102",
+        "django_idempotency.W103",
+        "django_idempotency.W120",
+    }
+
+
+# Settings and the DATABASES setting (django_idempotency.E002-E009, W002, W003).
+
+
+def setting_ids() -> list[str]:
+    return ids(checks.check_settings(None))
+
+
+def database_ids() -> list[str]:
+    return ids(checks.check_databases(None))
+
+
+def manage_py_check(tmp_path: Path, extra_settings: str, *args: str) -> str:
+    """``manage.py check`` in a child process whose settings are the tests' plus
+    ``extra_settings``: for DATABASES layouts a running test cannot switch to."""
+    (tmp_path / "check_settings.py").write_text(
+        "from tests.settings import *  # noqa\n" + extra_settings
+    )
+    done = subprocess.run(
+        [sys.executable, "manage.py", "check", *args],
+        cwd=ROOT,
+        env={
+            **os.environ,
+            "DJANGO_SETTINGS_MODULE": "check_settings",
+            "PYTHONPATH": os.pathsep.join([str(tmp_path), str(ROOT)]),
+        },
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    return done.stdout + done.stderr
+
+
+def test_default_settings_and_databases_raise_nothing() -> None:
+    assert setting_ids() == []
+    assert database_ids() == []
+
+
+@pytest.mark.parametrize("header", ["Idempotency Key", "Idempotency_Key", "", "Idempotency-Key:"])
+def test_e002_header_that_is_no_header_name(header: str) -> None:
+    with override_settings(IDEMPOTENCY_HEADER=header):
+        (message,) = checks.check_settings(None)
+    assert message.id == "django_idempotency.E002"
+    assert repr(header) in message.msg and "Idempotency-Key" in message.hint
+
+
+@override_settings(IDEMPOTENCY_HEADER="X-Request-Key")
+def test_another_header_name_is_fine() -> None:
+    assert setting_ids() == []
+
+
+@pytest.mark.parametrize(
+    ("name", "value"),
+    [
+        ("TTL", timedelta(0)),
+        ("MAX_TTL", timedelta(hours=-1)),
+        ("EXPIRED_WINDOW", timedelta(seconds=-1)),
+        ("WAIT", timedelta(seconds=-1)),
+        ("PARTITION_GRACE", timedelta(minutes=-5)),
+        ("DDL_LOCK_TIMEOUT", timedelta(0)),
+    ],
+)
+def test_e003_duration_out_of_range(name: str, value: object) -> None:
+    with override_settings(**{f"IDEMPOTENCY_{name}": value}):
+        messages = checks.check_settings(None)
+    assert ids(messages) == ["django_idempotency.E003"]
+    assert f"IDEMPOTENCY_{name} is {value!r}" in messages[0].msg
+    assert "timedelta" in messages[0].hint
+
+
+@override_settings(
+    IDEMPOTENCY_WAIT=timedelta(0),
+    IDEMPOTENCY_MAX_WAIT=timedelta(0),
+    IDEMPOTENCY_EXPIRED_WINDOW=timedelta(0),
+)
+def test_zero_waits_and_no_expired_window_are_fine() -> None:
+    assert setting_ids() == []
+
+
+@pytest.mark.parametrize(
+    ("overrides", "named"),
+    [
+        ({"IDEMPOTENCY_TTL": timedelta(hours=48)}, "IDEMPOTENCY_TTL (2 days, 0:00:00)"),
+        ({"IDEMPOTENCY_WAIT": timedelta(seconds=30)}, "IDEMPOTENCY_WAIT (0:00:30)"),
+    ],
+)
+def test_e004_a_default_beyond_its_maximum(overrides: dict[str, timedelta], named: str) -> None:
+    with override_settings(**overrides):
+        (message,) = checks.check_settings(None)
+    assert message.id == "django_idempotency.E004"
+    assert named in message.msg
+    with override_settings(
+        **overrides,
+        IDEMPOTENCY_MAX_TTL=timedelta(days=7),
+        IDEMPOTENCY_MAX_WAIT=timedelta(minutes=1),
+    ):
+        assert setting_ids() == []
+
+
+def test_e005_unknown_error_format() -> None:
+    with override_settings(IDEMPOTENCY_ERROR_FORMAT="json"):
+        (message,) = checks.check_settings(None)
+    assert message.id == "django_idempotency.E005"
+    assert "'json'" in message.msg and '"stripe"' in message.hint
+    with override_settings(IDEMPOTENCY_ERROR_FORMAT="stripe"):
+        assert setting_ids() == []
+
+
+@pytest.mark.parametrize(
+    ("methods", "said"),
+    [
+        (["POST", "get"], ": GET."),
+        (("PATCH", "HEAD", "OPTIONS"), ": HEAD, OPTIONS."),
+    ],
+)
+def test_e006_methods_that_are_safe(methods: object, said: str) -> None:
+    with override_settings(IDEMPOTENCY_METHODS=methods):
+        (message,) = checks.check_settings(None)
+    assert message.id == "django_idempotency.E006"
+    assert said in message.msg
+
+
+@override_settings(IDEMPOTENCY_METHODS=["post", "PUT", "DELETE"])
+def test_unsafe_methods_in_any_case_are_fine() -> None:
+    assert setting_ids() == []
+
+
+@pytest.mark.parametrize(
+    ("level", "said"),
+    [("REPEATABLE_READ", "REPEATABLE READ"), ("SERIALIZABLE", "SERIALIZABLE")],
+)
+def test_e007_isolation_level_in_options_that_the_claim_refuses(
+    monkeypatch, level: str, said: str
+) -> None:
+    from django.db import connection
+    from django.db.backends.postgresql.psycopg_any import IsolationLevel
+
+    options = {**connection.settings_dict.get("OPTIONS", {})}
+    monkeypatch.setitem(connection.settings_dict, "OPTIONS", options)
+    options["isolation_level"] = getattr(IsolationLevel, level)
+    (message,) = checks.check_databases(None)
+    assert message.id == "django_idempotency.E007"
+    assert said in message.msg and "'isolation_level' in DATABASES['default']" in message.msg
+    assert "READ COMMITTED" in message.hint and "isolation_level" in message.hint
+    # Said once: the live check leaves a level set in OPTIONS to this one.
+    assert ids(checks.check_isolation(None, databases=["default"])) == []
+
+
+@pytest.mark.parametrize("level", ["READ_COMMITTED", "READ_UNCOMMITTED"])
+def test_read_committed_in_options_is_fine(monkeypatch, level: str) -> None:
+    # PostgreSQL runs READ UNCOMMITTED as READ COMMITTED.
+    from django.db import connection
+    from django.db.backends.postgresql.psycopg_any import IsolationLevel
+
+    options = {**connection.settings_dict.get("OPTIONS", {})}
+    monkeypatch.setitem(connection.settings_dict, "OPTIONS", options)
+    options["isolation_level"] = getattr(IsolationLevel, level)
+    assert database_ids() == []
+    assert ids(checks.check_isolation(None, databases=["default"])) == []
+
+
+@contextlib.contextmanager
+def connection_settings_at(route: str, level: str) -> Iterator[str]:
+    """Settings for ``DATABASES['default']`` whose connections start transactions at
+    ``level``, set where ``route`` says; a private database or role, dropped after."""
+    import psycopg
+    from django.db import connection
+    from psycopg import sql
+
+    from testproject.database import database_url
+
+    name = f"{connection.settings_dict['NAME']}_{route.replace(' ', '_')}"
+    # For servers that ask a password over TCP (CI's PostgreSQL 15).
+    password = secrets.token_hex(16)
+    statements: dict[str, tuple[str, ...]] = {
+        "alter database": (
+            "CREATE DATABASE {name}",
+            f"ALTER DATABASE {{name}} SET default_transaction_isolation = '{level}'",
+        ),
+        "alter role": (
+            f"CREATE ROLE {{name}} LOGIN PASSWORD '{password}'",
+            f"ALTER ROLE {{name}} SET default_transaction_isolation = '{level}'",
+        ),
+    }
+    # libpq reads a space in an option's value escaped by a backslash.
+    option = "-c default_transaction_isolation=" + level.replace(" ", "\\ ")
+    settings = {
+        "alter database": f"DATABASES['default']['NAME'] = {name!r}\n",
+        "alter role": f"DATABASES['default'].update(USER={name!r}, PASSWORD={password!r})\n",
+        "options": "DATABASES['default']['OPTIONS'] = "
+        f"{{**DATABASES['default'].get('OPTIONS', {{}}), 'options': {option!r}}}\n",
+    }[route]
+    drop = {"alter database": "DROP DATABASE {name} WITH (FORCE)", "alter role": "DROP ROLE {name}"}
+    with psycopg.connect(database_url(), autocommit=True) as conn:
+        for statement in statements.get(route, ()):
+            conn.execute(sql.SQL(statement).format(name=sql.Identifier(name)))
+    try:
+        yield settings
+    finally:
+        if route in drop:
+            with psycopg.connect(database_url(), autocommit=True) as conn:
+                conn.execute(sql.SQL(drop[route]).format(name=sql.Identifier(name)))
+
+
+@pytest.mark.parametrize(
+    ("route", "level", "said"),
+    [
+        ("alter database", "repeatable read", "ALTER DATABASE ... SET"),
+        ("alter role", "repeatable read", "ALTER ROLE ... SET"),
+        ("options", "serializable", "the connection's options"),
+    ],
+)
+def test_e007_reads_the_level_a_live_connection_has(
+    tmp_path: Path, route: str, level: str, said: str
+) -> None:
+    with connection_settings_at(route, level) as settings:
+        output = manage_py_check(tmp_path, settings, "--database", "default")
+        # Without --database Django runs no database check (migrate runs them all).
+        without = manage_py_check(tmp_path, settings)
+    assert "django_idempotency.E007" in output, output
+    assert f"runs transactions at {level.upper()} (set by {said}" in output
+    assert "django_idempotency.E007" not in without, without
+
+
+@pytest.mark.parametrize("level", ["read committed", "read uncommitted"])
+def test_e007_stays_silent_for_a_live_connection_at_read_committed(
+    tmp_path: Path, level: str
+) -> None:
+    with connection_settings_at("alter role", level) as settings:
+        output = manage_py_check(tmp_path, settings, "--database", "default")
+    assert "django_idempotency.E007" not in output, output
+    assert "System check identified no issues" in output or "WARNING" in output, output
+
+
+@pytest.mark.parametrize(
+    ("name", "value", "smallest"),
+    [
+        ("PARTITIONS_AHEAD", 1, 2),
+        ("DELETE_BATCH_SIZE", 0, 1),
+        ("COMPRESS_MIN_BYTES", -1, 0),
+        ("OUTBOX_REDRIVE_LIMIT", -1, 0),
+        ("MAX_WAITERS", -1, 0),
+        ("SERVER_THREADS", 0, 1),
+    ],
+)
+def test_e008_integer_out_of_range(name: str, value: object, smallest: int) -> None:
+    with override_settings(**{f"IDEMPOTENCY_{name}": value}):
+        (message,) = checks.check_settings(None)
+    assert message.id == "django_idempotency.E008"
+    assert message.msg == (
+        f"IDEMPOTENCY_{name} is {value!r}; it must be an integer of at least {smallest}."
+    )
+    assert message.hint == f"Remove IDEMPOTENCY_{name} to use its default."
+
+
+@pytest.mark.parametrize(
+    ("principal", "said"),
+    [
+        ("tests.support.views.no_such_function", "cannot be imported"),
+        ("tests.support.views.CALLS", "is not callable"),
+    ],
+)
+def test_e009_principal_that_is_no_function(principal: object, said: str) -> None:
+    with override_settings(IDEMPOTENCY_PRINCIPAL=principal):
+        (message,) = checks.check_settings(None)
+    assert message.id == "django_idempotency.E009"
+    assert said in message.msg
+
+
+@override_settings(IDEMPOTENCY_PRINCIPAL="tests.support.views.tenant_principal")
+def test_a_principal_given_by_dotted_path_is_fine() -> None:
+    assert setting_ids() == []
+
+
+@pytest.mark.parametrize(
+    ("display", "said"),
+    [
+        ("tests.support.views.no_such_function", "cannot be imported"),
+        ("tests.support.views.CALLS", "is not callable"),
+    ],
+)
+def test_e011_principal_display_that_is_no_function(display: object, said: str) -> None:
+    with override_settings(IDEMPOTENCY_PRINCIPAL_DISPLAY=display):
+        (message,) = checks.check_settings(None)
+    assert message.id == "django_idempotency.E011"
+    assert said in message.msg
+
+
+@override_settings(IDEMPOTENCY_PRINCIPAL_DISPLAY="django_idempotency.admin.usernames")
+def test_a_principal_display_given_by_dotted_path_is_fine() -> None:
+    assert setting_ids() == []
+
+
+@pytest.mark.parametrize(
+    ("settings", "said"),
+    [
+        ({"IDEMPOTENCY_SECRET_KEY": b"bytes"}, "IDEMPOTENCY_SECRET_KEY is b'bytes' (bytes)"),
+        ({"IDEMPOTENCY_SECRET_KEY_FALLBACKS": "old"}, "FALLBACKS is 'old' (str)"),
+        ({"IDEMPOTENCY_SECRET_KEY_FALLBACKS": ["old", ""]}, "FALLBACKS is ['old', ''] (list)"),
+        ({"IDEMPOTENCY_SECRET_KEY_FALLBACKS": [None]}, "FALLBACKS is [None] (list)"),
+    ],
+    ids=["key-bytes", "fallbacks-a-string", "fallbacks-with-an-empty-one", "fallbacks-none"],
+)
+def test_e013_secret_settings_of_the_wrong_type(settings: dict[str, object], said: str) -> None:
+    # A str as the fallbacks would be read one character at a time: a lock per character.
+    with override_settings(**settings):
+        (message,) = checks.check_settings(None)
+    assert message.id == "django_idempotency.E013"
+    assert said in message.msg
+
+
+@override_settings(IDEMPOTENCY_SECRET_KEY="new", IDEMPOTENCY_SECRET_KEY_FALLBACKS=("old",))
+def test_a_secret_with_fallbacks_is_fine() -> None:
+    assert setting_ids() == []
+
+
+def test_w002_atomic_requests_on_another_database_than_the_records(tmp_path: Path) -> None:
+    (tmp_path / "records_router.py").write_text(
+        "class RecordsRouter:\n"
+        "    def db_for_write(self, model, **hints):\n"
+        "        return 'records' if model._meta.app_label == 'django_idempotency' else None\n"
+    )
+    output = manage_py_check(
+        tmp_path,
+        "DATABASES = {'default': {**DATABASES['default'], 'ATOMIC_REQUESTS': True},\n"
+        "             'records': {**DATABASES['default']}}\n"
+        "DATABASE_ROUTERS = ['records_router.RecordsRouter']\n",
+    )
+    assert "django_idempotency.W002" in output
+    assert "ATOMIC_REQUESTS is on for database 'default'" in output
+
+
+def test_atomic_requests_on_the_records_database_is_fine(monkeypatch) -> None:
+    from django.db import connection
+
+    monkeypatch.setitem(connection.settings_dict, "ATOMIC_REQUESTS", True)
+    assert database_ids() == []
+
+
+def test_w003_records_on_a_database_without_partitions(tmp_path: Path) -> None:
+    output = manage_py_check(
+        tmp_path,
+        "DATABASES = {'default': {'ENGINE': 'django.db.backends.sqlite3', "
+        f"'NAME': {str(tmp_path / 'db.sqlite3')!r}}}}}\n",
+    )
+    assert "django_idempotency.W003" in output
+    assert "SQLite" in output and "plain table" in output
+
+
+def test_the_check_command_runs_the_settings_checks() -> None:
+    with (
+        override_settings(IDEMPOTENCY_ERROR_FORMAT="json"),
+        pytest.raises(SystemCheckError, match=r"django_idempotency\.E005"),
+    ):
+        call_command("check", stderr=StringIO())
+
+
+@pytest.mark.urls("tests.support.urls")
+def test_w004_an_idempotent_view_open_to_anonymous_clients_without_a_principal_callable() -> None:
+    warned = {
+        re.search(r"view (\S+) ", m.msg)[1]  # type: ignore[index]
+        for m in checks.check_views(None)
+        if m.id == "django_idempotency.W004"
+    }
+    assert "/drf/" in warned  # AllowAny, no principal callable
+    assert "/drf/guarded/" not in warned  # IsAuthenticated
+    assert "/drf/tenant/" not in warned  # a principal callable
+    assert "/drf/durable/" not in warned
+
+
+@pytest.mark.urls("tests.support.urls")
+def test_w005_an_idempotent_view_that_opens_a_durable_block() -> None:
+    durable = [m for m in checks.check_views(None) if m.id == "django_idempotency.W005"]
+    assert len(durable) == 1
+    assert "/drf/durable/ (tests.support.views.DurableView)" in durable[0].msg
+
+
+class RecordsNowhere:
+    """Migrates nothing of django_idempotency: the records have no table anywhere."""
+
+    def allow_migrate(self, db: str, app_label: str, **hints: object) -> bool | None:
+        return False if app_label == "django_idempotency" else None
+
+
+@pytest.mark.urls("tests.support.urls")
+def test_e012_a_view_whose_writes_go_where_the_records_table_is_not_migrated() -> None:
+    assert not [m for m in checks.check_records_follow_writes(None, databases=["default"])]
+    with override_settings(DATABASE_ROUTERS=[RecordsNowhere()]):
+        errors = checks.check_records_follow_writes(None, databases=["default"])
+    assert {m.id for m in errors} == {"django_idempotency.E012"}
+    assert any("/drf/groups/" in m.msg and "auth.Group" in m.msg for m in errors)
+
+
+@override_settings(IDEMPOTENCY_OUTBOX_REDRIVE_AFTER=None)
+def test_none_turns_the_redrive_off_and_is_no_error() -> None:
+    assert checks.check_settings(None) == []
+
+
+@override_settings(IDEMPOTENCY_OUTBOX_REDRIVE_AFTER=timedelta(0))
+def test_e003_says_when_none_is_allowed() -> None:
+    (message,) = checks.check_settings(None)
+    assert message.msg.endswith("it must be a positive timedelta, or None.")
+
+
+# Settings of the wrong type (contract 15): one error each, naming the setting and its type,
+# never a traceback; the table of types covers every setting.
+
+WRONG_VALUES = {
+    conf_module.TEXT: 42,
+    conf_module.OPTIONAL_TEXT: 42,
+    conf_module.TEXTS: "POST",
+    conf_module.SECRETS: "old",
+    conf_module.INTEGER: "100",
+    conf_module.OPTIONAL_INTEGER: "100",
+    conf_module.INTEGERS: "408",
+    conf_module.BOOLEAN: "False",
+    conf_module.DURATION: 3600,
+    conf_module.OPTIONAL_DURATION: 600,
+    conf_module.FUNCTION: 42,
+    conf_module.OPTIONAL_FUNCTION: 42,
+}
+
+
+def test_every_setting_has_an_expected_type() -> None:
+    settings = {name for name, value in vars(conf_module.Settings).items()
+                if isinstance(value, property)}  # fmt: skip
+    assert set(conf_module.KINDS) == settings
+    assert set(conf_module.REQUEST_SETTINGS) <= settings
+    assert set(conf_module.KINDS.values()) <= set(WRONG_VALUES)
+
+
+@pytest.mark.parametrize("name", sorted(conf_module.KINDS))
+def test_e013_a_setting_of_the_wrong_type_is_one_error_naming_it_and_its_type(name: str) -> None:
+    kind, value = conf_module.KINDS[name], WRONG_VALUES[conf_module.KINDS[name]]
+    with override_settings(**{f"IDEMPOTENCY_{name}": value}):
+        # Every check of the app, the URL and database ones too: none may raise.
+        messages = run_checks(databases=["default"])
+    errors = [m for m in messages if m.id.startswith("django_idempotency.") and m.is_serious()]
+    assert ids(errors) == ["django_idempotency.E013"]
+    assert errors[0].msg == (
+        f"IDEMPOTENCY_{name} is {value!r} ({type(value).__name__}); it must be {kind.description}."
+    )
+    assert f"IDEMPOTENCY_{name}" in errors[0].hint
+
+
+@pytest.mark.parametrize("value", [None, "tests.support.views.CALLS"])
+def test_a_celery_app_path_that_imports_is_fine(value: object) -> None:
+    with override_settings(IDEMPOTENCY_OUTBOX_CELERY_APP=value):
+        assert setting_ids() == []
+
+
+def test_e013_a_celery_app_path_that_cannot_be_imported() -> None:
+    with override_settings(IDEMPOTENCY_OUTBOX_CELERY_APP="nowhere.celery.app"):
+        (message,) = checks.check_settings(None)
+    assert message.id == "django_idempotency.E013"
+    assert "IDEMPOTENCY_OUTBOX_CELERY_APP 'nowhere.celery.app' cannot be imported" in message.msg
+
+
+def test_manage_py_check_reports_settings_of_the_wrong_type_without_a_traceback(
+    tmp_path: Path,
+) -> None:
+    output = manage_py_check(
+        tmp_path,
+        "IDEMPOTENCY_TTL = 3600\n"
+        "IDEMPOTENCY_REQUIRED = 'yes'\n"
+        "IDEMPOTENCY_PRINCIPAL = 'nowhere.principal'\n"
+        "IDEMPOTENCY_OUTBOX_CELERY_APP = 'nowhere.celery.app'\n",
+    )
+    print(output)
+    assert "Traceback" not in output
+    assert "IDEMPOTENCY_TTL is 3600 (int); it must be a datetime.timedelta." in output
+    assert "IDEMPOTENCY_REQUIRED is 'yes' (str); it must be True or False." in output
+    assert "IDEMPOTENCY_PRINCIPAL 'nowhere.principal' cannot be imported" in output
+    assert "IDEMPOTENCY_OUTBOX_CELERY_APP 'nowhere.celery.app' cannot be imported" in output
+    assert output.count("django_idempotency.E013") == 3
+
+
+# The URLconf's idempotent views, every style (contract 3: the anonymous-view check sees
+# them all), and a decorator placed outside the view's authentication (E014).
+
+
+@pytest.mark.urls("tests.support.urls")
+def test_w004_sees_every_view_style_and_allow_anonymous_silences_it() -> None:
+    warned = {
+        re.search(r"view (\S+) ", m.msg)[1]  # type: ignore[index]
+        for m in checks.check_views(None)
+        if m.id == "django_idempotency.W004"
+    }
+    assert "/drf/api-view/" in warned  # @api_view with AllowAny
+    assert "/drf/method-decorated/" in warned  # method_decorator on an AllowAny APIView
+    assert "/drf/token-only/" in warned
+    assert "/drf/anonymous-keys/" not in warned  # idempotency_allow_anonymous
+    if importlib.util.find_spec("ninja"):
+        assert "/ninja/open/" in warned  # an operation without auth
+        assert "/ninja/anonymous-keys/" not in warned  # allow_anonymous=True
+        assert "/ninja/session/" not in warned  # auth=django_auth
+    assert "/iban/below-api-view/" not in warned  # IsAuthenticated
+
+
+@pytest.mark.urls("tests.support.urls")
+def test_e014_idempotent_outside_the_views_own_authentication() -> None:
+    errors = [m for m in checks.check_views(None) if m.id == "django_idempotency.E014"]
+    assert [re.search(r"view (\S+) ", m.msg)[1] for m in errors] == [  # type: ignore[index]
+        "/iban/above-api-view/",  # above @api_view
+        "/drf/dispatch-decorated/",  # method_decorator on an APIView's dispatch()
+    ]
+    assert "below @api_view" in errors[0].hint
+
+
+# The server shape (django_idempotency.W008, W009).
+
+
+def server_ids() -> list[str]:
+    return ids(checks.check_servers(None))
+
+
+@pytest.mark.parametrize(
+    ("overrides", "env", "threads", "source"),
+    [
+        (
+            {"IDEMPOTENCY_MAX_WAITERS": 4, "IDEMPOTENCY_SERVER_THREADS": 4},
+            None,
+            4,
+            "IDEMPOTENCY_SERVER_THREADS",
+        ),
+        (
+            {"IDEMPOTENCY_MAX_WAITERS": 8, "IDEMPOTENCY_SERVER_THREADS": 4},
+            None,
+            4,
+            "IDEMPOTENCY_SERVER_THREADS",
+        ),
+        ({"IDEMPOTENCY_MAX_WAITERS": 4}, "-w 4 --threads 4", 4, "GUNICORN_CMD_ARGS"),
+        ({"IDEMPOTENCY_MAX_WAITERS": 4}, "-w 4 --threads=2", 2, "GUNICORN_CMD_ARGS"),
+        # gunicorn's sync worker: one thread.
+        ({"IDEMPOTENCY_MAX_WAITERS": 1}, "--workers 4", 1, "GUNICORN_CMD_ARGS"),
+    ],
+    ids=[
+        "cap-equals-threads",
+        "cap-above-threads",
+        "gunicorn-args",
+        "gunicorn-args-eq",
+        "sync-worker",
+    ],
+)
+def test_w008_a_waiter_cap_that_cannot_leave_a_thread_free(
+    monkeypatch, overrides: dict[str, int], env: str | None, threads: int, source: str
+) -> None:
+    if env is not None:
+        monkeypatch.setenv("GUNICORN_CMD_ARGS", env)
+    with override_settings(**overrides):
+        (message,) = checks.check_servers(None)
+    assert message.id == "django_idempotency.W008"
+    cap = overrides["IDEMPOTENCY_MAX_WAITERS"]
+    assert message.msg.startswith(
+        f"IDEMPOTENCY_MAX_WAITERS is {cap}, but a server process has {threads} request "
+        f"thread(s) ({source})"
+    )
+    assert f"Set IDEMPOTENCY_MAX_WAITERS to {threads - 1} or fewer" in message.hint
+
+
+@pytest.mark.parametrize(
+    ("overrides", "env"),
+    [
+        ({}, "--threads 4"),  # the default cap: no request waits on a thread
+        ({"IDEMPOTENCY_MAX_WAITERS": 3, "IDEMPOTENCY_SERVER_THREADS": 4}, None),
+        ({"IDEMPOTENCY_MAX_WAITERS": 2}, "-w 4 --threads 4"),
+        # Nothing says how many threads there are.
+        ({"IDEMPOTENCY_MAX_WAITERS": 4}, None),
+    ],
+)
+def test_a_waiter_cap_below_the_thread_count_is_fine(
+    monkeypatch, overrides: dict[str, int], env: str | None
+) -> None:
+    monkeypatch.delenv("GUNICORN_CMD_ARGS", raising=False)
+    if env is not None:
+        monkeypatch.setenv("GUNICORN_CMD_ARGS", env)
+    with override_settings(**overrides):
+        assert server_ids() == []
+
+
+def test_w009_persistent_connections_under_asgi(monkeypatch) -> None:
+    from django.db import connection
+
+    monkeypatch.setitem(connection.settings_dict, "CONN_MAX_AGE", 600)
+    with override_settings(ASGI_APPLICATION="testproject.asgi.application"):
+        (message,) = checks.check_servers(None)
+    assert message.id == "django_idempotency.W009"
+    assert message.msg.startswith(
+        "Database 'default' keeps connections open (CONN_MAX_AGE = 600) and the project "
+        "runs under ASGI"
+    )
+    assert "['pool']" in message.hint and "CONN_MAX_AGE = 0" in message.hint
+
+
+@pytest.mark.parametrize(
+    ("asgi", "age", "options"),
+    [
+        (True, 0, {}),
+        (True, 0, {"pool": {"max_size": 10}}),
+        (True, None, {"pool": True}),  # Django's pool keeps connections itself
+        (False, 600, {}),  # WSGI: one connection per worker thread, reused
+    ],
+)
+def test_bounded_connections_under_asgi_are_fine(
+    monkeypatch, asgi: bool, age: int | None, options: dict[str, object]
+) -> None:
+    from django.db import connection
+
+    monkeypatch.setitem(connection.settings_dict, "CONN_MAX_AGE", age)
+    monkeypatch.setitem(connection.settings_dict, "OPTIONS", options)
+    with override_settings(ASGI_APPLICATION="testproject.asgi.application" if asgi else None):
+        assert server_ids() == []
+
+
+def test_the_test_project_under_asgi_uses_a_bounded_pool() -> None:
+    script = (
+        "import django; django.setup()\n"
+        "from django.conf import settings\n"
+        "from django.core.checks import run_checks\n"
+        "database = settings.DATABASES['default']\n"
+        "print(settings.ASGI_APPLICATION, database['CONN_MAX_AGE'],"
+        " database['OPTIONS']['pool']['max_size'])\n"
+        "print(sorted(m.id for m in run_checks() if m.id))\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script],
+        cwd=ROOT,
+        # What testproject/asgi.py sets before the settings load.
+        env={**os.environ, "DJANGO_SETTINGS_MODULE": "testproject.settings", "DJANGO_ASGI": "1"},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    declared, found = done.stdout.splitlines()
+    assert declared == "testproject.asgi.application 0 10"
+    assert "django_idempotency.W009" not in found

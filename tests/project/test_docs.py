@@ -1,0 +1,257 @@
+"""The docs stay true to the code: every setting, check id, per-view option, problem type and
+signal is documented, and the docs name no setting or check id that does not exist."""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import os
+import re
+import subprocess
+import sys
+from datetime import date
+from pathlib import Path
+
+import pytest
+from django.dispatch import Signal
+
+from django_idempotency import signals
+from django_idempotency.conf import Settings
+from django_idempotency.engine import errors as exceptions
+from django_idempotency.engine.options import ViewOptions
+from django_idempotency.partitions.apply import create_partition_statements
+from django_idempotency.partitions.tables import RECORDS
+from django_idempotency.rest_framework import IdempotencyMixin
+from tests.conftest import unmeasured
+
+ROOT = Path(__file__).resolve().parents[2]
+DOCS = ROOT / "docs"
+CHECKS_PACKAGE = ROOT / "django_idempotency" / "checks"
+CHECK_ID = re.compile(r"django_idempotency\.[EW]\d{3}")
+SETTING_NAME = re.compile(r"\bIDEMPOTENCY_[A-Z0-9_]+")
+
+SETTINGS = sorted(name for name, value in vars(Settings).items() if isinstance(value, property))
+
+
+def page(name: str) -> str:
+    return (DOCS / name).read_text()
+
+
+def all_pages() -> str:
+    sources = [p for p in DOCS.rglob("*") if p.suffix in {".md", ".rst"}]
+    return "\n".join(p.read_text() for p in sources if "_build" not in p.parts)
+
+
+def defined_check_ids() -> set[str]:
+    sources = (module.read_text() for module in sorted(CHECKS_PACKAGE.glob("*.py")))
+    return set(CHECK_ID.findall("\n".join(sources)))
+
+
+def test_settings_are_found_in_conf():
+    # Guards the tests below against a change in how conf.py declares settings.
+    assert "TTL" in SETTINGS and "HEADER" in SETTINGS
+
+
+@pytest.mark.parametrize("name", SETTINGS)
+def test_every_setting_has_a_typed_heading_on_the_settings_page(name):
+    heading = re.compile(rf"^#+ `IDEMPOTENCY_{name}: [^`]+`$", re.MULTILINE)
+    assert heading.search(page("settings.md")), f"settings.md lacks `IDEMPOTENCY_{name}: type`"
+
+
+# Other packages' settings (and one error code), which the migration guide sets side by side
+# with ours.
+FOREIGN_SETTINGS = {
+    "IDEMPOTENCY_KEY",  # django-idempotency-key's dict
+    "IDEMPOTENCY_KEY_CLEANUP_INTERVAL_HOURS",  # drf-idempotencykey
+    "IDEMPOTENCY_KEY_EXEMPT_PATH_RE",
+    "IDEMPOTENCY_KEY_EXPIRATION_MINUTES",
+    "IDEMPOTENCY_KEY_HEADER",
+    "IDEMPOTENCY_KEY_IN_USE_WITH_DIFFERENT_REQUEST",
+    "IDEMPOTENCY_KEY_MAX_BODY_SIZE",
+    "IDEMPOTENCY_KEY_METHODS",
+    "IDEMPOTENCY_KEY_REQUIRED",
+    "IDEMPOTENCY_KEY_RETRY_AFTER_SECONDS",
+    "IDEMPOTENCY_KEY_LOCK_TIMEOUT",  # djangorestframework-idempotency-key
+}
+
+
+def test_docs_name_no_setting_that_does_not_exist():
+    ours = {f"IDEMPOTENCY_{name}" for name in SETTINGS}
+    assert not ours & FOREIGN_SETTINGS
+    migrating = page("migrating.md")
+    mentioned = set(SETTING_NAME.findall(all_pages().replace(migrating, "")))
+    assert mentioned, "no setting found in the docs at all"
+    assert mentioned - ours == set()
+    assert set(SETTING_NAME.findall(migrating)) - ours - FOREIGN_SETTINGS == set()
+
+
+def test_every_check_id_is_documented():
+    ids = defined_check_ids()
+    assert ids, "the checks define no check ids"
+    assert ids - set(CHECK_ID.findall(page("checks.md"))) == set()
+
+
+def test_troubleshooting_has_a_section_for_every_check_id_and_problem_type():
+    sections = set(re.findall(r"^### `([^`]+)`", page("troubleshooting.md"), re.MULTILINE))
+    ids = defined_check_ids()
+    assert ids, "the checks define no check ids"
+    assert ids - sections == set()
+    assert {problem.name for problem in PROBLEMS} - sections == set()
+
+
+def test_docs_name_no_check_id_that_does_not_exist():
+    assert set(CHECK_ID.findall(all_pages())) - defined_check_ids() == set()
+
+
+MIXIN_OPTIONS = sorted(name for name in vars(IdempotencyMixin) if name.startswith("idempotency_"))
+# Both come from one declaration, engine.options.ViewOptions.
+DECORATOR_OPTIONS = sorted(ViewOptions.__annotations__)
+
+
+def test_per_view_options_are_found():
+    assert "idempotency_ttl" in MIXIN_OPTIONS and "ttl" in DECORATOR_OPTIONS
+
+
+@pytest.mark.parametrize("name", MIXIN_OPTIONS + DECORATOR_OPTIONS)
+def test_every_per_view_option_is_in_the_settings_table(name):
+    assert re.search(rf"^\|.*`{name}`.*\|$", page("settings.md"), re.MULTILINE)
+
+
+def test_settings_table_names_no_option_that_does_not_exist():
+    named = set(re.findall(r"`(idempotency_\w+)`", page("settings.md")))
+    assert named, "the settings page names no per-view attribute"
+    assert named - set(MIXIN_OPTIONS) == set()
+
+
+PROBLEMS = [
+    cls
+    for cls in vars(exceptions).values()
+    if isinstance(cls, type)
+    and issubclass(cls, exceptions.IdempotencyError)
+    and cls is not exceptions.IdempotencyError
+]
+
+
+@pytest.mark.parametrize("problem", PROBLEMS, ids=lambda cls: cls.name)
+def test_every_problem_type_is_documented_with_status_title_and_stripe_code(problem):
+    errors = page("errors.md")
+    section = errors.split(f"\n## {problem.name}\n", 1)
+    assert len(section) == 2, f"errors.md has no section `## {problem.name}`"
+    body = section[1].split("\n## ", 1)[0]
+    assert f'"type": "urn:django-idempotency:{problem.name}"' in body
+    assert f'"title": "{problem.title}"' in body
+    assert f'"status": {problem.status}' in body
+    stripe_row = f"| `{problem.name}` | {problem.stripe_status} | `{problem.stripe_type}` |"
+    assert stripe_row in errors
+    if problem.stripe_code:
+        assert f'"code": "{problem.stripe_code}"' in errors
+
+
+SIGNALS = sorted(name for name, value in vars(signals).items() if isinstance(value, Signal))
+
+
+@pytest.mark.parametrize("name", SIGNALS)
+def test_every_signal_has_a_section(name):
+    assert f"\n### `{name}`\n" in page("signals.md")
+
+
+def test_partition_ddl_shown_is_what_the_code_runs():
+    shown = page("partitions.md")
+    for statement in create_partition_statements(RECORDS, date(2026, 11, 22)):
+        assert f"{statement};" in shown
+    migration = importlib.import_module("django_idempotency.migrations.0001_initial")
+    assert migration.KEY_SCOPE_INDEX in shown
+
+
+def test_docs_build_without_warnings(tmp_path):
+    if importlib.util.find_spec("sphinx") is None:
+        pytest.skip("Sphinx is not installed (the `docs` dependency group)")
+    build = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "sphinx",
+            "-W",
+            "--keep-going",
+            "-E",
+            "-q",
+            "-b",
+            "html",
+            str(DOCS),
+            str(tmp_path),
+        ],
+        # Not traced by coverage.py: autodoc only imports the package, as every test does,
+        # and tracing Sphinx doubles the build's time.
+        env=unmeasured(os.environ),
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert build.returncode == 0, build.stderr
+    assert (tmp_path / "settings.html").exists()
+    # The API reference was generated from the code, not left empty by a failed import.
+    api = (tmp_path / "api.html").read_text()
+    for name in (
+        "django_idempotency.rest_framework.IdempotencyMixin",
+        "django_idempotency.decorators.idempotent",
+        "django_idempotency.conf.Settings.PRINCIPAL_DISPLAY",
+    ):
+        assert f'id="{name}"' in api, name
+
+
+# The table of promise, guard and test (docs/guards.md): each MUST of the contract's sections
+# below names the test that fails when its guard is removed. A refactor that deletes or
+# renames such a test fails here until the table names its replacement.
+GUARDED_SECTIONS = ("3", "4", "5", "6", "12", "13", "15")
+# `tests/wing/test_x.py::test_name`, `tests/test_x.py::TestCase::test_name`, with a parameter id.
+TEST_REFERENCE = re.compile(r"`(tests/(?:\w+/)*\w+\.py)::((?:\w+::)?test_\w+)(?:\[[^\]`]*\])?`")
+TABLE_RULE = re.compile(r"\|[-:| ]+\|")
+NOT_BUILT = "(not built)"
+
+
+def guard_rows() -> list[list[str]]:
+    """The rows of the table in guards.md, each a list of its cells (header and rule left out)."""
+    rows = []
+    for line in page("guards.md").splitlines():
+        if not line.startswith("|") or not line.endswith("|") or TABLE_RULE.fullmatch(line):
+            continue
+        cells = [cell.strip() for cell in line[1:-1].split(" | ")]
+        if cells[0] != "§":
+            rows.append(cells)
+    return rows
+
+
+def guarded_tests() -> list[str]:
+    cells = " ".join(row[3] for row in guard_rows() if len(row) == 5)
+    return sorted({"::".join(reference) for reference in TEST_REFERENCE.findall(cells)})
+
+
+def test_the_guards_table_is_found_with_its_five_columns():
+    rows = guard_rows()
+    assert len(rows) > 50, "guards.md has lost its table"
+    assert [row for row in rows if len(row) != 5] == []
+
+
+@pytest.mark.parametrize("row", guard_rows(), ids=lambda row: f"section {row[0]}")
+def test_every_row_of_the_guards_table_names_a_test_or_says_why_not(row):
+    section, _, guard, test, removed = row
+    assert section in {str(n) for n in range(1, 16)}, section
+    if NOT_BUILT in test:
+        return
+    assert TEST_REFERENCE.search(test), f"no tests/<file>.py::<test> in {test!r}"
+    assert guard and removed, row
+
+
+@pytest.mark.parametrize("section", GUARDED_SECTIONS)
+def test_every_guarded_section_has_a_row_with_a_test(section):
+    assert any(row[0] == section and TEST_REFERENCE.search(row[3]) for row in guard_rows())
+
+
+@pytest.mark.parametrize("reference", guarded_tests())
+def test_every_test_named_in_the_guards_table_exists(reference):
+    path, *names = reference.split("::")
+    module = importlib.import_module(path.removesuffix(".py").replace("/", "."))
+    found: object = module
+    for name in names:
+        found = getattr(found, name, None)
+    assert callable(found), f"{reference} is named in docs/guards.md but does not exist"

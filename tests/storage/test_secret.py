@@ -1,0 +1,345 @@
+"""The app's shared secret (storage/secret.py, engine/hashing.py): app servers with different
+``SECRET_KEY`` values on one database serialise a key and derive the same downstream keys;
+a rotation of ``IDEMPOTENCY_SECRET_KEY`` with fallbacks keeps serialising it; a database
+without the secret refuses, loudly, rather than fall back to ``SECRET_KEY``."""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from datetime import timedelta
+from typing import Any
+
+import pytest
+import requests
+from django.db import DEFAULT_DB_ALIAS, connection, connections, transaction
+from django.test import override_settings
+
+from django_idempotency.engine.errors import InProgress, Misconfigured
+from django_idempotency.engine.hashing import claim_locks, lock_id
+from django_idempotency.engine.unit import Outcome, Refuse, Replay, Run, UnitOfWork, Work
+from django_idempotency.storage import records as storage
+from django_idempotency.storage import secret
+from testproject.payments.models import Charge
+from tests.conftest import GunicornServer, TokenUser, run_gunicorn
+from tests.support.chain_processes import (
+    processor_captures,
+    processor_stats,
+    run_processor,
+    wait_for,
+)
+from tests.support.claims import store_first, wait_for_lock_waiters
+
+# Two deployments of one project whose SECRET_KEYs differ: a rolling rotation, or a secret
+# per pod.
+SECRET_KEYS = ("first server's SECRET_KEY, before the rotation", "second server's, after it")
+
+
+# Two real app servers ---------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def processor() -> Iterator[str]:
+    with run_processor() as url:
+        yield url
+
+
+@pytest.fixture(scope="module")
+def servers(
+    subprocess_env: dict[str, str], processor: str
+) -> Iterator[tuple[GunicornServer, GunicornServer]]:
+    env = {**subprocess_env, "PAYMENTS_PROCESSOR_URL": processor}
+    with contextlib.ExitStack() as stack:
+        first, second = (
+            stack.enter_context(run_gunicorn({**env, "DJANGO_SECRET_KEY": key}, workers=1))
+            for key in SECRET_KEYS
+        )
+        yield first, second
+
+
+def charge(
+    server: GunicornServer, user: TokenUser, key: str, *, wait: int | None = None, **body: Any
+) -> requests.Response:
+    headers = {**user.headers, "Idempotency-Key": key}
+    if wait is not None:
+        headers["Prefer"] = f"wait={wait}"
+    return requests.post(
+        f"{server.url}/api/charges/",
+        json={"amount": 2499, "currency": "inr", **body},
+        headers=headers,
+        timeout=60,
+    )
+
+
+def held_claims() -> int:
+    """Advisory locks held in the claim's lock space on the test database."""
+    with connection.cursor() as cursor:
+        cursor.execute(
+            "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND granted "
+            "AND classid = 1768187245 "
+            "AND database = (SELECT oid FROM pg_database WHERE datname = current_database())"
+        )
+        (count,) = cursor.fetchone()
+    return int(count)
+
+
+@pytest.mark.timeout(120)
+def test_a_duplicate_sent_to_a_server_with_another_secret_key_never_runs_the_charge_again(
+    servers: tuple[GunicornServer, GunicornServer], processor: str, live_user: TokenUser
+) -> None:
+    first, second = servers
+    key = str(uuid.uuid4())
+    before = processor_stats(processor)["captures"]
+    with ThreadPoolExecutor(1) as pool:
+        # A slow charge on the first server: it holds the key for 4 s.
+        slow = pool.submit(charge, first, live_user, key, delay_ms=4000)
+        wait_for(lambda: held_claims() >= 1 or slow.done(), timeout=30)
+        assert not slow.done(), slow.result().text
+        started = time.monotonic()
+        duplicate = charge(second, live_user, key, wait=20, delay_ms=4000)
+        waited = time.monotonic() - started
+        answered = slow.result()
+    print(f"the duplicate answered {duplicate.status_code} after {waited:.2f}s")
+    assert answered.status_code == 201, answered.text
+    # The second server found the first one's claim: it waited for it and replayed its
+    # answer, or (where waiting is not on) told the client to come back. It never ran it.
+    if duplicate.status_code == 409:
+        assert duplicate.json()["type"].endswith("in-progress"), duplicate.text
+    else:
+        assert duplicate.status_code == 201, duplicate.text
+        assert duplicate.headers.get("Idempotent-Replayed") == "true"
+        assert duplicate.json() == answered.json()
+    assert Charge.objects.filter(user=live_user.user).count() == 1
+    assert processor_stats(processor)["captures"] == before + 1
+
+
+@pytest.mark.timeout(120)
+def test_a_retry_on_a_server_with_another_secret_key_sends_the_same_downstream_key(
+    servers: tuple[GunicornServer, GunicornServer], processor: str, live_user: TokenUser
+) -> None:
+    first, second = servers
+    key, body = str(uuid.uuid4()), {"crash_once": uuid.uuid4().hex}
+    before = processor_stats(processor)
+    # The first server's worker dies after the capture and before its commit: no answer.
+    with pytest.raises(requests.ConnectionError):
+        charge(first, live_user, key, **body)
+    assert processor_stats(processor)["captures"] == before["captures"] + 1
+    retried = charge(second, live_user, key, **body)
+    assert retried.status_code == 201, retried.text
+    after = processor_stats(processor)
+    # The processor saw the first server's key again, and answered with the first capture.
+    assert after["captures"] == before["captures"] + 1
+    assert after["replays"] == before["replays"] + 1
+    assert retried.json()["capture"] == processor_captures(processor)[-1]["id"]
+    assert Charge.objects.filter(user=live_user.user).count() == 1
+
+
+# A rotation of IDEMPOTENCY_SECRET_KEY -----------------------------------------------------
+
+# (IDEMPOTENCY_SECRET_KEY, IDEMPOTENCY_SECRET_KEY_FALLBACKS) of a server, at each step of a
+# rotation from "old" to "new": before it, while it rolls out, after it, and the fallback's
+# removal rolling out.
+BEFORE = ("old", [])
+ROLLING_OUT = ("new", ["old"])
+AFTER = ("new", [])
+
+
+def configured(server: tuple[str, list[str]]) -> Any:
+    key, fallbacks = server
+    return override_settings(IDEMPOTENCY_SECRET_KEY=key, IDEMPOTENCY_SECRET_KEY_FALLBACKS=fallbacks)
+
+
+def work(key: str) -> Work:
+    return Work(
+        principal="tests:rotation",
+        key=key,
+        method="POST",
+        path="/rotation/",
+        fingerprint={"body": "x"},
+        ttl=timedelta(hours=1),
+    )
+
+
+class Holder(threading.Thread):
+    """A unit of work of a server configured as ``server``, on its own connection, that
+    claims ``key`` and holds it until ``release`` is set, then stores its answer."""
+
+    def __init__(self, server: tuple[str, list[str]], key: str) -> None:
+        super().__init__(daemon=True)
+        self.server, self.key = server, key
+        self.claimed, self.release = threading.Event(), threading.Event()
+        self.decision: Any = None
+        self.error: BaseException | None = None
+
+    def run(self) -> None:
+        try:
+            # The settings are the process's: read once here, under this server's own.
+            with configured(self.server):
+                unit = UnitOfWork(work(self.key), wait=timedelta(0))
+                self.decision = unit.open()
+            self.claimed.set()
+            self.release.wait(30)
+            if isinstance(self.decision, Run):
+                unit.close(Outcome(201, [], b"first"))
+        except BaseException as exc:
+            self.error = exc
+        finally:
+            self.claimed.set()
+            connections.close_all()
+
+
+@contextlib.contextmanager
+def holding(server: tuple[str, list[str]], key: str) -> Iterator[Holder]:
+    holder = Holder(server, key)
+    holder.start()
+    assert holder.claimed.wait(30)
+    assert holder.error is None and isinstance(holder.decision, Run), holder.error
+    try:
+        yield holder
+    finally:
+        holder.release.set()
+        holder.join(30)
+        assert holder.error is None, holder.error
+
+
+def open_as(server: tuple[str, list[str]], key: str, wait: timedelta = timedelta(0)) -> Any:
+    """What a server configured as ``server`` decides for ``key``; rolled back if it runs."""
+    with configured(server):
+        unit = UnitOfWork(work(key), wait=wait)
+        decision = unit.open()
+    if isinstance(decision, Run):
+        unit.fail(RuntimeError("only looking"))
+    return decision
+
+
+def busy(decision: Any) -> bool:
+    return isinstance(decision, Refuse) and isinstance(decision.error, InProgress)
+
+
+@pytest.mark.django_db(transaction=True)
+@pytest.mark.parametrize(
+    ("holder", "duplicate"),
+    [
+        (BEFORE, ROLLING_OUT),
+        (ROLLING_OUT, BEFORE),
+        (ROLLING_OUT, AFTER),
+        (AFTER, ROLLING_OUT),
+    ],
+    ids=["old-then-rolling", "rolling-then-old", "rolling-then-new", "new-then-rolling"],
+)
+def test_servers_on_either_side_of_a_rotation_step_serialise_a_key(
+    holder: tuple[str, list[str]], duplicate: tuple[str, list[str]]
+) -> None:
+    key = str(uuid.uuid4())
+    with holding(holder, key):
+        assert busy(open_as(duplicate, key))
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_rotation_without_fallbacks_does_not_serialise_which_is_why_they_exist() -> None:
+    key = str(uuid.uuid4())
+    with holding(BEFORE, key):
+        assert isinstance(open_as(AFTER, key), Run)
+
+
+@pytest.mark.django_db(transaction=True)
+def test_with_fallbacks_a_duplicate_waits_for_the_holder_and_replays() -> None:
+    key = str(uuid.uuid4())
+    with holding(BEFORE, key) as holder:
+        threading.Timer(0.5, holder.release.set).start()
+        decision = open_as(ROLLING_OUT, key, wait=timedelta(seconds=20))
+    assert isinstance(decision, Replay) and decision.record.body() == b"first"
+
+
+@pytest.mark.django_db(transaction=True)
+@pytest.mark.parametrize("blocked", ["old", "new"])
+def test_servers_rotating_opposite_ways_never_deadlock(blocked: str) -> None:
+    # A server rotating ahead ("new", fallback "old") and one rotating back ("old", fallback
+    # "new") both take a key's two locks. A third connection holds one of them; the first
+    # server queues behind it, then the second. Were the two locks taken in each server's own
+    # order, one of the two runs would end with each server holding the lock the other waits
+    # for: PostgreSQL's "deadlock detected". In one order, they run one after the other.
+    key, principal = str(uuid.uuid4()), "tests:rotation"
+    claims = []
+    for server in (ROLLING_OUT, ("old", ["new"])):
+        with configured(server):  # the settings are the process's: worked out here
+            claims.append(claim_locks(DEFAULT_DB_ALIAS, principal, key))
+    with configured((blocked, [])):
+        held = lock_id(DEFAULT_DB_ALIAS, principal, key)
+
+    def run(lock: int, also: tuple[int, ...]) -> storage.Outcome:
+        try:
+            with transaction.atomic():
+                claimed = storage.claim(
+                    DEFAULT_DB_ALIAS, lock=lock, principal=principal, key=key,
+                    window=timedelta(hours=1), gone=timedelta(0), wait=timedelta(seconds=20),
+                    also_lock=also,
+                )  # fmt: skip
+                if claimed.outcome is storage.Outcome.WON:
+                    store_first(principal, key, claimed, ttl=timedelta(hours=1))
+            return claimed.outcome
+        finally:
+            connections.close_all()
+
+    release = threading.Event()
+
+    def block() -> None:
+        try:
+            with transaction.atomic(), connection.cursor() as cursor:
+                cursor.execute("SELECT pg_advisory_xact_lock(1768187245, %s)", [held])
+                blocking.set()
+                release.wait(30)
+        finally:
+            connections.close_all()
+
+    blocking = threading.Event()
+    with ThreadPoolExecutor(3) as pool:
+        blocker = pool.submit(block)
+        assert blocking.wait(30)
+        first = pool.submit(run, *claims[0])
+        wait_for_lock_waiters(1)
+        second = pool.submit(run, *claims[1])
+        wait_for_lock_waiters(2)
+        release.set()
+        blocker.result(30)
+        outcomes = {first.result(30), second.result(30)}
+    assert outcomes == {storage.Outcome.WON, storage.Outcome.FOUND}
+
+
+# No secret ---------------------------------------------------------------------------------
+
+
+@pytest.mark.django_db
+def test_a_database_without_the_secret_refuses_the_request_with_the_fix_in_the_log(
+    caplog: pytest.LogCaptureFixture, token_user: TokenUser, secret_unread: None
+) -> None:
+    with connection.cursor() as cursor:
+        # Rolled back with the test's transaction.
+        cursor.execute("ALTER TABLE django_idempotency_secret RENAME TO moved_away")
+    response = token_user.client().post(
+        "/api/charges/",
+        {"amount": 2499, "currency": "inr"},
+        format="json",
+        HTTP_IDEMPOTENCY_KEY=str(uuid.uuid4()),
+    )
+    assert response.status_code == 500
+    assert response["Content-Type"] == "application/problem+json"
+    assert response.json()["type"].endswith(Misconfigured.name)
+    assert not Charge.objects.filter(user=token_user.user).exists()
+    errors = [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
+    assert any(
+        "ChargeCreateView" in m and "manage.py migrate django_idempotency" in m for m in errors
+    ), errors
+
+
+@pytest.mark.django_db
+def test_the_secret_is_made_by_the_migration_and_not_seen_by_a_flush() -> None:
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT id, length(secret) FROM django_idempotency_secret")
+        assert cursor.fetchall() == [(1, 64)]
+    tables = connection.introspection.django_table_names(only_existing=True)
+    assert secret.TABLE not in tables
