@@ -1,6 +1,8 @@
 """The settings object (``conf.py``): defaults, overrides read at once, and the table of kinds
 that the checks and the request path judge a setting's type by."""
 
+# ruff: noqa: SIM300  (conf.TTL and the like are properties, not the constants ruff takes them for)
+
 from __future__ import annotations
 
 from datetime import timedelta
