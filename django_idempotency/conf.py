@@ -229,6 +229,12 @@ class Settings:
         return int(_setting("IDEMPOTENCY_OUTBOX_REDRIVE_LIMIT", 8))
 
     @property
+    def PROBE_TOKEN(self) -> str | None:
+        # None: the probe's run view refuses every request (its report: staff only).
+        value = _setting("IDEMPOTENCY_PROBE_TOKEN", None)
+        return str(value) if value else None
+
+    @property
     def CONSUMER_TTL(self) -> timedelta:
         value: timedelta = _setting("IDEMPOTENCY_CONSUMER_TTL", timedelta(days=7))
         return value
@@ -336,6 +342,7 @@ KINDS: dict[str, Kind] = {
     "OUTBOX_NOTIFY": BOOLEAN,
     "OUTBOX_REDRIVE_AFTER": OPTIONAL_DURATION,
     "OUTBOX_REDRIVE_LIMIT": INTEGER,
+    "PROBE_TOKEN": OPTIONAL_TEXT,
     "CONSUMER_TTL": DURATION,
     "CONSUMER_WAIT": DURATION,
 }

@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 from django.db import models
+from django.utils import timezone
 from django.utils.translation import gettext_lazy as _
 
 
@@ -93,3 +94,20 @@ class OutboxMessage(models.Model):
 
     def __str__(self) -> str:
         return f"{self.get_kind_display()} {self.name} [{self.id}]"
+
+
+class ProbeRow(models.Model):
+    """A write of the deployment probe's (``django_idempotency.probe``): one per execution of
+    a probe key, in the records' transaction; rows older than ``IDEMPOTENCY_MAX_TTL`` go."""
+
+    key = models.CharField(_("key"), max_length=255, db_index=True)
+    server = models.CharField(_("app server"), max_length=255)
+    created_at = models.DateTimeField(_("created at"), default=timezone.now, db_index=True)
+
+    class Meta:
+        db_table = "django_idempotency_probe"
+        verbose_name = _("probe write")
+        verbose_name_plural = _("probe writes")
+
+    def __str__(self) -> str:
+        return f"probe {self.key} on {self.server}"

@@ -177,6 +177,12 @@ PAYMENTS_PROCESSOR_URL = os.environ.get("PAYMENTS_PROCESSOR_URL", "")
 # Shared with the processor: POST /api/webhooks/processor/ checks HMAC-SHA256 signatures with it.
 PAYMENTS_WEBHOOK_SECRET = os.environ.get("PAYMENTS_WEBHOOK_SECRET", "demo-only-webhook-secret")
 
+# The deployment probe's token (/idempotency/probe/); without it the probe cannot run.
+IDEMPOTENCY_PROBE_TOKEN = os.environ.get("IDEMPOTENCY_PROBE_TOKEN") or None
+# Unset, every server keys its locks with the database's shared secret (as it should); the
+# probe's tests set it per server to show the probe failing on two secrets.
+IDEMPOTENCY_SECRET_KEY = os.environ.get("IDEMPOTENCY_SECRET_KEY") or None
+
 CELERY_BROKER_URL = os.environ.get("CELERY_BROKER_URL", "memory://")
 if CELERY_BROKER_URL.startswith("filesystem://"):
     # kombu's broker in a directory, shared by processes on one machine: the demo's fallback

@@ -9,6 +9,8 @@ from django.urls import include, path
 urlpatterns = [
     path("admin/", admin.site.urls),
     path("api/", include("testproject.payments.urls")),
+    # The deployment probe (manage.py idempotency_probe): its run needs the probe token.
+    path("idempotency/probe/", include("django_idempotency.probe.urls")),
 ]
 if find_spec("ninja"):  # an optional extra, like DRF's
     from testproject.ninja_api import api

@@ -65,6 +65,7 @@ urlpatterns = [
     path("drf/dispatch-decorated/", views.DispatchDecoratedView.as_view()),
     path("cbv/dispatch-decorated/", views.DispatchDecoratedPlainView.as_view()),
     path("plain/json-only/", views.plain_json_only),
+    path("idempotency/probe/", include("django_idempotency.probe.urls")),
 ]
 if find_spec("ninja"):  # an optional extra
     from tests.support.ninja_views import api

@@ -1,0 +1,217 @@
+"""What one app server sees of its deployment, each fact marked against the contract."""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Literal
+
+from django.core import checks
+from django.db import DatabaseError, connections, transaction
+from django.db.backends.base.base import BaseDatabaseWrapper
+from django.utils import timezone
+
+from django_idempotency.conf import conf
+from django_idempotency.engine.hashing import current_secret, keyed_digest
+from django_idempotency.models import OutboxMessage
+from django_idempotency.partitions import catalog
+from django_idempotency.partitions.tables import RECORDS
+
+Verdict = Literal["pass", "fail", "warn", "info"]
+
+SERVER = f"{socket.gethostname()}:{os.getpid()}"
+# The claim refuses anything else (contract section 4: REPEATABLE READ would let two servers
+# both miss a committed claim).
+ISOLATION = "read committed"
+# An app clock this far from the database's: records expire by the database's clock, but
+# webhook signatures, logs and the probe's own reading of them use the app's.
+MAX_SKEW = timedelta(seconds=1)
+# Partitions must hold at least the next day, or writes fail (503) when the day turns.
+MIN_AHEAD = timedelta(days=1)
+
+
+@dataclass(frozen=True)
+class Fact:
+    name: str
+    verdict: Verdict
+    value: str
+    detail: str = ""
+
+
+def server_facts(using: str) -> list[Fact]:
+    """This server's facts about the records' database ``using``."""
+    connection = connections[using]
+    facts = [Fact("server", "info", SERVER), _secret(using)]
+    try:
+        facts += [_isolation(connection), _clock(connection)]
+        if connection.vendor == "postgresql":
+            facts += [_pooler(connection), _partitions(connection)]
+        facts.append(_outbox(using))
+    except DatabaseError as exc:
+        facts.append(Fact("database", "fail", "unreachable", str(exc).strip()))
+    return facts + _checks(using)
+
+
+def secret_fingerprint(using: str) -> str:
+    """A digest that is equal on two servers iff they key their locks with one secret."""
+    return keyed_digest(current_secret(using), "probe", "secret").hex()[:16]
+
+
+def _secret(using: str) -> Fact:
+    return Fact(
+        "lock secret",
+        "info",
+        secret_fingerprint(using),
+        "set by IDEMPOTENCY_SECRET_KEY" if conf.SECRET_KEY else "the database's shared secret",
+    )
+
+
+def _isolation(connection: BaseDatabaseWrapper) -> Fact:
+    if connection.vendor != "postgresql":
+        return Fact("isolation", "info", connection.vendor, "one writer at a time")
+    with transaction.atomic(using=connection.alias), connection.cursor() as cursor:
+        cursor.execute("SELECT current_setting('transaction_isolation')")
+        (level,) = cursor.fetchone()
+    if level == ISOLATION:
+        return Fact("isolation", "pass", level)
+    return Fact(
+        "isolation",
+        "fail",
+        level,
+        "the claim refuses it (500 misconfigured): set the database's, the role's or "
+        "OPTIONS' isolation level to READ COMMITTED",
+    )
+
+
+def _clock(connection: BaseDatabaseWrapper) -> Fact:
+    before = time.time()
+    with connection.cursor() as cursor:
+        cursor.execute(
+            "SELECT CAST(strftime('%s', 'now') AS REAL)"
+            if connection.vendor == "sqlite"
+            else "SELECT extract(epoch FROM clock_timestamp())"
+        )
+        (database,) = cursor.fetchone()
+    after = time.time()
+    skew = float(database) - (before + after) / 2
+    value = f"{skew * 1000:+.0f} ms"
+    if connection.vendor == "sqlite" or abs(skew) <= MAX_SKEW.total_seconds():
+        return Fact("clock skew against the database", "pass", value)
+    return Fact(
+        "clock skew against the database",
+        "fail",
+        value,
+        f"more than {MAX_SKEW.total_seconds():g} s: synchronise the app server's clock (NTP)",
+    )
+
+
+def _pooler(connection: BaseDatabaseWrapper) -> Fact:
+    """Whether consecutive transactions of one session run on different server connections.
+
+    Two sessions each hold a transaction, the other one ends last, then the first begins
+    again: a transaction pooler (PgBouncer hands out the server connection freed last) gives
+    it the other's server connection; a session pooler or a direct connection never does.
+    """
+    if connection.in_atomic_block:  # ATOMIC_REQUESTS on the report, or a test's transaction
+        return Fact("pooler", "info", "not measured", "inside a transaction")
+    other = connection.copy()
+    try:
+        first = _begin(connection)
+        _begin(other)
+        _end(connection)
+        _end(other)
+        again = _begin(connection)
+        _end(connection)
+    finally:
+        other.close()
+    configured = str(connection.settings_dict.get("PORT") or "5432")
+    cursors_off = connection.settings_dict.get("DISABLE_SERVER_SIDE_CURSORS", False)
+    if again[0] != first[0]:
+        mode = "transaction pooling (a session's transactions ran on two server connections)"
+        if not cursors_off:
+            return Fact(
+                "pooler",
+                "fail",
+                mode,
+                f"set DISABLE_SERVER_SIDE_CURSORS = True for database {connection.alias!r}: "
+                "a cursor would outlive its transaction's server connection",
+            )
+        return Fact("pooler", "pass", mode, "server-side cursors off")
+    port = first[1]
+    if port is not None and str(port) != configured:
+        return Fact("pooler", "pass", f"a proxy (port {configured} to {port})", "one session")
+    return Fact("pooler", "pass", "none seen", "one server connection per session")
+
+
+def _begin(connection: BaseDatabaseWrapper) -> tuple[int, int | None]:
+    # Statements of their own, not Django's atomic(): the other session is no alias.
+    with connection.cursor() as cursor:
+        cursor.execute("BEGIN")
+        cursor.execute("SELECT pg_backend_pid(), inet_server_port()")
+        pid, port = cursor.fetchone()
+    return pid, port
+
+
+def _end(connection: BaseDatabaseWrapper) -> None:
+    with connection.cursor() as cursor:
+        cursor.execute("COMMIT")
+
+
+def _partitions(connection: BaseDatabaseWrapper) -> Fact:
+    now = catalog.database_now(connection)
+    found = catalog.list_partitions(connection, RECORDS)
+    if not any(p.live for p in found):
+        return Fact("partitions ahead", "info", "not partitioned", "a plain table")
+    ahead = catalog.covered_until(found, now) - now
+    value = f"{ahead.total_seconds() / 86400:.1f} days"
+    if ahead >= MIN_AHEAD:
+        return Fact("partitions ahead", "pass", value)
+    return Fact(
+        "partitions ahead",
+        "fail",
+        value,
+        "writes fail (503) when the day turns: schedule partition maintenance "
+        "(manage.py idempotency_partitions)",
+    )
+
+
+def _outbox(using: str) -> Fact:
+    oldest = (
+        OutboxMessage.objects.using(using)
+        .filter(published_at__isnull=True)
+        .order_by("created_at")
+        .values_list("created_at", flat=True)
+        .first()
+    )
+    if oldest is None:
+        return Fact("outbox backlog", "pass", "empty")
+    age = timezone.now() - oldest
+    value = f"oldest unpublished message {age.total_seconds():.0f} s old"
+    if age <= conf.OUTBOX_MAX_AGE:
+        return Fact("outbox backlog", "pass", value)
+    return Fact(
+        "outbox backlog",
+        "fail",
+        value,
+        "older than IDEMPOTENCY_OUTBOX_MAX_AGE: is a relay running (manage.py idempotency_relay)?",
+    )
+
+
+def _checks(using: str) -> list[Fact]:
+    found = checks.run_checks(include_deployment_checks=True, databases=[using])
+    ours = [m for m in found if (m.id or "").startswith("django_idempotency.")]
+    if not ours:
+        return [Fact("system checks", "pass", "none raised")]
+    return [
+        Fact(
+            f"system check {m.id}",
+            "fail" if m.level >= checks.ERROR else "warn",
+            m.msg,
+            m.hint or "",
+        )
+        for m in ours
+        if m.level >= checks.WARNING
+    ] or [Fact("system checks", "pass", "none raised")]

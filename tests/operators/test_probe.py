@@ -1,0 +1,160 @@
+"""The deployment probe's views in process: who may use them, what a run writes, what the
+report says of the test database. Over real app servers: tests/scenarios/test_probe.py."""
+
+from __future__ import annotations
+
+import uuid
+from datetime import timedelta
+from typing import Any
+
+import pytest
+from django.test import Client, override_settings
+from django.utils import timezone
+
+from django_idempotency.models import ProbeRow
+from django_idempotency.probe.facts import secret_fingerprint, server_facts
+
+RUN, REPORT = "/idempotency/probe/run/", "/idempotency/probe/report/"
+TOKEN = "probe-token-for-tests"
+BEARER = {"Authorization": f"Bearer {TOKEN}"}
+
+pytestmark = [pytest.mark.django_db, pytest.mark.usefixtures("probe_token")]
+
+
+@pytest.fixture
+def probe_token(settings: Any) -> None:
+    settings.IDEMPOTENCY_PROBE_TOKEN = TOKEN
+
+
+def run(client: Client, key: str, **headers: str) -> Any:
+    return client.post(
+        RUN,
+        {},
+        content_type="application/json",
+        headers={**BEARER, "Idempotency-Key": key, **headers},
+    )
+
+
+def facts(using: str = "default") -> dict[str, Any]:
+    return {fact.name: fact for fact in server_facts(using)}
+
+
+@pytest.mark.parametrize(
+    "headers",
+    [{}, {"Authorization": "Bearer wrong"}, {"Authorization": f"Token {TOKEN}"}],
+    ids=["none", "wrong token", "other scheme"],
+)
+def test_without_the_token_neither_view_answers(client: Client, headers: dict[str, str]) -> None:
+    assert client.get(REPORT, headers=headers).status_code == 403
+    response = client.post(
+        RUN, {}, content_type="application/json", headers={**headers, "Idempotency-Key": "k"}
+    )
+    assert response.status_code == 403
+    assert not ProbeRow.objects.exists()
+
+
+def test_without_a_token_setting_nothing_runs_and_the_403_says_how(
+    client: Client, settings: Any
+) -> None:
+    settings.IDEMPOTENCY_PROBE_TOKEN = None
+
+    response = client.post(
+        RUN, {}, content_type="application/json", headers={"Authorization": "Bearer "}
+    )
+
+    assert response.status_code == 403
+    assert "Set IDEMPOTENCY_PROBE_TOKEN" in response.json()["detail"]
+
+
+def test_a_staff_user_reads_the_report_but_cannot_run(client: Client, admin_user: Any) -> None:
+    client.force_login(admin_user)
+
+    assert client.get(REPORT).status_code == 200
+    assert client.post(RUN, {}, headers={"Idempotency-Key": "k"}).status_code == 403
+
+
+def test_a_run_writes_one_row_and_its_retry_is_replayed(client: Client) -> None:
+    key = f"probe-{uuid.uuid4()}"
+
+    first, retry = run(client, key), run(client, key)
+
+    assert first.status_code == retry.status_code == 201
+    assert retry.headers["Idempotent-Replayed"] == "true"
+    assert retry.content == first.content
+    assert ProbeRow.objects.filter(key=key).count() == 1
+    assert client.get(REPORT, {"key": key}, headers=BEARER).json()["executions"] == 1
+
+
+def test_a_run_needs_a_key(client: Client) -> None:
+    response = client.post(RUN, {}, content_type="application/json", headers=BEARER)
+
+    assert response.status_code == 400
+    assert not ProbeRow.objects.exists()
+
+
+def test_old_probe_rows_go_on_the_next_run(client: Client, settings: Any) -> None:
+    settings.IDEMPOTENCY_MAX_TTL = timedelta(hours=1)
+    old = ProbeRow.objects.create(key="old", server="s")
+    ProbeRow.objects.filter(pk=old.pk).update(created_at=timezone.now() - timedelta(hours=2))
+    recent = ProbeRow.objects.create(key="recent", server="s")
+
+    run(client, f"probe-{uuid.uuid4()}")
+
+    assert not ProbeRow.objects.filter(pk=old.pk).exists()
+    assert ProbeRow.objects.filter(pk=recent.pk).exists()
+
+
+@pytest.mark.django_db(transaction=True)
+def test_the_report_passes_on_the_test_database(client: Client) -> None:
+    body = client.get(REPORT, headers=BEARER).json()
+
+    verdicts = {fact["name"]: fact["verdict"] for fact in body["facts"]}
+    assert verdicts["isolation"] == "pass"
+    assert verdicts["clock skew against the database"] == "pass"
+    assert verdicts["partitions ahead"] == "pass"
+    assert verdicts["pooler"] == "pass"
+    assert verdicts["outbox backlog"] == "pass"
+    assert "fail" not in verdicts.values(), body
+    assert {fact["value"] for fact in body["facts"] if fact["name"] == "lock secret"} == {
+        secret_fingerprint("default")
+    }
+
+
+def test_the_lock_secrets_fingerprint_follows_the_secret() -> None:
+    shared = secret_fingerprint("default")
+    with override_settings(IDEMPOTENCY_SECRET_KEY="one"):
+        one = secret_fingerprint("default")
+    with override_settings(IDEMPOTENCY_SECRET_KEY="two"):
+        two = secret_fingerprint("default")
+
+    assert len({shared, one, two}) == 3
+    assert "one" not in one and len(one) == 16
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_session_at_repeatable_read_fails_the_isolation_fact(settings: Any) -> None:
+    from django.db import connection
+
+    with connection.cursor() as cursor:
+        cursor.execute("SET SESSION CHARACTERISTICS AS TRANSACTION ISOLATION LEVEL REPEATABLE READ")
+    try:
+        fact = facts()["isolation"]
+    finally:
+        connection.close()
+
+    assert (fact.verdict, fact.value) == ("fail", "repeatable read")
+    assert "READ COMMITTED" in fact.detail
+
+
+def test_an_outbox_message_older_than_its_max_age_fails_the_backlog_fact(settings: Any) -> None:
+    from django_idempotency.models import OutboxMessage
+
+    settings.IDEMPOTENCY_OUTBOX_MAX_AGE = timedelta(minutes=5)
+    OutboxMessage.objects.create(
+        id=uuid.uuid4(), created_at=timezone.now() - timedelta(minutes=6), kind=0, name="t"
+    )
+
+    fact = facts()["outbox backlog"]
+
+    assert fact.verdict == "fail"
+    assert "idempotency_relay" in fact.detail
