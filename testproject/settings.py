@@ -165,7 +165,7 @@ REST_FRAMEWORK = {
     "DEFAULT_PARSER_CLASSES": ["rest_framework.parsers.JSONParser"],
 }
 if SPECTACULAR:
-    REST_FRAMEWORK["DEFAULT_SCHEMA_CLASS"] = "drf_spectacular.openapi.AutoSchema"
+    REST_FRAMEWORK["DEFAULT_SCHEMA_CLASS"] = "testproject.payments.schema.PaymentsSchema"
 
 # The payments app's fault switches (fail, fail_once, crash_once, delay_ms in a charge
 # body). Off unless asked for: the demo and the test settings turn them on.

@@ -6,6 +6,9 @@ from django.conf import settings
 from django.contrib import admin
 from django.urls import include, path
 
+# The API answers JSON even for a URL it has no route for (/api/charges/-1/).
+handler404 = "testproject.payments.views.not_found"
+
 urlpatterns = [
     path("admin/", admin.site.urls),
     path("api/", include("testproject.payments.urls")),

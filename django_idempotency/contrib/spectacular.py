@@ -12,6 +12,7 @@ from typing import Any
 
 from drf_spectacular.extensions import OpenApiViewExtension
 from drf_spectacular.openapi import AutoSchema
+from drf_spectacular.types import OpenApiTypes
 from drf_spectacular.utils import OpenApiExample, OpenApiParameter, OpenApiResponse
 from rest_framework import serializers
 from rest_framework.views import APIView
@@ -22,7 +23,7 @@ from django_idempotency.engine.errors import (
     InProgress,
     StoreUnavailable,
 )
-from django_idempotency.engine.identity import MAX_KEY_LENGTH, PARTS
+from django_idempotency.engine.identity import KEY_PATTERN, MAX_KEY_LENGTH, PARTS
 from django_idempotency.engine.options import Policy
 from django_idempotency.engine.unit import REPLAYED_HEADER, RETRY_AFTER_SECONDS
 from django_idempotency.problems import PROBLEM_CONTENT_TYPE, possible_errors
@@ -60,6 +61,14 @@ class IdempotencyStripeErrorSerializer(serializers.Serializer[Any]):
 
 # Answered with Retry-After.
 RETRIED_ERRORS = (InProgress, StoreUnavailable)
+BODY_METHODS = frozenset({"POST", "PUT", "PATCH"})
+# A DRF view answers its serializer's errors with 400 too, in its own JSON.
+VIEW_VALIDATION_ERRORS = OpenApiResponse(
+    OpenApiTypes.OBJECT,
+    description="The view's own validation errors (its serializer's), in the view's format.",
+)
+# Not a key: a copy-pasted example must be refused (400 invalid-key), never replayed.
+KEY_EXAMPLE = "<a new UUID for each operation>"
 
 
 def error_responses(errors: list[type[IdempotencyError]]) -> dict[tuple[int, str], OpenApiResponse]:
@@ -160,17 +169,18 @@ class IdempotencySchemaMixin:
     def _key_parameter(self, options: Policy) -> Any:
         return OpenApiParameter(
             options.header,  # a webhook receiver's key_header, else IDEMPOTENCY_HEADER
-            type={"type": "string", "minLength": 1, "maxLength": MAX_KEY_LENGTH + 2},
+            type={"type": "string", "pattern": KEY_PATTERN},
             location=OpenApiParameter.HEADER,
             required=options.required,
             description=(
                 "Makes this request safe to retry: the first request with a key runs, "
                 "a retry with the same key and the same request gets the first response "
-                f"back. 1 to {MAX_KEY_LENGTH} printable ASCII characters other than "
-                '`"`, `,`, `;` and `\\`, bare or as a structured-field string; a new '
-                "UUID per operation is a good key."
+                f"back. 1 to {MAX_KEY_LENGTH} printable ASCII characters other than space, "
+                '`"`, `,`, `;` and `\\`, bare or as a structured-field string (with '
+                "parameters). Make a new one, such as a UUID, for each operation, and send "
+                "it again only on that operation's retries."
             ),
-            examples=[OpenApiExample("uuid", value="8e03978e-40d5-43e8-bc93-6894a57f9324")],
+            examples=[OpenApiExample("a new key for each operation", value=KEY_EXAMPLE)],
         )
 
     def get_response_serializers(self) -> Any:
@@ -185,6 +195,8 @@ class IdempotencySchemaMixin:
             # Stripe error body shares its media type, so the view's own one wins.
             if not (stripe and _code(key) in documented):
                 responses[key] = response
+        if not stripe and self.method.upper() in BODY_METHODS and "400" not in documented:
+            responses[400, "application/json"] = VIEW_VALIDATION_ERRORS
         return responses
 
 

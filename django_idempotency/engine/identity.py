@@ -41,6 +41,13 @@ _BARE_ITEM = (
     r"|\?[01]"  # boolean
 )
 _PARAMETERS = re.compile(rf"(?:[ \t]*;[ ]*[a-z*][a-z0-9_.*-]*(?:=(?:{_BARE_ITEM}))?)*")
+# The header's value, as OpenAPI's pattern documents it: a bare key, or a quoted one with
+# parameters. tests/http/test_key_pattern.py holds it to parse_key().
+_KEY_CLASS = r"[!#-+\--:<-\[\]-~]"  # _KEY_CHARS
+KEY_PATTERN = (
+    rf"^(?:{_KEY_CLASS}{{1,{MAX_KEY_LENGTH}}}"
+    rf'|"{_KEY_CLASS}{{1,{MAX_KEY_LENGTH}}}"{_PARAMETERS.pattern})$'
+)
 
 ANONYMOUS = "anonymous"
 # What a principal's name says before its first ":". A string that could be read as one of

@@ -69,6 +69,14 @@ class ReceiptSerializer(PaymentSerializer):
         return super().create(validated_data)
 
 
+class ReceiptAnswerSerializer(serializers.Serializer[dict[str, Any]]):
+    """What ``ReceiptCreateView`` answers (receipts.receipt()); declared for the schema."""
+
+    charge = ReceiptSerializer()
+    lines = serializers.ListField(child=serializers.CharField())
+    padding = serializers.CharField(help_text="Spaces: the receipt's size, exactly.")
+
+
 class PaymentCountSerializer(serializers.Serializer[dict[str, Any]]):
     """What ``PaymentCountView`` answers; declared so the OpenAPI schema describes it."""
 

@@ -13,6 +13,7 @@ from django.db import router
 from django.http import HttpRequest, HttpResponse, JsonResponse
 from django.views.decorators.csrf import csrf_exempt
 from django.views.decorators.http import require_POST
+from django.views.defaults import page_not_found
 from rest_framework.authentication import TokenAuthentication
 from rest_framework.exceptions import AuthenticationFailed, ValidationError
 from rest_framework.generics import GenericAPIView, RetrieveUpdateAPIView
@@ -32,6 +33,7 @@ from testproject.payments.serializers import (
     ChargeSerializer,
     PaymentCountSerializer,
     PaymentSerializer,
+    ReceiptAnswerSerializer,
     ReceiptSerializer,
     RefundSerializer,
 )
@@ -111,6 +113,8 @@ class ReceiptPlainView(GenericAPIView[Charge]):
     permission_classes = [IsAuthenticated]
     parser_classes = [JSONParser]
     serializer_class = ReceiptSerializer
+    # Read by the schema (payments/schema.py): the answer is the receipt, not the charge.
+    answer_serializer_class = ReceiptAnswerSerializer
 
     def post(self, request: Request) -> Response:
         serializer = self.get_serializer(data=request.data)
@@ -278,3 +282,10 @@ async def charge_async(request: HttpRequest) -> HttpResponse:
     except ValidationError as exc:
         return JsonResponse(exc.detail, status=400, safe=False)
     return JsonResponse(body, status=status)
+
+
+def not_found(request: HttpRequest, exception: Exception) -> HttpResponse:
+    """404 for a URL without a route: JSON under /api/, Django's page elsewhere."""
+    if request.path.startswith("/api/"):
+        return JsonResponse({"detail": "Not found."}, status=404)
+    return page_not_found(request, exception)
