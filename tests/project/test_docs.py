@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import json
 import os
 import re
 import subprocess
@@ -255,3 +256,14 @@ def test_every_test_named_in_the_guards_table_exists(reference):
     for name in names:
         found = getattr(found, name, None)
     assert callable(found), f"{reference} is named in docs/guards.md but does not exist"
+
+
+def test_the_quickstarts_sample_charges_have_the_fields_the_demo_answers() -> None:
+    from testproject.payments.serializers import ChargeSerializer
+
+    answered = {*ChargeSerializer.Meta.fields, "capture"}  # capture: the demo's processor runs
+    samples = [
+        json.loads(line) for line in page("quickstart.md").splitlines() if line.startswith('{"id"')
+    ]
+    assert len(samples) >= 3
+    assert [set(sample) for sample in samples] == [answered] * len(samples)

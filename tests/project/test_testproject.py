@@ -278,9 +278,18 @@ def test_demo_smoke_runs_the_readme_requests_against_gunicorn(
     assert f"Admin: http://127.0.0.1:{port}/admin/ (user admin, password demo-admin" in demo.stdout
     assert "HTTP 201, Idempotent-Replayed: true" in demo.stdout
     assert "HTTP 422" in demo.stdout
-    assert "Smoke test passed" in demo.stdout
+    assert "Smoke test passed: one new charge, executed once, replayed on retry." in demo.stdout
     assert f"curl -i -X POST http://127.0.0.1:{port}/api/charges/" in demo.stdout
     assert Charge.objects.filter(user__username="alice").count() == 1
+
+
+def test_a_second_smoke_run_says_its_own_charge_apart_from_earlier_ones() -> None:
+    from testproject.payments.management.commands.demo import smoke_passed
+
+    assert smoke_passed(1).strip() == (
+        "Smoke test passed: one new charge, executed once, replayed on retry."
+    )
+    assert "one new charge (1 from earlier runs, 2 in all)" in smoke_passed(2)
 
 
 @pytest.mark.django_db(transaction=True)
