@@ -14,11 +14,12 @@ from django.http import Http404, HttpRequest, HttpResponse, JsonResponse
 from django.http.request import RawPostDataException
 from django.http.response import HttpResponseBase
 
-from django_idempotency import problems
 from django_idempotency.engine.errors import IdempotencyError
-from django_idempotency.engine.identity import unparseable_multipart
-from django_idempotency.engine.options import ViewOptions, policy_for
-from django_idempotency.engine.unit import Refuse, RequestUnit, Run
+from django_idempotency.engine.work import Refuse, Run
+from django_idempotency.http import problems
+from django_idempotency.http.identity import unparseable_multipart
+from django_idempotency.http.options import ViewOptions, policy_for
+from django_idempotency.http.request import RequestUnit
 
 # Exceptions that Django turns into a 4xx response rather than a 500.
 CLIENT_ERRORS = (Http404, PermissionDenied, BadRequest, SuspiciousOperation)
@@ -57,7 +58,7 @@ def idempotent(view: Any = None, **options: Unpack[ViewOptions]) -> Any:
             async def async_wrapper(request: Any, *args: Any, **kwargs: Any) -> Any:
                 unit = policy(request)
                 if isinstance(unit, Refuse):
-                    return unit.response()
+                    return problems.problem_response(unit.error)
                 if not unit.covered:
                     return await func(request, *args, **kwargs)
                 refused = _unsupported(request)
@@ -71,7 +72,7 @@ def idempotent(view: Any = None, **options: Unpack[ViewOptions]) -> Any:
                     principal_request=request, media_type=_media_type(request)
                 )
                 if not isinstance(decision, Run):
-                    return decision.response()
+                    return unit.respond(decision)
                 try:
                     response = _answer(request, await func(request, *args, **kwargs))
                 except BaseException as exc:
@@ -91,7 +92,7 @@ def idempotent(view: Any = None, **options: Unpack[ViewOptions]) -> Any:
             def sync_wrapper(request: Any, *args: Any, **kwargs: Any) -> Any:
                 unit = policy(request)
                 if isinstance(unit, Refuse):
-                    return unit.response()
+                    return problems.problem_response(unit.error)
                 if not unit.covered:
                     return func(request, *args, **kwargs)
                 refused = _unsupported(request)
@@ -99,7 +100,7 @@ def idempotent(view: Any = None, **options: Unpack[ViewOptions]) -> Any:
                     return refused
                 decision = unit.open(principal_request=request, media_type=_media_type(request))
                 if not isinstance(decision, Run):
-                    return decision.response()
+                    return unit.respond(decision)
                 try:
                     response = _answer(request, func(request, *args, **kwargs))
                 except BaseException as exc:

@@ -17,15 +17,17 @@ from django_idempotency.conf import conf
 from django_idempotency.engine.errors import (
     IdempotencyError,
 )
-from django_idempotency.engine.identity import MAX_KEY_LENGTH, has_body, unparseable_multipart
-from django_idempotency.engine.options import Policy, ViewOptions, policy_for
-from django_idempotency.engine.unit import RequestUnit, Run, failing_closed
-from django_idempotency.problems import (
+from django_idempotency.engine.unit import failing_closed
+from django_idempotency.engine.work import Run
+from django_idempotency.http.identity import MAX_KEY_LENGTH, has_body, unparseable_multipart
+from django_idempotency.http.options import Policy, ViewOptions, policy_for
+from django_idempotency.http.problems import (
     PROBLEM_CONTENT_TYPE,
     possible_errors,
     problem_response,
     unsupported_media_type,
 )
+from django_idempotency.http.request import RequestUnit
 
 Func = TypeVar("Func", bound=Callable[..., Any])
 
@@ -222,7 +224,7 @@ def _open(claim: _Claim, request: HttpRequest) -> HttpResponse | None:
     if isinstance(decision, Run):
         claim.claimed = True
         return None
-    return decision.response()
+    return claim.unit.respond(decision)
 
 
 async def _aopen(claim: _Claim, request: HttpRequest) -> HttpResponse | None:
@@ -232,7 +234,7 @@ async def _aopen(claim: _Claim, request: HttpRequest) -> HttpResponse | None:
     if isinstance(decision, Run):
         claim.claimed = True
         return None
-    return decision.response()
+    return claim.unit.respond(decision)
 
 
 def _failed(claim: _Claim, exc: BaseException) -> HttpResponseBase:

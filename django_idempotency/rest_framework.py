@@ -18,10 +18,13 @@ from rest_framework.request import Request
 from rest_framework.views import APIView
 
 from django_idempotency.engine.errors import IdempotencyError
-from django_idempotency.engine.identity import has_body, unparseable_multipart
-from django_idempotency.engine.options import OPTION_NAMES, Policy, ViewOptions, policy_for
-from django_idempotency.engine.unit import Replay, RequestUnit, Run, failing_closed
-from django_idempotency.problems import PROBLEM_CONTENT_TYPE, problem_response
+from django_idempotency.engine.unit import failing_closed
+from django_idempotency.engine.work import Replay, Run
+from django_idempotency.http.endpoints import written_model
+from django_idempotency.http.identity import has_body, unparseable_multipart
+from django_idempotency.http.options import OPTION_NAMES, Policy, ViewOptions, policy_for
+from django_idempotency.http.problems import PROBLEM_CONTENT_TYPE, problem_response
+from django_idempotency.http.request import RequestUnit
 
 
 class Answered(Exception):
@@ -108,7 +111,7 @@ class IdempotencyMixin:
             return
         if isinstance(decision, Replay):
             self._check_object_permissions()
-        raise Answered(decision.response())
+        raise Answered(unit.respond(decision))
 
     def _claiming(
         self, handler: Callable[..., Any], unit: RequestUnit, media_type: str | None
@@ -124,7 +127,7 @@ class IdempotencyMixin:
                 return await sync_to_async(handler)(request, *args, **kwargs)
             if isinstance(decision, Replay):
                 await sync_to_async(self._check_object_permissions)()
-            raise Answered(decision.response())
+            raise Answered(unit.respond(decision))
 
         return claimed
 
@@ -199,15 +202,6 @@ class IdempotencyMixin:
 # the settings".
 for _name in OPTION_NAMES:
     setattr(IdempotencyMixin, f"idempotency_{_name}", None)
-
-
-def written_model(view: Any) -> Any:
-    """The model a generic view writes (its queryset's), or None."""
-    queryset = getattr(view, "queryset", None)
-    if queryset is not None:
-        return queryset.model
-    serializer_class = getattr(view, "serializer_class", None)
-    return getattr(getattr(serializer_class, "Meta", None), "model", None)
 
 
 def _object_exists(view: Any, value: Any) -> bool:

@@ -18,7 +18,7 @@ from django.dispatch import Signal
 from django_idempotency import signals
 from django_idempotency.conf import Settings
 from django_idempotency.engine import errors as exceptions
-from django_idempotency.engine.options import ViewOptions
+from django_idempotency.http.options import ViewOptions
 from django_idempotency.partitions.apply import create_partition_statements
 from django_idempotency.partitions.tables import RECORDS
 from django_idempotency.rest_framework import IdempotencyMixin

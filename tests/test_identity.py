@@ -24,10 +24,10 @@ from hypothesis import strategies as st
 from rest_framework.parsers import JSONParser
 
 from django_idempotency.engine.errors import InvalidKey, PrincipalMissing
-from django_idempotency.engine.identity import (
+from django_idempotency.engine.work import differing
+from django_idempotency.http.identity import (
     ANONYMOUS,
     canonical_body,
-    differing,
     fingerprint,
     parse_key,
     principal_for,

@@ -17,7 +17,7 @@ from django.utils.module_loading import import_string
 from django_idempotency import beat
 from django_idempotency.checks.base import as_written, ours
 from django_idempotency.conf import KINDS, conf, wrong_type
-from django_idempotency.problems import ERROR_FORMATS
+from django_idempotency.http.problems import ERROR_FORMATS
 
 # RFC 9110 token characters, less "_": WSGI servers drop header names with underscores.
 HEADER_NAME = re.compile(r"[!#$%&'*+\-.^`|~0-9A-Za-z]+")

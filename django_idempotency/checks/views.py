@@ -16,6 +16,7 @@ from django.db import router
 
 from django_idempotency.checks.base import ours
 from django_idempotency.engine.errors import Misconfigured
+from django_idempotency.http.endpoints import idempotent_endpoints, written_model
 from django_idempotency.models import IdempotencyRecord
 
 
@@ -74,8 +75,6 @@ def check_views(app_configs: Sequence[AppConfig] | None, **kwargs: Any) -> list[
 
 
 def _endpoints() -> list[Any]:
-    from django_idempotency.endpoints import idempotent_endpoints
-
     try:
         return idempotent_endpoints()
     except Misconfigured:  # a setting of the wrong type: E013 says which
@@ -133,10 +132,6 @@ def check_records_follow_writes(
     """A generic view's records go to the database of its model's writes: the records'
     table must be migrated there, or every request of that view fails."""
     if not ours(app_configs) or not databases or not getattr(settings, "ROOT_URLCONF", None):
-        return []
-    try:
-        from django_idempotency.rest_framework import written_model
-    except ImportError:  # without DRF, no view has a model to follow
         return []
     messages: list[CheckMessage] = []
     for endpoint in _endpoints():

@@ -18,14 +18,16 @@ from rest_framework.views import APIView
 
 from django_idempotency.conf import conf
 from django_idempotency.engine.errors import (
+    RETRY_AFTER_SECONDS,
     IdempotencyError,
     InProgress,
     StoreUnavailable,
 )
-from django_idempotency.engine.identity import MAX_KEY_LENGTH, PARTS
-from django_idempotency.engine.options import Policy
-from django_idempotency.engine.unit import REPLAYED_HEADER, RETRY_AFTER_SECONDS
-from django_idempotency.problems import PROBLEM_CONTENT_TYPE, possible_errors
+from django_idempotency.engine.work import PARTS
+from django_idempotency.http.identity import MAX_KEY_LENGTH
+from django_idempotency.http.options import Policy
+from django_idempotency.http.problems import PROBLEM_CONTENT_TYPE, possible_errors
+from django_idempotency.http.request import REPLAYED_HEADER
 
 
 class IdempotencyProblemSerializer(serializers.Serializer[Any]):

@@ -30,7 +30,8 @@ from django_idempotency.engine.errors import (
     Misconfigured,
     StoreUnavailable,
 )
-from django_idempotency.engine.unit import Outcome, Refuse, Replay, UnitOfWork, Work
+from django_idempotency.engine.unit import UnitOfWork
+from django_idempotency.engine.work import Refuse, Replay, Result, Work
 
 logger = logging.getLogger("django_idempotency.consumers")
 
@@ -119,7 +120,7 @@ def consume(
         _give_back(task, message_id, exc, "cannot run at this database's isolation level")
     if isinstance(decision, Replay):
         logger.info("Task %s[%s] already ran; acknowledged with its result.", task.name, message_id)
-        return json.loads(decision.record.body() or b"null")
+        return json.loads(decision.sent_body() or b"null")
     if isinstance(decision, Refuse):
         return _refused(task, message_id, decision)
     try:
@@ -138,7 +139,7 @@ def consume(
             _give_back(task, message_id, exc)
         raise
     try:
-        unit.close(Outcome(200, JSON_HEADERS, body))
+        unit.close(Result(200, JSON_HEADERS, body))
     except StoreUnavailable as exc:
         # Nothing was committed; the broker redelivers.
         raise Reject(exc, requeue=True) from exc

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from django.http import HttpResponse
 
@@ -17,9 +17,7 @@ from django_idempotency.engine.errors import (
     MissingKey,
     StoreUnavailable,
 )
-
-if TYPE_CHECKING:
-    from django_idempotency.engine.options import Policy
+from django_idempotency.http.options import Policy
 
 PROBLEM_CONTENT_TYPE = "application/problem+json"
 # IDEMPOTENCY_ERROR_FORMAT: RFC 9457 problems, or Stripe's error object.
