@@ -104,7 +104,7 @@ def test_docs_name_no_check_id_that_does_not_exist():
 
 
 MIXIN_OPTIONS = sorted(name for name in vars(IdempotencyMixin) if name.startswith("idempotency_"))
-# Both come from one declaration, engine.options.ViewOptions.
+# Both come from one declaration, http.options.ViewOptions.
 DECORATOR_OPTIONS = sorted(ViewOptions.__annotations__)
 
 

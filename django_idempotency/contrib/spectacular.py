@@ -26,7 +26,7 @@ from django_idempotency.engine.errors import (
 from django_idempotency.engine.work import PARTS
 from django_idempotency.http.identity import MAX_KEY_LENGTH
 from django_idempotency.http.options import Policy
-from django_idempotency.http.problems import PROBLEM_CONTENT_TYPE, possible_errors
+from django_idempotency.http.problems import PROBLEM_CONTENT_TYPE, possible_errors, status_for
 from django_idempotency.http.request import REPLAYED_HEADER
 
 
@@ -69,7 +69,7 @@ def error_responses(errors: list[type[IdempotencyError]]) -> dict[tuple[int, str
     stripe = conf.ERROR_FORMAT == "stripe"
     by_status: dict[int, list[type[IdempotencyError]]] = {}
     for error in errors:
-        by_status.setdefault(error.stripe_status if stripe else error.status, []).append(error)
+        by_status.setdefault(status_for(error), []).append(error)
     media_type = "application/json" if stripe else PROBLEM_CONTENT_TYPE
     responses = {}
     for status, group in sorted(by_status.items()):
@@ -134,8 +134,7 @@ class IdempotencySchemaMixin:
         options = self.idempotency_options()
         if options is None:
             return parameters
-        stripe = conf.ERROR_FORMAT == "stripe"
-        retry_codes = sorted({e.stripe_status if stripe else e.status for e in RETRIED_ERRORS})
+        retry_codes = sorted({status_for(error) for error in RETRIED_ERRORS})
         # A key read by key_from is no parameter of the request's.
         header = [] if options.key_from else [self._key_parameter(options)]
         return [

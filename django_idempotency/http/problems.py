@@ -24,16 +24,20 @@ PROBLEM_CONTENT_TYPE = "application/problem+json"
 ERROR_FORMATS = ("problem", "stripe")
 
 
+def status_for(error: IdempotencyError | type[IdempotencyError]) -> int:
+    """The status ``error`` is answered with, in the configured error format."""
+    return error.stripe_status if conf.ERROR_FORMAT == "stripe" else error.status
+
+
 def problem_response(exc: IdempotencyError) -> HttpResponse:
     body: dict[str, Any]
+    status = status_for(exc)
     if conf.ERROR_FORMAT == "stripe":
-        status = exc.stripe_status
         error = {"type": exc.stripe_type, "message": exc.detail, **exc.extra}
         if exc.stripe_code:
             error["code"] = exc.stripe_code
         body, content_type = {"error": error}, "application/json"
     else:
-        status = exc.status
         body = {
             "type": conf.PROBLEM_TYPE_BASE + exc.name,
             "title": exc.title,
