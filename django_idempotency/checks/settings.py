@@ -1,6 +1,5 @@
-"""The IDEMPOTENCY_* settings, judged as written: types (E013), header name (E002), durations
-(E003, E004), error format (E005), methods (E006), integers (E008), dotted paths (E009,
-E011), and the beat schedule (W001, E001)."""
+"""The IDEMPOTENCY_* settings as written: types (E013), header (E002), durations (E003, E004),
+error format (E005), methods (E006), integers (E008), paths (E009, E011), beat (W001, E001)."""
 
 from __future__ import annotations
 

@@ -1,9 +1,5 @@
-"""drf-spectacular: every view using ``IdempotencyMixin`` documents the ``Idempotency-Key``
-header on the methods it covers, and the errors the app may answer there.
-
-Imported by ``AppConfig.ready()`` when ``drf_spectacular`` is installed; importing it
-registers the extension, as drf-spectacular expects of libraries.
-"""
+"""drf-spectacular: views using ``IdempotencyMixin`` document the key header and the errors the
+app may answer; ``AppConfig.ready()`` imports this module, which registers the extension."""
 
 from __future__ import annotations
 

@@ -1,14 +1,5 @@
-"""Exactly-once Celery consumers: a task whose effects commit once per message id.
-
-``@shared_task(base=ExactlyOnceTask, bind=True)``: each delivery claims
-``(consumer, task id)`` on the records table, runs the body, stores its JSON result and
-commits, all in one transaction. A redelivery of a committed message returns the stored
-result without running the body; one that raised, retried or died before the commit left
-nothing, so the redelivery runs it.
-
-Celery glue, like ``django_idempotency.tasks``: only the system check imports it, and only
-when Celery is installed.
-"""
+"""Exactly-once Celery consumers: ``ExactlyOnceTask`` claims ``(consumer, task id)``, runs the
+body and stores its JSON result in one transaction (docs/side-effects.md)."""
 
 from __future__ import annotations
 
