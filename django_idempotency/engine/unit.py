@@ -17,15 +17,11 @@ from asgiref.sync import sync_to_async
 from django.core.exceptions import ImproperlyConfigured
 from django.db import InterfaceError, OperationalError, connections, router, transaction
 
-from django_idempotency import signals
 from django_idempotency.conf import conf
 from django_idempotency.engine import instrumentation
+from django_idempotency.engine.decisions import decide
 from django_idempotency.engine.errors import (
     RETRY_AFTER_SECONDS,
-    IdempotencyError,
-    InProgress,
-    KeyExpired,
-    KeyReused,
     Misconfigured,
     RolledBack,
     StoreUnavailable,
@@ -35,12 +31,9 @@ from django_idempotency.engine.keeping import keeps
 from django_idempotency.engine.waiting import Patience, waiters
 from django_idempotency.engine.work import (
     Decision,
-    Refuse,
-    Replay,
     Result,
     Run,
     Work,
-    differing,
     view_name,
 )
 from django_idempotency.models import IdempotencyRecord
@@ -69,11 +62,6 @@ def failing_closed() -> Iterator[None]:
             "The idempotency store is unavailable, so the request was not processed. "
             "Retry with the same key."
         ) from exc
-
-
-def short(key: str) -> str:
-    # Logs never carry a whole key: keys can be guessable and are bearer-like.
-    return key[:6] + "…" if len(key) > 6 else "…"
 
 
 def _name(sender: Any, kind: str = "view") -> str:
@@ -218,7 +206,8 @@ class UnitOfWork:
                     self.using, principal=work.principal, key=work.key, window=window
                 )
             if found is not None:
-                yield self._found(storage.Claimed(storage.Outcome.FOUND, record=found))
+                stored = storage.Claimed(storage.Outcome.FOUND, record=found)
+                yield decide(stored, work, sender=self.sender, context=self.context)
                 return False
         with failing_closed():
             lock, fallback_locks = self._locks()
@@ -277,7 +266,8 @@ class UnitOfWork:
             self._release()
             yield None
             return False
-        yield self._found(claimed, waited=time.monotonic() - self._patience.started)
+        waited = time.monotonic() - self._patience.started
+        yield decide(claimed, work, sender=self.sender, context=self.context, waited=waited)
         return False
 
     def _locks(self) -> tuple[int, tuple[int, ...]]:
@@ -390,47 +380,3 @@ class UnitOfWork:
             "This deployment's database isolation level cannot keep the idempotency "
             "guarantee, so nothing was run. Retry with the same key once it is fixed."
         )
-
-    def _found(self, claimed: storage.Claimed, waited: float = 0.0) -> Decision:
-        work, record = self.work, claimed.record
-        context = {"key": work.key, "principal": work.principal}
-        if claimed.outcome is storage.Outcome.BUSY:
-            logger.info(
-                "Idempotency key %s is in progress; gave up after %.2fs", short(work.key), waited
-            )
-            signals.request_conflicted.send_robust(
-                self.sender, request=self.context, waited=waited, **context
-            )
-            error: IdempotencyError = InProgress(
-                "A request with this Idempotency-Key is still being processed. Retry later "
-                "with the same key."
-            )
-            error.headers["Retry-After"] = str(RETRY_AFTER_SECONDS)
-            return Refuse(error)
-        if claimed.outcome is storage.Outcome.EXPIRED:
-            return Refuse(
-                KeyExpired(
-                    "This Idempotency-Key has expired; its outcome can no longer be replayed. "
-                    "Check whether the first request took effect before retrying with a new "
-                    "key."
-                )
-            )
-        assert record is not None
-        changed = differing(record.fingerprint, work.fingerprint)
-        if changed:
-            logger.info("Idempotency key %s reused with different %s", short(work.key), changed)
-            signals.key_reused.send_robust(
-                self.sender, request=self.context, differing=changed, **context
-            )
-            return Refuse(
-                KeyReused(
-                    "This Idempotency-Key was already used for a different request. Use a new "
-                    "key for a new request.",
-                    differing=changed,
-                )
-            )
-        logger.info("Replayed idempotency key %s", short(work.key))
-        signals.response_replayed.send_robust(
-            self.sender, request=self.context, status=record.response_code, **context
-        )
-        return Replay.of(record)
