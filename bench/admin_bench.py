@@ -103,7 +103,7 @@ def pages(days: int) -> list[tuple[str, str, dict[str, str]]]:
     """(what, URL, query) for every page measured."""
     from django.urls import reverse
 
-    from django_idempotency.endpoints import idempotent_endpoints
+    from django_idempotency.http.endpoints import idempotent_endpoints
     from django_idempotency.models import IdempotencyRecord
     from django_idempotency.partitions.catalog import utc_today
 

@@ -25,7 +25,8 @@ from bench.floor import (
 )
 from django_idempotency.conf import conf
 from django_idempotency.engine.hashing import lock_id
-from django_idempotency.engine.unit import Replay
+from django_idempotency.engine.work import Replay
+from django_idempotency.http.request import replay_response
 from django_idempotency.storage import records as storage
 from testproject.payments.parsers import JSONParser
 from testproject.payments.views import ChargeCreateView, PaymentCreateView
@@ -156,7 +157,7 @@ class ReplayStatementsFloorView(ReplayFloorView):
         if claimed.record is None:
             return HttpResponse(status=409)
         # The stored response as every replay builds it, with no decision about it.
-        return Replay(claimed.record).response()
+        return replay_response(Replay.of(claimed.record), False, {})
 
 
 def _route(url: str) -> str:

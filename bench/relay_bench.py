@@ -244,7 +244,8 @@ def enqueue_cost_in_unit(samples: int) -> tuple[list[float], list[float]]:
     """(a protected request's unit of work, the same with an enqueue), seconds."""
     from django.db import connection
 
-    from django_idempotency.engine.unit import Outcome, Run, UnitOfWork, Work
+    from django_idempotency.engine.unit import UnitOfWork
+    from django_idempotency.engine.work import Result, Run, Work
     from django_idempotency.messaging.outbox import enqueue_task
 
     insert = "INSERT INTO relay_bench_business (amount, currency) VALUES (%s, %s)"
@@ -267,7 +268,7 @@ def enqueue_cost_in_unit(samples: int) -> tuple[list[float], list[float]]:
                 cursor.execute(insert, [2499, "inr"])
             if enqueue:
                 enqueue_task(TASK, (n, "inr"), {"amount": 2499})
-            unit.close(Outcome(201, [["content-type", "application/json"]], b'{"id": 1}'))
+            unit.close(Result(201, [["content-type", "application/json"]], b'{"id": 1}'))
             (with_enqueue if enqueue else plain).append(time.perf_counter() - started)
     return plain, with_enqueue
 

@@ -11,7 +11,7 @@ class IdempotencyConfig(AppConfig):
 
     def ready(self) -> None:
         from django_idempotency import beat, checks, telemetry  # noqa: F401  checks self-register
-        from django_idempotency.engine import options
+        from django_idempotency.http import options
 
         beat.connect_signals()
         options.connect_signals()

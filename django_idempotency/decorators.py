@@ -14,11 +14,12 @@ from django.http import Http404, HttpRequest, HttpResponse, JsonResponse
 from django.http.request import RawPostDataException
 from django.http.response import HttpResponseBase
 
-from django_idempotency import problems
 from django_idempotency.engine.errors import IdempotencyError
-from django_idempotency.engine.identity import unparseable_multipart
-from django_idempotency.engine.options import ViewOptions, policy_for
-from django_idempotency.engine.unit import Refuse, RequestUnit, Run
+from django_idempotency.engine.work import Run
+from django_idempotency.http import problems
+from django_idempotency.http.identity import unparseable_multipart
+from django_idempotency.http.options import ViewOptions, policy_for
+from django_idempotency.http.request import RequestUnit
 
 # Exceptions that Django turns into a 4xx response rather than a 500.
 CLIENT_ERRORS = (Http404, PermissionDenied, BadRequest, SuspiciousOperation)
@@ -43,35 +44,36 @@ def idempotent(view: Any = None, **options: Unpack[ViewOptions]) -> Any:
         # policy is cached for the method it wraps.
         owner = inspect.unwrap(func)
 
-        def policy(request: Any) -> RequestUnit | Refuse:
+        def unit_for(request: Any) -> RequestUnit | HttpResponseBase | None:
+            """The request's unit; or the answer instead (settings of the wrong type, a body
+            the view cannot parse); or None when the request is not covered."""
             try:
-                resolved = policy_for(owner, options)
-            except IdempotencyError as error:  # settings of the wrong type
-                return Refuse(error)
+                policy = policy_for(owner, options)
+            except IdempotencyError as error:
+                return problems.problem_response(error)
             # Django's request, under DRF's too: the key and body are read from it.
-            return RequestUnit(getattr(request, "_request", request), resolved, sender=func)
+            unit = RequestUnit(getattr(request, "_request", request), policy, sender=func)
+            if not unit.covered:
+                return None
+            refused = _unsupported(request)
+            return unit if refused is None else refused
 
         if iscoroutinefunction(func):
 
             @functools.wraps(func)
             async def async_wrapper(request: Any, *args: Any, **kwargs: Any) -> Any:
-                unit = policy(request)
-                if isinstance(unit, Refuse):
-                    return unit.response()
-                if not unit.covered:
+                unit = unit_for(request)
+                if unit is None:
                     return await func(request, *args, **kwargs)
-                refused = _unsupported(request)
-                if refused is not None:
-                    return refused
-                # The unit's transaction lives on the thread that claimed it: every
-                # sync_to_async(thread_sensitive=True) call of this request (Django's async
-                # ORM) runs there, so the view's writes join the claim's transaction. A
-                # duplicate waits on the event loop.
+                if isinstance(unit, HttpResponseBase):
+                    return unit
+                # The unit's transaction lives on the thread that claimed it, where Django's
+                # async ORM runs this request's queries; a duplicate waits on the event loop.
                 decision = await unit.aopen(
                     principal_request=request, media_type=_media_type(request)
                 )
                 if not isinstance(decision, Run):
-                    return decision.response()
+                    return unit.respond(decision)
                 try:
                     response = _answer(request, await func(request, *args, **kwargs))
                 except BaseException as exc:
@@ -89,17 +91,14 @@ def idempotent(view: Any = None, **options: Unpack[ViewOptions]) -> Any:
 
             @functools.wraps(func)
             def sync_wrapper(request: Any, *args: Any, **kwargs: Any) -> Any:
-                unit = policy(request)
-                if isinstance(unit, Refuse):
-                    return unit.response()
-                if not unit.covered:
+                unit = unit_for(request)
+                if unit is None:
                     return func(request, *args, **kwargs)
-                refused = _unsupported(request)
-                if refused is not None:
-                    return refused
+                if isinstance(unit, HttpResponseBase):
+                    return unit
                 decision = unit.open(principal_request=request, media_type=_media_type(request))
                 if not isinstance(decision, Run):
-                    return decision.response()
+                    return unit.respond(decision)
                 try:
                     response = _answer(request, func(request, *args, **kwargs))
                 except BaseException as exc:

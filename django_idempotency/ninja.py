@@ -14,18 +14,19 @@ from ninja.operation import AsyncOperation, Operation
 from ninja.utils import contribute_operation_callback
 
 from django_idempotency.conf import conf
-from django_idempotency.engine.errors import (
-    IdempotencyError,
-)
-from django_idempotency.engine.identity import MAX_KEY_LENGTH, has_body, unparseable_multipart
-from django_idempotency.engine.options import Policy, ViewOptions, policy_for
-from django_idempotency.engine.unit import RequestUnit, Run, failing_closed
-from django_idempotency.problems import (
+from django_idempotency.engine.errors import IdempotencyError
+from django_idempotency.engine.unit import failing_closed
+from django_idempotency.engine.work import Decision, Run
+from django_idempotency.http.identity import MAX_KEY_LENGTH, has_body, unparseable_multipart
+from django_idempotency.http.options import Policy, ViewOptions, policy_for
+from django_idempotency.http.problems import (
     PROBLEM_CONTENT_TYPE,
     possible_errors,
     problem_response,
+    status_for,
     unsupported_media_type,
 )
+from django_idempotency.http.request import RequestUnit
 
 Func = TypeVar("Func", bound=Callable[..., Any])
 
@@ -219,20 +220,21 @@ def _open(claim: _Claim, request: HttpRequest) -> HttpResponse | None:
     """Claim the key now that the client is authenticated: None to run the view, or the
     replay or refusal to answer with."""
     decision = claim.unit.open(principal_request=_principal_request(request, claim.unit.policy))
-    if isinstance(decision, Run):
-        claim.claimed = True
-        return None
-    return decision.response()
+    return _decided(claim, decision)
 
 
 async def _aopen(claim: _Claim, request: HttpRequest) -> HttpResponse | None:
     """``_open`` for an async operation: a duplicate waits on the event loop."""
     principal_request = await sync_to_async(_principal_request)(request, claim.unit.policy)
     decision = await claim.unit.aopen(principal_request=principal_request)
+    return _decided(claim, decision)
+
+
+def _decided(claim: _Claim, decision: Decision) -> HttpResponse | None:
     if isinstance(decision, Run):
         claim.claimed = True
         return None
-    return decision.response()
+    return claim.unit.respond(decision)
 
 
 def _failed(claim: _Claim, exc: BaseException) -> HttpResponseBase:
@@ -268,13 +270,11 @@ def _principal_request(request: HttpRequest, policy: Policy) -> Any:
 def _documented(extra: dict[str, Any] | None, policy: Policy) -> dict[str, Any]:
     """The operation's own OpenAPI additions, and the key header and the errors the app may
     answer instead of running it."""
-    stripe = conf.ERROR_FORMAT == "stripe"
     responses: dict[int, Any] = {}
     for error in possible_errors(policy):
-        status = error.stripe_status if stripe else error.status
-        titles = responses.setdefault(status, [])
+        titles = responses.setdefault(status_for(error), [])
         titles.append(f"{error.name}: {error.title}")
-    media_type = "application/json" if stripe else PROBLEM_CONTENT_TYPE
+    media_type = "application/json" if conf.ERROR_FORMAT == "stripe" else PROBLEM_CONTENT_TYPE
     header = {
         "in": "header",
         "name": policy.header,

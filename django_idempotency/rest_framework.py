@@ -3,25 +3,36 @@ and for adrf's async views."""
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
+from datetime import timedelta
 from inspect import isawaitable
 from typing import Any
 
 from asgiref.sync import iscoroutinefunction, sync_to_async
 from django.core.exceptions import ImproperlyConfigured, ValidationError
 from django.db import router
-from django.http import Http404
+from django.http import Http404, HttpRequest
 from django.http.response import HttpResponseBase
 from rest_framework.exceptions import NotAcceptable, UnsupportedMediaType
 from rest_framework.renderers import BaseRenderer
 from rest_framework.request import Request
 from rest_framework.views import APIView
 
+from django_idempotency.conf import PrincipalFunc
 from django_idempotency.engine.errors import IdempotencyError
-from django_idempotency.engine.identity import has_body, unparseable_multipart
-from django_idempotency.engine.options import OPTION_NAMES, Policy, ViewOptions, policy_for
-from django_idempotency.engine.unit import Replay, RequestUnit, Run, failing_closed
-from django_idempotency.problems import PROBLEM_CONTENT_TYPE, problem_response
+from django_idempotency.engine.unit import failing_closed
+from django_idempotency.engine.work import Decision, Replay, Run, view_name
+from django_idempotency.http.endpoints import written_model
+from django_idempotency.http.identity import has_body, unparseable_multipart
+from django_idempotency.http.options import (
+    OPTION_NAMES,
+    KeyFunc,
+    Policy,
+    ViewOptions,
+    policy_for,
+)
+from django_idempotency.http.problems import PROBLEM_CONTENT_TYPE, problem_response
+from django_idempotency.http.request import RequestUnit
 
 
 class Answered(Exception):
@@ -45,6 +56,21 @@ class IdempotencyMixin:
     adrf's async views too, with the same guarantee.
     """
 
+    # One attribute per option of ViewOptions (as_view() accepts only existing attributes);
+    # None means "ask the settings when the request arrives".
+    idempotency_methods: Sequence[str] | None = None
+    idempotency_required: bool | None = None
+    idempotency_ttl: timedelta | None = None
+    idempotency_wait: timedelta | None = None
+    idempotency_exclude_fields: Sequence[str] | None = None
+    idempotency_fingerprint_headers: Sequence[str] | None = None
+    idempotency_principal: PrincipalFunc | None = None
+    idempotency_lookup_first: bool | None = None
+    idempotency_key_header: str | None = None
+    idempotency_key_from: KeyFunc | None = None
+    idempotency_using: str | Callable[[HttpRequest], str] | None = None
+    idempotency_allow_anonymous: bool | None = None
+
     _idempotency: RequestUnit | None = None
     _closes_after_dispatch = False
 
@@ -55,14 +81,14 @@ class IdempotencyMixin:
         mro = cls.__mro__
         if APIView in mro and mro.index(APIView) < mro.index(IdempotencyMixin):
             raise ImproperlyConfigured(
-                f"{cls.__module__}.{cls.__qualname__} lists IdempotencyMixin after a DRF "
+                f"{view_name(cls)} lists IdempotencyMixin after a DRF "
                 "view class in its bases, so the mixin would never run and the view would "
                 "not be idempotent. Put IdempotencyMixin first: "
                 f"class {cls.__name__}(IdempotencyMixin, ...)."
             )
 
     def get_idempotency_options(self) -> ViewOptions:
-        options: Any = {name: getattr(self, f"idempotency_{name}", None) for name in OPTION_NAMES}
+        options: Any = {name: getattr(self, f"idempotency_{name}") for name in OPTION_NAMES}
         return options  # type: ignore[no-any-return]
 
     def get_idempotency_policy(self) -> Policy:
@@ -103,30 +129,31 @@ class IdempotencyMixin:
             setattr(self, method, self._claiming(handler, unit, media_type))
             return
         decision = unit.open(principal_request=request, media_type=media_type)
-        if isinstance(decision, Run):
-            self._idempotency = unit
-            return
         if isinstance(decision, Replay):
             self._check_object_permissions()
-        raise Answered(decision.response())
+        self._hold(unit, decision)
 
     def _claiming(
         self, handler: Callable[..., Any], unit: RequestUnit, media_type: str | None
     ) -> Callable[..., Awaitable[Any]]:
         """The async view's handler, behind the claim of its key."""
+        if not iscoroutinefunction(handler):
+            handler = sync_to_async(handler)
 
         async def claimed(request: Request, *args: Any, **kwargs: Any) -> Any:
             decision = await unit.aopen(principal_request=request, media_type=media_type)
-            if isinstance(decision, Run):
-                self._idempotency = unit
-                if iscoroutinefunction(handler):
-                    return await handler(request, *args, **kwargs)
-                return await sync_to_async(handler)(request, *args, **kwargs)
             if isinstance(decision, Replay):
                 await sync_to_async(self._check_object_permissions)()
-            raise Answered(decision.response())
+            self._hold(unit, decision)
+            return await handler(request, *args, **kwargs)
 
         return claimed
+
+    def _hold(self, unit: RequestUnit, decision: Decision) -> None:
+        """After ``Run``, keep the unit for ``close()``; else leave with the answer."""
+        if not isinstance(decision, Run):
+            raise Answered(unit.respond(decision))
+        self._idempotency = unit
 
     def _check_object_permissions(self) -> None:
         # A detail route checks permissions on its object inside the handler, which a
@@ -193,21 +220,6 @@ class IdempotencyMixin:
     def _take_unit(self) -> RequestUnit | None:
         unit, self._idempotency = self._idempotency, None
         return unit
-
-
-# One attribute per option (as_view() accepts only existing attributes); None means "ask
-# the settings".
-for _name in OPTION_NAMES:
-    setattr(IdempotencyMixin, f"idempotency_{_name}", None)
-
-
-def written_model(view: Any) -> Any:
-    """The model a generic view writes (its queryset's), or None."""
-    queryset = getattr(view, "queryset", None)
-    if queryset is not None:
-        return queryset.model
-    serializer_class = getattr(view, "serializer_class", None)
-    return getattr(getattr(serializer_class, "Meta", None), "model", None)
 
 
 def _object_exists(view: Any, value: Any) -> bool:

@@ -50,8 +50,8 @@ from django_idempotency.engine.instrumentation import (
     WAIT_DURATION,
     listening,
     outcome_of,
-    view_name,
 )
+from django_idempotency.engine.work import view_name
 from django_idempotency.partitions import catalog, tables
 from django_idempotency.partitions.catalog import covered_until
 

@@ -215,9 +215,9 @@ def fresh_error_budget(monkeypatch: pytest.MonkeyPatch) -> None:
     """Each test starts a new minute of stored 4xx per principal
     (``IDEMPOTENCY_MAX_STORED_ERRORS_PER_MINUTE``): the suite sends far more than the bound
     as one anonymous principal, and a test must not depend on what ran before it."""
-    from django_idempotency.engine import unit
+    from django_idempotency.engine import keeping
 
-    monkeypatch.setattr(unit, "error_budget", unit._ErrorBudget())
+    monkeypatch.setattr(keeping, "error_budget", keeping._ErrorBudget())
 
 
 @pytest.fixture(scope="session")
@@ -464,7 +464,7 @@ def waiting_on_main_thread(settings: Any, monkeypatch: pytest.MonkeyPatch) -> No
     where a waiting request would hold a single-threaded server's only thread and so never
     waits: for tests of what a duplicate that waited reports. The cap has tests of its own
     (test_waiting)."""
-    from django_idempotency.engine import unit
+    from django_idempotency.engine import waiting
 
     settings.IDEMPOTENCY_WAIT = timedelta(seconds=2)
-    monkeypatch.setattr(unit, "waiter_limit", lambda: 1)
+    monkeypatch.setattr(waiting, "waiter_limit", lambda: 1)

@@ -241,7 +241,7 @@ def test_a_setting_of_the_wrong_type_refuses_idempotent_requests_as_misconfigure
 def test_a_method_decorator_view_keeps_one_policy_however_many_requests() -> None:
     # method_decorator() decorates a new partial of the method on every request: each one
     # cached a policy, holding its request, for ever.
-    from django_idempotency.engine import options
+    from django_idempotency.http import options
 
     client = Client()
     first = send(client, "POST", "/cbv/method-decorated/", ScriptFactory(), key=new_key())

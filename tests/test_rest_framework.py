@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from typing import Any
+from typing import Any, get_type_hints
 
 import pytest
 import requests
@@ -16,6 +16,7 @@ from rest_framework.response import Response
 from rest_framework.test import APIClient, APIRequestFactory
 from rest_framework.views import APIView
 
+from django_idempotency.http.options import OPTION_NAMES, ViewOptions
 from django_idempotency.models import IdempotencyRecord
 from django_idempotency.rest_framework import IdempotencyMixin
 from tests.factories import ScriptFactory, TokenFactory, new_key
@@ -446,3 +447,14 @@ def test_a_replay_of_a_delete_is_a_404_for_an_object_the_queryset_hides(
     monkeypatch.setattr(ChargeViewSet, "queryset", Charge.objects.none())
     hidden = send(client, "DELETE", path, key=key)
     assert hidden.status_code == 404 and not replayed(hidden)
+
+
+def test_the_mixin_declares_one_typed_attribute_per_option_defaulting_to_the_settings() -> None:
+    declared = {
+        name.removeprefix("idempotency_"): kind
+        for name, kind in get_type_hints(IdempotencyMixin).items()
+        if name.startswith("idempotency_")
+    }
+    assert list(declared) == list(OPTION_NAMES)
+    assert declared == get_type_hints(ViewOptions)
+    assert all(vars(IdempotencyMixin)[f"idempotency_{name}"] is None for name in OPTION_NAMES)

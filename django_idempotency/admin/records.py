@@ -26,9 +26,10 @@ from django.utils.translation import gettext_lazy as _
 
 from django_idempotency.admin.base import DetailDeferringChangeList, ReadOnlyLargeTableAdmin
 from django_idempotency.conf import conf
-from django_idempotency.endpoints import idempotent_endpoints
 from django_idempotency.engine.errors import InvalidKey
-from django_idempotency.engine.identity import PARTS, parse_key
+from django_idempotency.engine.work import PARTS
+from django_idempotency.http.endpoints import idempotent_endpoints
+from django_idempotency.http.identity import parse_key
 from django_idempotency.models import IdempotencyRecord
 from django_idempotency.partitions import catalog
 from django_idempotency.partitions.tables import RECORDS

@@ -13,7 +13,7 @@ from django.core.checks import Warning as CheckWarning
 from django.db import connections
 
 from django_idempotency.checks.base import as_written, ours
-from django_idempotency.engine.unit import server_threads
+from django_idempotency.engine.waiting import server_threads
 
 
 @register()

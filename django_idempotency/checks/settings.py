@@ -1,6 +1,5 @@
-"""The IDEMPOTENCY_* settings, judged as written: types (E013), header name (E002), durations
-(E003, E004), error format (E005), methods (E006), integers (E008), dotted paths (E009,
-E011), and the beat schedule (W001, E001)."""
+"""The IDEMPOTENCY_* settings as written: types (E013), header (E002), durations (E003, E004),
+error format (E005), methods (E006), integers (E008), paths (E009, E011), beat (W001, E001)."""
 
 from __future__ import annotations
 
@@ -17,7 +16,7 @@ from django.utils.module_loading import import_string
 from django_idempotency import beat
 from django_idempotency.checks.base import as_written, ours
 from django_idempotency.conf import KINDS, conf, wrong_type
-from django_idempotency.problems import ERROR_FORMATS
+from django_idempotency.http.problems import ERROR_FORMATS
 
 # RFC 9110 token characters, less "_": WSGI servers drop header names with underscores.
 HEADER_NAME = re.compile(r"[!#$%&'*+\-.^`|~0-9A-Za-z]+")

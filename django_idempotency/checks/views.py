@@ -16,6 +16,8 @@ from django.db import router
 
 from django_idempotency.checks.base import ours
 from django_idempotency.engine.errors import Misconfigured
+from django_idempotency.engine.work import view_name
+from django_idempotency.http.endpoints import idempotent_endpoints, written_model
 from django_idempotency.models import IdempotencyRecord
 
 
@@ -28,7 +30,9 @@ def check_views(app_configs: Sequence[AppConfig] | None, **kwargs: Any) -> list[
         return []
     messages: list[CheckMessage] = []
     for endpoint in _endpoints():
-        name = f"{endpoint.route} ({_qualname(endpoint.handler)})"
+        handler = endpoint.handler
+        handler = inspect.unwrap(handler) if callable(handler) else handler
+        name = f"{endpoint.route} ({view_name(handler)})"
         policy = endpoint.policy
         if _claims_before_authentication(endpoint):
             messages.append(
@@ -74,19 +78,10 @@ def check_views(app_configs: Sequence[AppConfig] | None, **kwargs: Any) -> list[
 
 
 def _endpoints() -> list[Any]:
-    from django_idempotency.endpoints import idempotent_endpoints
-
     try:
         return idempotent_endpoints()
     except Misconfigured:  # a setting of the wrong type: E013 says which
         return []
-
-
-def _qualname(handler: Any) -> str:
-    target = inspect.unwrap(handler) if callable(handler) else handler
-    if not hasattr(target, "__qualname__"):
-        target = type(target)
-    return f"{target.__module__}.{target.__qualname__}"
 
 
 def _claims_before_authentication(endpoint: Any) -> bool:
@@ -133,10 +128,6 @@ def check_records_follow_writes(
     """A generic view's records go to the database of its model's writes: the records'
     table must be migrated there, or every request of that view fails."""
     if not ours(app_configs) or not databases or not getattr(settings, "ROOT_URLCONF", None):
-        return []
-    try:
-        from django_idempotency.rest_framework import written_model
-    except ImportError:  # without DRF, no view has a model to follow
         return []
     messages: list[CheckMessage] = []
     for endpoint in _endpoints():

@@ -1,9 +1,5 @@
-"""drf-spectacular: every view using ``IdempotencyMixin`` documents the ``Idempotency-Key``
-header on the methods it covers, and the errors the app may answer there.
-
-Imported by ``AppConfig.ready()`` when ``drf_spectacular`` is installed; importing it
-registers the extension, as drf-spectacular expects of libraries.
-"""
+"""drf-spectacular: views using ``IdempotencyMixin`` document the key header and the errors the
+app may answer; ``AppConfig.ready()`` imports this module, which registers the extension."""
 
 from __future__ import annotations
 
@@ -19,14 +15,16 @@ from rest_framework.views import APIView
 
 from django_idempotency.conf import conf
 from django_idempotency.engine.errors import (
+    RETRY_AFTER_SECONDS,
     IdempotencyError,
     InProgress,
     StoreUnavailable,
 )
-from django_idempotency.engine.identity import KEY_PATTERN, MAX_KEY_LENGTH, PARTS
-from django_idempotency.engine.options import Policy
-from django_idempotency.engine.unit import REPLAYED_HEADER, RETRY_AFTER_SECONDS
-from django_idempotency.problems import PROBLEM_CONTENT_TYPE, possible_errors
+from django_idempotency.engine.work import PARTS
+from django_idempotency.http.identity import KEY_PATTERN, MAX_KEY_LENGTH
+from django_idempotency.http.options import Policy
+from django_idempotency.http.problems import PROBLEM_CONTENT_TYPE, possible_errors, status_for
+from django_idempotency.http.request import REPLAYED_HEADER
 
 
 class IdempotencyProblemSerializer(serializers.Serializer[Any]):
@@ -76,7 +74,7 @@ def error_responses(errors: list[type[IdempotencyError]]) -> dict[tuple[int, str
     stripe = conf.ERROR_FORMAT == "stripe"
     by_status: dict[int, list[type[IdempotencyError]]] = {}
     for error in errors:
-        by_status.setdefault(error.stripe_status if stripe else error.status, []).append(error)
+        by_status.setdefault(status_for(error), []).append(error)
     media_type = "application/json" if stripe else PROBLEM_CONTENT_TYPE
     responses = {}
     for status, group in sorted(by_status.items()):
@@ -141,8 +139,7 @@ class IdempotencySchemaMixin:
         options = self.idempotency_options()
         if options is None:
             return parameters
-        stripe = conf.ERROR_FORMAT == "stripe"
-        retry_codes = sorted({e.stripe_status if stripe else e.status for e in RETRIED_ERRORS})
+        retry_codes = sorted({status_for(error) for error in RETRIED_ERRORS})
         # A key read by key_from is no parameter of the request's.
         header = [] if options.key_from else [self._key_parameter(options)]
         return [

@@ -16,6 +16,9 @@ ROLLED_BACK_OUTCOME = "rolled-back"
 STORE_UNAVAILABLE_OUTCOME = "store-unavailable"
 FAILED = "failed"  # the work raised: the claim and the work's writes were rolled back
 ERROR = "error"  # anything else raised by the engine (a misconfiguration)
+# A duplicate that gave up waiting, or a request that found the store down, is told to
+# come back after this many seconds (Retry-After).
+RETRY_AFTER_SECONDS = 1
 
 
 class IdempotencyError(Exception):

@@ -23,6 +23,7 @@ from django_idempotency.engine.errors import (
     WON,
     IdempotencyError,
 )
+from django_idempotency.engine.work import view_name
 
 try:
     from opentelemetry import metrics, trace
@@ -90,16 +91,11 @@ class Decided(Protocol):
     def outcome(self) -> str: ...
 
 
-class _Stored(Protocol):
-    @property
-    def response_code(self) -> int: ...
-
-
 class Replaying(Protocol):
-    """A replay: the stored record it answers with."""
+    """A replay: the stored status it answers with."""
 
     @property
-    def record(self) -> _Stored: ...
+    def status(self) -> int: ...
 
 
 class _Headers(Protocol):
@@ -115,13 +111,6 @@ RS = TypeVar("RS", bound=_Headers)
 def outcome_of(error: BaseException) -> str:
     """The outcome an engine error stands for; ``error`` for anything else."""
     return error.outcome if isinstance(error, IdempotencyError) else ERROR
-
-
-def view_name(sender: Any) -> str:
-    """``module.qualname`` of a view (function or class) or a task class."""
-    module = getattr(sender, "__module__", None) or ""
-    name = getattr(sender, "__qualname__", None) or type(sender).__qualname__
-    return f"{module}.{name}" if module else name
 
 
 def _attributes(sender: Any, kind: str) -> dict[str, str]:
@@ -353,22 +342,25 @@ def refused(sender: Any, error: IdempotencyError) -> None:
         _count(_instruments(), _attributes(sender, "view"), outcome_of(error))
 
 
-def traced_replay(method: Callable[[RP], RS]) -> Callable[[RP], RS]:
-    """``Replay.response``: the ``idempotency.replay`` span (decoding the stored body)."""
+def traced_replay(
+    method: Callable[Concatenate[RP, P], RS],
+) -> Callable[Concatenate[RP, P], RS]:
+    """The rendering of a ``Replay`` (``http.request.replay_response``): the
+    ``idempotency.replay`` span (decoding the stored body)."""
     if not ENABLED:  # pragma: no cover
         return method
 
     @functools.wraps(method)
-    def wrapper(replay: RP) -> RS:
+    def wrapper(replay: RP, /, *args: P.args, **kwargs: P.kwargs) -> RS:
         if not listening():
-            return method(replay)
+            return method(replay, *args, **kwargs)
         tracer = _tracer()
         with tracer.start_as_current_span(
             REPLAY_SPAN,
-            attributes={STATUS_CODE: replay.record.response_code},
+            attributes={STATUS_CODE: replay.status},
             record_exception=False,
         ) as span:
-            response = method(replay)
+            response = method(replay, *args, **kwargs)
             encoding = "deflate" if response.get("Content-Encoding") == "deflate" else "identity"
             span.set_attribute(ENCODING, encoding)
             return response

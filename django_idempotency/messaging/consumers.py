@@ -1,14 +1,5 @@
-"""Exactly-once Celery consumers: a task whose effects commit once per message id.
-
-``@shared_task(base=ExactlyOnceTask, bind=True)``: each delivery claims
-``(consumer, task id)`` on the records table, runs the body, stores its JSON result and
-commits, all in one transaction. A redelivery of a committed message returns the stored
-result without running the body; one that raised, retried or died before the commit left
-nothing, so the redelivery runs it.
-
-Celery glue, like ``django_idempotency.tasks``: only the system check imports it, and only
-when Celery is installed.
-"""
+"""Exactly-once Celery consumers: ``ExactlyOnceTask`` claims ``(consumer, task id)``, runs the
+body and stores its JSON result in one transaction (docs/side-effects.md)."""
 
 from __future__ import annotations
 
@@ -30,7 +21,8 @@ from django_idempotency.engine.errors import (
     Misconfigured,
     StoreUnavailable,
 )
-from django_idempotency.engine.unit import Outcome, Refuse, Replay, UnitOfWork, Work
+from django_idempotency.engine.unit import UnitOfWork
+from django_idempotency.engine.work import Refuse, Replay, Result, Work
 
 logger = logging.getLogger("django_idempotency.consumers")
 
@@ -119,7 +111,7 @@ def consume(
         _give_back(task, message_id, exc, "cannot run at this database's isolation level")
     if isinstance(decision, Replay):
         logger.info("Task %s[%s] already ran; acknowledged with its result.", task.name, message_id)
-        return json.loads(decision.record.body() or b"null")
+        return json.loads(decision.sent_body() or b"null")
     if isinstance(decision, Refuse):
         return _refused(task, message_id, decision)
     try:
@@ -138,7 +130,7 @@ def consume(
             _give_back(task, message_id, exc)
         raise
     try:
-        unit.close(Outcome(200, JSON_HEADERS, body))
+        unit.close(Result(200, JSON_HEADERS, body))
     except StoreUnavailable as exc:
         # Nothing was committed; the broker redelivers.
         raise Reject(exc, requeue=True) from exc

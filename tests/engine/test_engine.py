@@ -17,7 +17,8 @@ from django.db import DEFAULT_DB_ALIAS, connection
 from django.test import Client, RequestFactory, override_settings
 
 from django_idempotency.engine.hashing import lock_id
-from django_idempotency.engine.unit import prefer_wait, waiter_limit
+from django_idempotency.engine.waiting import waiter_limit
+from django_idempotency.http.request import prefer_wait
 from django_idempotency.models import IdempotencyRecord
 from django_idempotency.storage import records
 from tests.factories import ScriptFactory, UserFactory, new_key

@@ -25,7 +25,7 @@ from opentelemetry.trace import StatusCode
 
 from django_idempotency.decorators import idempotent
 from django_idempotency.engine import errors, instrumentation
-from django_idempotency.engine.unit import Refuse, Replay, Run
+from django_idempotency.engine.work import Refuse, Replay, Run
 from django_idempotency.models import IdempotencyRecord
 from tests.factories import ScriptFactory, UserFactory, new_key
 from tests.support.claims import held_claim, unreachable_store

@@ -1,4 +1,4 @@
-"""Identity of a request (engine/identity.py): the key's syntax (contract 2), the principal
+"""Identity of a request (http/identity.py): the key's syntax (contract 2), the principal
 (contract 3) and the fingerprint (contract 4)."""
 
 from __future__ import annotations
@@ -24,10 +24,10 @@ from hypothesis import strategies as st
 from rest_framework.parsers import JSONParser
 
 from django_idempotency.engine.errors import InvalidKey, PrincipalMissing
-from django_idempotency.engine.identity import (
+from django_idempotency.engine.work import differing
+from django_idempotency.http.identity import (
     ANONYMOUS,
     canonical_body,
-    differing,
     fingerprint,
     parse_key,
     principal_for,

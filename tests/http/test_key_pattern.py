@@ -11,7 +11,7 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from django_idempotency.engine.errors import InvalidKey
-from django_idempotency.engine.identity import _KEY_CHARS, KEY_PATTERN, MAX_KEY_LENGTH, parse_key
+from django_idempotency.http.identity import _KEY_CHARS, KEY_PATTERN, MAX_KEY_LENGTH, parse_key
 
 PATTERN = re.compile(KEY_PATTERN)
 # ASCII and a little beyond: the characters a header value can carry, and those it cannot.

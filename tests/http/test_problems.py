@@ -10,8 +10,8 @@ from typing import Any
 import pytest
 
 from django_idempotency.engine import errors as exceptions
+from django_idempotency.http.problems import problem_response
 from django_idempotency.models import IdempotencyRecord
-from django_idempotency.problems import problem_response
 from tests.factories import ScriptFactory, new_key
 from tests.support.claims import held_claim, unreachable_store
 from tests.support.client import send

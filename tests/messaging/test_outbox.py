@@ -9,7 +9,8 @@ from datetime import UTC, datetime, timedelta
 import pytest
 from django.db import connection, transaction
 
-from django_idempotency.engine.unit import Outcome, Run, UnitOfWork, Work
+from django_idempotency.engine.unit import UnitOfWork
+from django_idempotency.engine.work import Result, Run, Work
 from django_idempotency.messaging import outbox
 from django_idempotency.messaging.outbox import (
     NotInTransaction,
@@ -420,7 +421,7 @@ def test_in_a_unit_of_work_the_row_travels_with_the_store_and_its_commit(
         cursor.execute("SELECT count(*) FROM django_idempotency_outbox")
         assert cursor.fetchone() == (0,)  # not sent yet
     with traced_stores() as stores:
-        assert unit.close(Outcome(201, [], b"x" * body_bytes)) is True
+        assert unit.close(Result(201, [], b"x" * body_bytes)) is True
     assert during.round_trips == 1  # the count: the enqueue sent nothing
     [(trace, _)] = stores
     # The row (INSERT and NOTIFY), the store, the COMMIT.
@@ -439,7 +440,7 @@ def test_a_row_written_in_a_savepoint_that_rolled_back_stays_out() -> None:
         1 / 0  # noqa: B018
     with transaction.atomic():
         also = enqueue_task("tests.noop", ("released",))
-    unit.close(Outcome(201, [], b"{}"))
+    unit.close(Result(201, [], b"{}"))
     assert sorted(str(pk) for pk in OutboxMessage.objects.values_list("id", flat=True)) == sorted(
         [kept, also]
     )
@@ -454,7 +455,7 @@ def test_a_unit_that_fails_or_is_not_stored_writes_no_row() -> None:
     unit = _unit()
     assert isinstance(unit.open(), Run)
     enqueue_task("tests.noop")
-    assert unit.close(Outcome(500, [], b"{}")) is False
+    assert unit.close(Result(500, [], b"{}")) is False
     assert not OutboxMessage.objects.exists()
     # And a later plain transaction is not caught by a finished unit.
     with transaction.atomic():
@@ -471,5 +472,5 @@ def test_inside_an_outer_transaction_the_row_is_written_at_once() -> None:
         assert isinstance(unit.open(), Run)
         message_id = enqueue_task("tests.noop")
         assert OutboxMessage.objects.filter(pk=message_id).exists()
-        unit.close(Outcome(201, [], b"{}"))
+        unit.close(Result(201, [], b"{}"))
     assert OutboxMessage.objects.filter(pk=message_id).exists()

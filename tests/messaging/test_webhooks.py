@@ -418,7 +418,7 @@ def test_key_from_ignores_the_key_headers(received: list[tuple[str, str]]) -> No
 def test_key_from_and_key_header_together_are_a_clear_error() -> None:
     from django.core.exceptions import ImproperlyConfigured
 
-    from django_idempotency.engine.options import resolve
+    from django_idempotency.http.options import resolve
 
     with pytest.raises(ImproperlyConfigured, match="both key_header and key_from"):
         resolve({"key_from": event_id, "key_header": "X-Event-Id"})

@@ -19,7 +19,7 @@ from django.utils import timezone
 from django.utils.html import escape
 
 from django_idempotency.admin import EstimatedCountPaginator
-from django_idempotency.endpoints import idempotent_endpoints
+from django_idempotency.http.endpoints import idempotent_endpoints
 from django_idempotency.messaging.outbox import enqueue_event, enqueue_task
 from django_idempotency.models import IdempotencyRecord, OutboxMessage
 from django_idempotency.partitions.catalog import day_bounds, utc_today

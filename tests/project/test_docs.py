@@ -19,7 +19,7 @@ from django.dispatch import Signal
 from django_idempotency import signals
 from django_idempotency.conf import Settings
 from django_idempotency.engine import errors as exceptions
-from django_idempotency.engine.options import ViewOptions
+from django_idempotency.http.options import ViewOptions
 from django_idempotency.partitions.apply import create_partition_statements
 from django_idempotency.partitions.tables import RECORDS
 from django_idempotency.rest_framework import IdempotencyMixin
@@ -105,7 +105,7 @@ def test_docs_name_no_check_id_that_does_not_exist():
 
 
 MIXIN_OPTIONS = sorted(name for name in vars(IdempotencyMixin) if name.startswith("idempotency_"))
-# Both come from one declaration, engine.options.ViewOptions.
+# Both come from one declaration, http.options.ViewOptions.
 DECORATOR_OPTIONS = sorted(ViewOptions.__annotations__)
 
 

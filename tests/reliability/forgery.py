@@ -17,7 +17,7 @@ import struct
 
 # What the claim locked on: the principal and the key, joined by chr(1).
 SEPARATOR = "\x01"
-# The library's key alphabet (django_idempotency.engine.identity), written out again.
+# The library's key alphabet (django_idempotency.http.identity), written out again.
 KEY_CHARS = "".join(chr(c) for c in range(0x21, 0x7F) if chr(c) not in '",;\\')
 _VALID = frozenset(KEY_CHARS.encode())
 _VALID_HALVES = [(h & 0xFF) in _VALID and (h >> 8) in _VALID for h in range(1 << 16)]

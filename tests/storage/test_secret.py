@@ -21,7 +21,8 @@ from django.test import override_settings
 
 from django_idempotency.engine.errors import InProgress, Misconfigured
 from django_idempotency.engine.hashing import claim_locks, lock_id
-from django_idempotency.engine.unit import Outcome, Refuse, Replay, Run, UnitOfWork, Work
+from django_idempotency.engine.unit import UnitOfWork
+from django_idempotency.engine.work import Refuse, Replay, Result, Run, Work
 from django_idempotency.storage import records as storage
 from django_idempotency.storage import secret
 from testproject.payments.models import Charge
@@ -184,7 +185,7 @@ class Holder(threading.Thread):
             self.claimed.set()
             self.release.wait(30)
             if isinstance(self.decision, Run):
-                unit.close(Outcome(201, [], b"first"))
+                unit.close(Result(201, [], b"first"))
         except BaseException as exc:
             self.error = exc
         finally:
@@ -252,7 +253,7 @@ def test_with_fallbacks_a_duplicate_waits_for_the_holder_and_replays() -> None:
     with holding(BEFORE, key) as holder:
         threading.Timer(0.5, holder.release.set).start()
         decision = open_as(ROLLING_OUT, key, wait=timedelta(seconds=20))
-    assert isinstance(decision, Replay) and decision.record.body() == b"first"
+    assert isinstance(decision, Replay) and decision.sent_body() == b"first"
 
 
 @pytest.mark.django_db(transaction=True)

@@ -14,7 +14,7 @@ from django.db import DEFAULT_DB_ALIAS, connections, transaction
 from django.db.utils import load_backend
 
 from django_idempotency.engine.hashing import lock_id
-from django_idempotency.engine.unit import waiters
+from django_idempotency.engine.waiting import waiters
 from django_idempotency.models import IdempotencyRecord
 from django_idempotency.storage import records as storage
 

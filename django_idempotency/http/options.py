@@ -1,6 +1,5 @@
-"""A view's options, declared once: the decorator's keyword arguments, the mixin's
-``idempotency_<name>`` attributes and the admin's endpoint listing all come from
-``ViewOptions``; ``Policy`` is what they resolve to over the settings."""
+"""A view's options, declared once in ``ViewOptions`` (the decorator's keyword arguments, the
+mixin's ``idempotency_<name>`` attributes), and the ``Policy`` they resolve to over the settings."""
 
 from __future__ import annotations
 

@@ -12,7 +12,7 @@ from django.contrib.admindocs.views import simplify_regex
 from django.urls import URLPattern, URLResolver, get_resolver, get_script_prefix
 from django.urls.resolvers import RoutePattern
 
-from django_idempotency.engine.options import Policy, policy_for, resolve
+from django_idempotency.http.options import Policy, policy_for, resolve
 
 # Python's named groups are the one URL-pattern construct PostgreSQL's regexes lack.
 _NAMED_GROUP = re.compile(r"\(\?P<\w+>")
@@ -154,3 +154,12 @@ def idempotent_endpoints() -> list[Endpoint]:
             sql_regex = script_prefix + _NAMED_GROUP.sub("(", regex)
             endpoints += [Endpoint(route, sql_regex, *entry) for entry in found]
     return endpoints
+
+
+def written_model(view: Any) -> Any:
+    """The model a generic view writes (its queryset's), or None."""
+    queryset = getattr(view, "queryset", None)
+    if queryset is not None:
+        return queryset.model
+    serializer_class = getattr(view, "serializer_class", None)
+    return getattr(getattr(serializer_class, "Meta", None), "model", None)

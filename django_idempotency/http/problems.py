@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from django.http import HttpResponse
 
@@ -17,25 +17,27 @@ from django_idempotency.engine.errors import (
     MissingKey,
     StoreUnavailable,
 )
-
-if TYPE_CHECKING:
-    from django_idempotency.engine.options import Policy
+from django_idempotency.http.options import Policy
 
 PROBLEM_CONTENT_TYPE = "application/problem+json"
 # IDEMPOTENCY_ERROR_FORMAT: RFC 9457 problems, or Stripe's error object.
 ERROR_FORMATS = ("problem", "stripe")
 
 
+def status_for(error: IdempotencyError | type[IdempotencyError]) -> int:
+    """The status ``error`` is answered with, in the configured error format."""
+    return error.stripe_status if conf.ERROR_FORMAT == "stripe" else error.status
+
+
 def problem_response(exc: IdempotencyError) -> HttpResponse:
     body: dict[str, Any]
+    status = status_for(exc)
     if conf.ERROR_FORMAT == "stripe":
-        status = exc.stripe_status
         error = {"type": exc.stripe_type, "message": exc.detail, **exc.extra}
         if exc.stripe_code:
             error["code"] = exc.stripe_code
         body, content_type = {"error": error}, "application/json"
     else:
-        status = exc.status
         body = {
             "type": conf.PROBLEM_TYPE_BASE + exc.name,
             "title": exc.title,

@@ -162,8 +162,6 @@ def _no_principal(what: str) -> PrincipalMissing:
     )
 
 
-# The order in which differing parts of a fingerprint are reported.
-PARTS = ("method", "path", "query", "body")
 _FORM_TYPES = frozenset({"multipart/form-data", "application/x-www-form-urlencoded"})
 _COMPACT = json.JSONEncoder(separators=(",", ":"), check_circular=False)
 _first = itemgetter(0)
@@ -389,8 +387,3 @@ def fingerprint(
     if media_type is not None:
         parts["header:accept"] = _digest(media_type.encode("utf-8", "surrogatepass"))
     return parts
-
-
-def differing(stored: dict[str, str], current: dict[str, str]) -> list[str]:
-    names = [*PARTS, *sorted((set(stored) | set(current)) - set(PARTS))]
-    return [name for name in names if stored.get(name) != current.get(name)]

@@ -1,0 +1,70 @@
+"""What a claim that was not won decides: replay the stored result, or refuse (in progress,
+expired, reused), each logged and signalled."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from django_idempotency import signals
+from django_idempotency.engine.errors import (
+    RETRY_AFTER_SECONDS,
+    IdempotencyError,
+    InProgress,
+    KeyExpired,
+    KeyReused,
+)
+from django_idempotency.engine.work import Decision, Refuse, Replay, Work, differing
+from django_idempotency.storage import records as storage
+
+logger = logging.getLogger("django_idempotency")
+
+
+def short(key: str) -> str:
+    # Logs never carry a whole key: keys can be guessable and are bearer-like.
+    return key[:6] + "…" if len(key) > 6 else "…"
+
+
+def decide(
+    claimed: storage.Claimed, work: Work, *, sender: Any, context: Any, waited: float = 0.0
+) -> Decision:
+    """What a claim that was not won answers: the stored result (``Replay``), or ``Refuse``
+    (in progress, expired, reused); ``context`` is what signals carry as ``request``."""
+    record = claimed.record
+    about = {"key": work.key, "principal": work.principal}
+    if claimed.outcome is storage.Outcome.BUSY:
+        logger.info(
+            "Idempotency key %s is in progress; gave up after %.2fs", short(work.key), waited
+        )
+        signals.request_conflicted.send_robust(sender, request=context, waited=waited, **about)
+        error: IdempotencyError = InProgress(
+            "A request with this Idempotency-Key is still being processed. Retry later "
+            "with the same key."
+        )
+        error.headers["Retry-After"] = str(RETRY_AFTER_SECONDS)
+        return Refuse(error)
+    if claimed.outcome is storage.Outcome.EXPIRED:
+        return Refuse(
+            KeyExpired(
+                "This Idempotency-Key has expired; its outcome can no longer be replayed. "
+                "Check whether the first request took effect before retrying with a new "
+                "key."
+            )
+        )
+    assert record is not None
+    changed = differing(record.fingerprint, work.fingerprint)
+    if changed:
+        logger.info("Idempotency key %s reused with different %s", short(work.key), changed)
+        signals.key_reused.send_robust(sender, request=context, differing=changed, **about)
+        return Refuse(
+            KeyReused(
+                "This Idempotency-Key was already used for a different request. Use a new "
+                "key for a new request.",
+                differing=changed,
+            )
+        )
+    logger.info("Replayed idempotency key %s", short(work.key))
+    signals.response_replayed.send_robust(
+        sender, request=context, status=record.response_code, **about
+    )
+    return Replay.of(record)

@@ -1,0 +1,91 @@
+"""What a unit of work claims (``Work``), what ``open()`` decides (``Run``, ``Replay``,
+``Refuse``) and what the work produced (``Result``), with no transport in them."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any, ClassVar
+
+from django_idempotency.engine.errors import REPLAYED, WON, IdempotencyError
+from django_idempotency.storage import records as storage
+
+# The order in which differing parts of a fingerprint are reported.
+PARTS = ("method", "path", "query", "body")
+
+
+@dataclass(frozen=True, slots=True)
+class Work:
+    """What a unit of work claims: whose key, which key, and what was asked."""
+
+    principal: str
+    key: str
+    method: str
+    path: str
+    fingerprint: dict[str, str]
+    ttl: timedelta
+
+
+@dataclass(frozen=True, slots=True)
+class Result:
+    """What the work produced, to store and replay."""
+
+    status: int
+    headers: list[list[str]]
+    body: bytes
+
+
+@dataclass(frozen=True, slots=True)
+class Run:
+    """The key is claimed: run the work, then ``close()``."""
+
+    outcome: ClassVar[str] = WON
+
+
+@dataclass(frozen=True, slots=True)
+class Replay:
+    """A stored result for the same work: answer with it; the work does not run.
+    ``body`` is as stored: zlib's format (HTTP's "deflate") when ``compressed``."""
+
+    status: int
+    headers: list[list[str]]
+    body: bytes
+    compressed: bool
+    outcome: ClassVar[str] = REPLAYED
+
+    @classmethod
+    def of(cls, record: storage.Record) -> Replay:
+        compressed = record.body_encoding == storage.ZLIB
+        return cls(record.response_code, record.response_headers, record.response_body, compressed)
+
+    def sent_body(self) -> bytes:
+        """The body as it was first sent."""
+        return storage.decode_body(self.body, storage.ZLIB if self.compressed else "")
+
+
+@dataclass(frozen=True, slots=True)
+class Refuse:
+    """The key cannot be used now (or ever, for this work): answer with the error."""
+
+    error: IdempotencyError
+
+    @property
+    def outcome(self) -> str:
+        return self.error.outcome
+
+
+Decision = Run | Replay | Refuse
+
+
+def differing(stored: dict[str, str], current: dict[str, str]) -> list[str]:
+    """The parts of two fingerprints that differ, in ``PARTS`` order, then by name."""
+    names = [*PARTS, *sorted((set(stored) | set(current)) - set(PARTS))]
+    return [name for name in names if stored.get(name) != current.get(name)]
+
+
+def view_name(sender: Any) -> str:
+    """``module.qualname`` of a view (function or class), an operation's function or a task
+    class: how logs and telemetry name who runs the work."""
+    module = getattr(sender, "__module__", None) or ""
+    name = getattr(sender, "__qualname__", None) or type(sender).__qualname__
+    return f"{module}.{name}" if module else name

@@ -1,0 +1,353 @@
+"""The one adapter between Django's request and the engine: ``RequestUnit`` reads the key,
+principal and fingerprint, opens the unit of work, and turns its decisions into responses."""
+
+from __future__ import annotations
+
+import functools
+import logging
+import time
+from datetime import timedelta
+from typing import Any
+
+from asgiref.sync import sync_to_async
+from django.core.exceptions import ImproperlyConfigured
+from django.core.handlers.asgi import ASGIRequest
+from django.db import router
+from django.http import HttpRequest, HttpResponse
+from django.http.response import HttpResponseBase
+from django.utils.cache import patch_vary_headers
+
+from django_idempotency import signals
+from django_idempotency.conf import conf
+from django_idempotency.engine import instrumentation
+from django_idempotency.engine.errors import (
+    IdempotencyError,
+    Misconfigured,
+    MissingKey,
+    PrincipalMissing,
+)
+from django_idempotency.engine.unit import UnitOfWork, failing_closed
+from django_idempotency.engine.work import Decision, Refuse, Replay, Result, Run, Work, view_name
+from django_idempotency.http.identity import (
+    ANONYMOUS,
+    check_key,
+    credentials_of,
+    fingerprint,
+    parse_key,
+    principal_for,
+)
+from django_idempotency.http.options import Policy
+from django_idempotency.http.problems import problem_response
+from django_idempotency.models import IdempotencyRecord
+
+logger = logging.getLogger("django_idempotency")
+
+REPLAYED_HEADER = "Idempotent-Replayed"
+# Response headers worth replaying; conf.REPLAY_HEADERS adds to these. The caching ones
+# matter: a replayed access token must stay "no-store".
+REPLAY_HEADERS = frozenset(
+    (
+        "content-type",
+        "location",
+        "content-language",
+        "etag",
+        "link",
+        "cache-control",
+        "expires",
+        "pragma",
+        "vary",
+    )
+)
+# Never stored, whatever the settings say.
+NEVER_STORED_HEADERS = frozenset(
+    (
+        "set-cookie",
+        "authorization",
+        "proxy-authorization",
+        "www-authenticate",
+        "proxy-authenticate",
+        "cookie",
+    )
+)
+# "wait" preferences are capped before they become a timedelta: any number of digits.
+MAX_PREFERRED_WAIT = 86400
+
+
+def accepts_deflate(header: str) -> bool:
+    """Whether an Accept-Encoding value allows "deflate" (explicitly or by "*")."""
+    allowed: dict[str, bool] = {}
+    for item in header.lower().split(","):
+        coding, _, params = item.partition(";")
+        quality = params.strip().removeprefix("q=").strip() if params else "1"
+        try:
+            allowed[coding.strip()] = float(quality) > 0
+        except ValueError:
+            allowed[coding.strip()] = False
+    return allowed.get("deflate", allowed.get("*", False))
+
+
+def prefer_wait(meta: dict[str, Any]) -> int | None:
+    """The ``wait`` preference of RFC 7240, in seconds; ill-formed preferences are ignored."""
+    for preference in meta.get("HTTP_PREFER", "").split(","):
+        token = preference.split(";", 1)[0]
+        name, eq, value = token.partition("=")
+        value = value.strip().strip('"')
+        if name.strip().lower() == "wait" and eq and value.isascii() and value.isdigit():
+            return int(value)
+    return None
+
+
+class RequestUnit:
+    """The unit of work of one HTTP request: the view glue's only partner.
+
+    ``covered`` says whether the request is subject to idempotency at all (its method,
+    and a key or a view that requires one); ``open()`` decides, ``close(response)`` stores
+    the response and returns what to send, ``fail(exc)`` rolls back.
+    """
+
+    def __init__(
+        self, request: HttpRequest, policy: Policy, *, sender: Any, model: Any = None
+    ) -> None:
+        self.request = request
+        self.policy = policy
+        self.sender = sender
+        # The model the view writes, if the glue knows it: its records go where it goes.
+        self.model = model
+        # A duplicate's wait counts from its arrival, not from the claim.
+        self.arrived = time.monotonic()
+        # A key_from view's key is read only in open(), after the view's own checks.
+        self.covered = request.method in policy.methods and (
+            policy.required or policy.key_from is not None or policy.header_meta in request.META
+        )
+        self._unit: UnitOfWork | None = None
+        self._headers: dict[str, str] = {}
+
+    def open(self, *, principal_request: Any = None, media_type: str | None = None) -> Decision:
+        """Claim the key, or say how to answer instead. ``principal_request`` is the
+        request that carries the authenticated user (DRF's), ``media_type`` the
+        negotiated one when the view can answer in several. A duplicate that may wait
+        waits here, on this thread, within the process's waiter cap.
+
+        ``Run`` with nothing claimed when the view's ``key_from`` found no key and the view
+        does not require one: the request runs unprotected, as one without a key header."""
+        unit = self._unit_or_refusal(principal_request, media_type)
+        if isinstance(unit, Refuse | Run):
+            return unit
+        try:
+            decision = unit.open()
+        except IdempotencyError as error:
+            return self._refuse(error)
+        return self._decided(decision)
+
+    async def aopen(
+        self, *, principal_request: Any = None, media_type: str | None = None
+    ) -> Decision:
+        """``open()`` for an async view: a duplicate that may wait sleeps on the event loop
+        between claims, holding no thread and no database connection (under ASGI)."""
+        unit = await sync_to_async(self._unit_or_refusal)(principal_request, media_type)
+        if isinstance(unit, Refuse | Run):
+            return unit
+        # Under WSGI the event loop runs for a server thread that waits for it.
+        holds_thread = not isinstance(self.request, ASGIRequest)
+        try:
+            decision = await unit.aopen(holds_thread=holds_thread)
+        except IdempotencyError as error:
+            return self._refuse(error)
+        return self._decided(decision)
+
+    def _unit_or_refusal(
+        self, principal_request: Any, media_type: str | None
+    ) -> UnitOfWork | Refuse | Run:
+        try:
+            unit = self._unit = self._prepare(principal_request or self.request, media_type)
+        except IdempotencyError as error:
+            instrumentation.refused(self.sender, error)
+            return self._refuse(error)
+        if unit is None:
+            return Run()
+        return unit
+
+    def _decided(self, decision: Decision) -> Decision:
+        if isinstance(decision, Refuse):
+            return self._refuse(decision.error)
+        return decision
+
+    def _refuse(self, error: IdempotencyError) -> Refuse:
+        error.headers.update(self._headers)
+        return Refuse(error)
+
+    def _prepare(self, principal_request: Any, media_type: str | None) -> UnitOfWork | None:
+        request, policy = self.request, self.policy
+        if policy.key_from is not None:
+            found = policy.key_from(request)
+            if found is None:
+                if policy.required:
+                    raise MissingKey("This endpoint requires a key, and the request has none.")
+                return None
+            key = check_key(found, "key read from the request")
+        else:
+            raw = request.META.get(policy.header_meta)
+            if raw is None:
+                raise MissingKey(f"This endpoint requires an {policy.header} header.")
+            key = parse_key(raw)
+        try:
+            with failing_closed():  # the user may be loaded from the database only now
+                principal = principal_for(principal_request, policy.principal)
+                carried = (
+                    credentials_of(request)
+                    if principal == ANONYMOUS and not policy.allow_anonymous
+                    else None
+                )
+        except PrincipalMissing:
+            logger.error(
+                "The principal callable of view %s returned no principal; the request was "
+                "refused rather than run in a scope shared with others.",
+                view_name(self.sender),
+            )
+            raise
+        if carried is not None:
+            logger.error(
+                "The idempotent view %s (%s %s) got a key from a request that carries %s, but "
+                "whose principal is the anonymous one: the key is claimed before the view's "
+                "own authentication runs, so every caller would share one scope and replay "
+                "each other's responses; the request was refused. Put @idempotent below the "
+                "view's authentication decorator (below @api_view for DRF), or set "
+                "allow_anonymous=True on a view whose keys are meant to be anonymous (a "
+                "receiver scoped otherwise).",
+                view_name(self.sender),
+                request.method,
+                request.path,
+                carried,
+            )
+            raise Misconfigured(
+                f"The request carries {carried}, but this endpoint claimed its key before "
+                "authenticating it, so the request was not processed."
+            )
+        parts = fingerprint(
+            request, policy.exclude_fields, policy.fingerprint_headers, media_type=media_type
+        )
+        wait = policy.wait
+        if wait > timedelta(0):
+            # A client may ask for a shorter or longer wait only where waiting is on.
+            preferred = prefer_wait(request.META)
+            if preferred is not None:
+                wait = timedelta(seconds=min(preferred, MAX_PREFERRED_WAIT))
+            wait = min(wait, conf.MAX_WAIT)
+            if preferred is not None:
+                self._headers["Preference-Applied"] = f"wait={int(wait.total_seconds())}"
+            wait -= timedelta(seconds=time.monotonic() - self.arrived)
+        work = Work(
+            principal=principal,
+            key=key,
+            method=request.method or "",
+            path=request.path,
+            fingerprint=parts,
+            ttl=policy.ttl,
+        )
+        return UnitOfWork(
+            work,
+            wait=wait,
+            sender=self.sender,
+            context=request,
+            using=self._database(),
+            lookup_first=policy.lookup_first,
+            poll=True,
+        )
+
+    def _database(self) -> str:
+        """Where the records of this request live: the view's write database, so that the
+        claim, the view's writes and the record commit together (per shard)."""
+        using = self.policy.using
+        if callable(using):
+            return using(self.request)
+        if using is not None:
+            return using
+        return router.db_for_write(self.model or IdempotencyRecord)
+
+    def close(self, response: HttpResponseBase) -> HttpResponseBase:
+        """Store the response and commit; the response to send (a problem when the work
+        did not commit)."""
+        unit = self._unit
+        if unit is None:  # run unprotected: key_from found no key
+            return response
+        try:
+            result = _result(response)
+        except BaseException as exc:
+            unit.fail(exc)
+            raise
+        try:
+            stored = unit.close(result)
+        except IdempotencyError as error:
+            return self.respond(self._refuse(error))
+        for name, value in self._headers.items():
+            response[name] = value
+        if stored:
+            signals.response_stored.send_robust(
+                self.sender,
+                request=self.request,
+                key=unit.work.key,
+                principal=unit.work.principal,
+                status=response.status_code,
+            )
+        return response
+
+    def respond(self, decision: Replay | Refuse) -> HttpResponse:
+        """The response to send instead of running the view: the replay, or the refusal."""
+        if isinstance(decision, Replay):
+            deflate = accepts_deflate(self.request.META.get("HTTP_ACCEPT_ENCODING", ""))
+            return replay_response(decision, deflate, self._headers)
+        return problem_response(decision.error)
+
+    def fail(self, exc: BaseException) -> None:
+        """Roll back everything (the view raised); explain a durable block."""
+        unit = self._unit
+        if unit is None:
+            return
+        self._unit = None
+        unit.fail(exc)
+        if isinstance(exc, RuntimeError) and "durable atomic block" in str(exc):
+            raise ImproperlyConfigured(
+                f"The idempotent view {view_name(self.sender)} opens "
+                "transaction.atomic(durable=True), "
+                "which cannot run inside the request's transaction that holds the key. Use a "
+                "plain transaction.atomic() in this view."
+            ) from exc
+
+
+@instrumentation.traced_replay
+def replay_response(replay: Replay, deflate: bool, headers: dict[str, str]) -> HttpResponse:
+    """The stored response, byte for byte (after decoding, unless the client accepts
+    ``deflate``), marked as a replay, with the request's own ``headers``."""
+    encoded = deflate and replay.compressed
+    response = HttpResponse(replay.body if encoded else replay.sent_body(), status=replay.status)
+    del response["Content-Type"]
+    for name, value in replay.headers:
+        response[name] = value
+    if encoded:
+        # zlib's format is HTTP's "deflate": the client decodes what we never inflate.
+        response["Content-Encoding"] = "deflate"
+        patch_vary_headers(response, ("Accept-Encoding",))
+    response[REPLAYED_HEADER] = "true"
+    for name, value in headers.items():
+        response[name] = value
+    return response
+
+
+def _result(response: HttpResponseBase) -> Result:
+    if response.streaming:
+        raise ImproperlyConfigured(
+            "An idempotent view returned a streaming response, which cannot be stored for "
+            "replay. Return a regular response from this view."
+        )
+    render = getattr(response, "render", None)
+    if render is not None and not getattr(response, "is_rendered", True):
+        render()
+    kept = _kept_headers(conf.REPLAY_HEADERS)
+    headers = [[name, value] for name, value in response.items() if name.lower() in kept]
+    return Result(response.status_code, headers, response.content)  # type: ignore[attr-defined]
+
+
+@functools.lru_cache(maxsize=16)
+def _kept_headers(extra: tuple[str, ...]) -> frozenset[str]:
+    """The response headers to store, for the setting's value: built once, not per request."""
+    return REPLAY_HEADERS.union(name.lower() for name in extra) - NEVER_STORED_HEADERS
