@@ -54,6 +54,7 @@ from django_idempotency.engine.identity import (
 from django_idempotency.engine.options import Policy
 from django_idempotency.models import IdempotencyRecord
 from django_idempotency.problems import problem_response
+from django_idempotency.storage import bodies, riders
 from django_idempotency.storage import records as storage
 from django_idempotency.storage.secret import SecretMissing
 
@@ -241,7 +242,7 @@ class Replay:
     def response(self) -> HttpResponse:
         """The stored response, byte for byte (after decoding), marked as a replay."""
         record = self.record
-        encoded = self.deflate and record.body_encoding == storage.ZLIB
+        encoded = self.deflate and record.body_encoding == bodies.ZLIB
         body = record.response_body if encoded else record.body()
         response = HttpResponse(body, status=record.response_code)
         del response["Content-Type"]
@@ -561,7 +562,7 @@ class UnitOfWork:
         else:
             # The transaction is the unit's own, so writes that can wait (an outbox row)
             # travel with the store and its COMMIT instead of a round trip each.
-            with storage.riding(using, commits=outermost) as riding:
+            with riders.riding(using, commits=outermost) as riding:
                 result = yield Run()
             if isinstance(result, BaseException):
                 raise result
@@ -590,7 +591,7 @@ class UnitOfWork:
             return False
         work = self.work
         assert claimed.created_at is not None
-        body, encoding = storage.encode_body(using, result.body, conf.COMPRESS_MIN_BYTES)
+        body, encoding = bodies.encode_body(using, result.body, conf.COMPRESS_MIN_BYTES)
         finished = storage.Finished(
             principal=work.principal,
             key=work.key,

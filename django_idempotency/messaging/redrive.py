@@ -30,6 +30,7 @@ from django_idempotency import signals
 from django_idempotency.conf import conf
 from django_idempotency.messaging.outbox import CHANNEL, task_name
 from django_idempotency.models import IdempotencyRecord, OutboxMessage
+from django_idempotency.storage import records
 
 if TYPE_CHECKING:
     from django.db.models import QuerySet
@@ -209,12 +210,12 @@ class Redrive:
         wanted = [row for row in due if principals[row.pk] is not None]
         if not wanted:
             return set()
-        found = IdempotencyRecord.objects.using(self.records_using).filter(
-            key__in=[str(row.pk) for row in wanted],
-            scope__in={principals[row.pk] for row in wanted},
-            created_at__gte=min(row.created_at for row in wanted) - CLOCK_SKEW,
+        return records.recorded(
+            self.records_using,
+            principals={principal for row in wanted if (principal := principals[row.pk])},
+            keys=[str(row.pk) for row in wanted],
+            since=min(row.created_at for row in wanted) - CLOCK_SKEW,
         )
-        return set(found.values_list("scope", "key"))
 
     def _publish_again(self, rows: QuerySet[OutboxMessage], now: datetime) -> None:
         rows.update(
