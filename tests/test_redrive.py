@@ -28,10 +28,11 @@ from django_idempotency import signals
 from django_idempotency.messaging.consumers import ExactlyOnceTask, consumer_principal
 from django_idempotency.messaging.outbox import enqueue_event, enqueue_task
 from django_idempotency.messaging.redrive import RedriveResult
-from django_idempotency.messaging.relay import Relay, running
+from django_idempotency.messaging.relay import Relay
 from django_idempotency.models import IdempotencyRecord, OutboxMessage
 from tests.chain_processes import QUEUE, RedisServer, wait_for
 from tests.factories import ConsumerRecordFactory
+from tests.support.relays import running
 from tests.test_relay import bare_app, run_on_sqlite
 
 pytestmark = [
