@@ -1,5 +1,5 @@
-"""Every query on the records table: claim, lookup and store (the migrations' functions on
-PostgreSQL, a unique ``(key, scope)`` index elsewhere), the redrive's check, the admin's delete."""
+"""Every query on the records table, the only writer of new records: claim, lookup, store (the
+migrations' functions on PostgreSQL, a unique index elsewhere), the redrive's check, a delete."""
 
 from __future__ import annotations
 
