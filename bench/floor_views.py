@@ -27,6 +27,7 @@ from django_idempotency.conf import conf
 from django_idempotency.engine.hashing import lock_id
 from django_idempotency.engine.work import Replay
 from django_idempotency.http.request import replay_response
+from django_idempotency.storage import bodies
 from django_idempotency.storage import records as storage
 from testproject.payments.parsers import JSONParser
 from testproject.payments.views import ChargeCreateView, PaymentCreateView
@@ -133,7 +134,7 @@ class FreshStatementsFloorView(FreshFloorView):
             if claimed.created_at is None:
                 return Response({"claimed": claimed.outcome.value}, status=409)
             response = self.charge(request)
-            body, encoding = storage.encode_body(
+            body, encoding = bodies.encode_body(
                 DEFAULT_DB_ALIAS, response.content, conf.COMPRESS_MIN_BYTES
             )
             record = finished(

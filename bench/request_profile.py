@@ -42,7 +42,7 @@ PROBES = [
     ("django_idempotency.http.request", "RequestUnit.close", "RequestUnit.close"),
     ("django_idempotency.http.request", "_result", "  _result (render, headers)"),
     ("django_idempotency.engine.unit", "UnitOfWork.close", "  UnitOfWork.close"),
-    ("django_idempotency.storage.records", "encode_body", "    storage.encode_body"),
+    ("django_idempotency.storage.bodies", "encode_body", "    bodies.encode_body"),
     ("django_idempotency.storage.records", "store", "    storage.store (+COMMIT)"),
     ("django.db.transaction", "Atomic.__exit__", "atomic exit (COMMIT)"),
     ("django.db.backends.utils", "CursorWrapper.execute", "every cursor.execute"),

@@ -315,9 +315,9 @@ def _observe_headroom(options: CallbackOptions) -> Iterable[Observation]:
 
 
 def _backlog() -> list[tuple[float, float, str]]:
-    from django.db.models import Min
     from django.utils import timezone
 
+    from django_idempotency.messaging import leases
     from django_idempotency.models import OutboxMessage
 
     found = []
@@ -326,7 +326,7 @@ def _backlog() -> list[tuple[float, float, str]]:
         def read(connection: Any, alias: str = alias) -> list[tuple[float, float, str]]:
             pending = OutboxMessage.objects.using(alias).filter(published_at__isnull=True)
             count = pending.values("pk")[:BACKLOG_COUNT_LIMIT].count()
-            oldest = pending.aggregate(oldest=Min("created_at"))["oldest"]
+            oldest = leases.oldest_pending(alias)
             age = 0.0 if oldest is None else (timezone.now() - oldest).total_seconds()
             return [(float(count), max(age, 0.0), alias)]
 

@@ -1,4 +1,5 @@
-"""factory-boy factories for the core tests: users, tokens, records, request scripts, keys."""
+"""factory-boy factories for the core tests: users, tokens, records (a view's, a consumer's),
+request scripts, keys."""
 
 from __future__ import annotations
 
@@ -45,6 +46,23 @@ class IdempotencyRecordFactory(DjangoModelFactory):
     response_body = b'{"stored": true}'
     created_at = factory.LazyFunction(timezone.now)
     expires_at = factory.LazyAttribute(lambda record: record.created_at + timedelta(hours=24))
+
+
+class ConsumerRecordFactory(IdempotencyRecordFactory):
+    """The record an exactly-once consumer keeps of a message it ran: under the consumer's
+    principal, keyed by the message id (``messaging.consumers.consume``)."""
+
+    class Params:
+        task = "tests.consumer"
+
+    scope = factory.LazyAttribute(lambda record: f"consumer:{record.task}")
+    key = factory.LazyFunction(lambda: str(uuid.uuid4()))
+    method = "TASK"
+    path = factory.SelfAttribute("task")
+    response_code = 200
+    response_headers = factory.List([factory.List(["content-type", "application/json"])])
+    response_body = b"null"
+    expires_at = factory.LazyAttribute(lambda record: record.created_at + timedelta(days=7))
 
 
 class ScriptFactory(factory.DictFactory):

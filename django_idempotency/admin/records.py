@@ -33,7 +33,7 @@ from django_idempotency.http.identity import parse_key
 from django_idempotency.models import IdempotencyRecord
 from django_idempotency.partitions import catalog
 from django_idempotency.partitions.tables import RECORDS
-from django_idempotency.storage import records as storage
+from django_idempotency.storage import bodies, records
 
 # Columns the list never shows; a stored body alone may be megabytes.
 DETAIL_ONLY_FIELDS = ("fingerprint", "response_headers", "response_body")
@@ -192,7 +192,7 @@ def _pre(text: str) -> SafeString:
 
 def body_text(record: IdempotencyRecord) -> str:
     """The stored body for people: decompressed, JSON indented, binary described."""
-    body = storage.decode_body(record.response_body, record.body_encoding)
+    body = bodies.decode_body(record.response_body, record.body_encoding)
     try:
         text = body.decode()
     except UnicodeDecodeError:
@@ -266,10 +266,7 @@ class IdempotencyRecordAdmin(ReadOnlyLargeTableAdmin[IdempotencyRecord]):
 
     # Deleting frees a key; it is done one record at a time, from its page (no bulk action).
     def delete_model(self, request: HttpRequest, obj: IdempotencyRecord) -> None:
-        # created_at prunes the delete to the record's own partition.
-        IdempotencyRecord.objects.using(obj._state.db).filter(
-            pk=obj.pk, created_at=obj.created_at
-        ).delete()
+        records.delete(obj._state.db, record_id=obj.pk, created_at=obj.created_at)
 
     @admin.display(description=_("principal"))
     def principal(self, obj: IdempotencyRecord) -> str:

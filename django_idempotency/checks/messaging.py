@@ -13,11 +13,11 @@ from django.apps import AppConfig, apps
 from django.core.checks import CheckMessage, Error, Tags, register
 from django.core.checks import Warning as CheckWarning
 from django.db import DatabaseError, router
-from django.db.models import Min
 from django.utils import timezone
 
 from django_idempotency.checks.base import ours
 from django_idempotency.conf import conf, wrong_type
+from django_idempotency.messaging import leases
 from django_idempotency.models import OutboxMessage
 
 
@@ -34,9 +34,8 @@ def check_outbox_backlog(
     for alias in databases or ():
         if not router.allow_migrate_model(alias, OutboxMessage):
             continue
-        pending = OutboxMessage.objects.using(alias).filter(published_at__isnull=True)
         try:
-            oldest = pending.aggregate(oldest=Min("created_at"))["oldest"]
+            oldest = leases.oldest_pending(alias)
         except DatabaseError:
             continue  # not migrated yet
         if oldest is not None and timezone.now() - oldest > conf.OUTBOX_MAX_AGE:

@@ -15,7 +15,7 @@ from django_idempotency.engine.errors import (
     KeyReused,
 )
 from django_idempotency.engine.work import Decision, Refuse, Replay, Work, differing
-from django_idempotency.storage import records as storage
+from django_idempotency.storage import records
 
 logger = logging.getLogger("django_idempotency")
 
@@ -26,13 +26,13 @@ def short(key: str) -> str:
 
 
 def decide(
-    claimed: storage.Claimed, work: Work, *, sender: Any, context: Any, waited: float = 0.0
+    claimed: records.Claimed, work: Work, *, sender: Any, context: Any, waited: float = 0.0
 ) -> Decision:
     """What a claim that was not won answers: the stored result (``Replay``), or ``Refuse``
     (in progress, expired, reused); ``context`` is what signals carry as ``request``."""
     record = claimed.record
     about = {"key": work.key, "principal": work.principal}
-    if claimed.outcome is storage.Outcome.BUSY:
+    if claimed.outcome is records.Outcome.BUSY:
         logger.info(
             "Idempotency key %s is in progress; gave up after %.2fs", short(work.key), waited
         )
@@ -43,7 +43,7 @@ def decide(
         )
         error.headers["Retry-After"] = str(RETRY_AFTER_SECONDS)
         return Refuse(error)
-    if claimed.outcome is storage.Outcome.EXPIRED:
+    if claimed.outcome is records.Outcome.EXPIRED:
         return Refuse(
             KeyExpired(
                 "This Idempotency-Key has expired; its outcome can no longer be replayed. "

@@ -37,8 +37,8 @@ from django_idempotency.engine.work import (
     view_name,
 )
 from django_idempotency.models import IdempotencyRecord
-from django_idempotency.storage import records as storage
 from django_idempotency.storage.secret import SecretMissing
+from django_idempotency.storage import bodies, records, riders
 
 logger = logging.getLogger("django_idempotency")
 
@@ -202,20 +202,20 @@ class UnitOfWork:
         window = max(conf.MAX_TTL, work.ttl) + conf.EXPIRED_WINDOW
         if self.lookup_first:
             with failing_closed():
-                found = storage.lookup(
+                found = records.lookup(
                     self.using, principal=work.principal, key=work.key, window=window
                 )
             if found is not None:
-                stored = storage.Claimed(storage.Outcome.FOUND, record=found)
+                stored = records.Claimed(records.Outcome.FOUND, record=found)
                 yield decide(stored, work, sender=self.sender, context=self.context)
                 return False
         with failing_closed():
             lock, fallback_locks = self._locks()
         outermost = not connections[self.using].in_atomic_block
-        claimed: storage.Claimed | None = None
+        claimed: records.Claimed | None = None
         try:
             with transaction.atomic(using=self.using):
-                claimed = storage.claim(
+                claimed = records.claim(
                     self.using,
                     lock=lock,
                     principal=work.principal,
@@ -226,7 +226,7 @@ class UnitOfWork:
                     now=self.now,
                     also_lock=fallback_locks,
                 )
-                if claimed.outcome is storage.Outcome.WON:
+                if claimed.outcome is records.Outcome.WON:
                     # set(), not a token's reset(): an async view closes the unit in
                     # another context than the one that opened it.
                     outer = current_unit.get()
@@ -235,7 +235,7 @@ class UnitOfWork:
                         return (yield from self._run(claimed, outermost))
                     finally:
                         current_unit.set(outer)
-        except storage.IsolationRefused as exc:
+        except records.IsolationRefused as exc:
             raise self._misconfigured(exc) from exc
         except _LOST_STORE as exc:
             # The work's own exception goes back to the glue as it was; a connection lost
@@ -252,17 +252,17 @@ class UnitOfWork:
             ) from exc
         # Not ours: the transaction ended above, which freed the lock at once.
         assert claimed is not None
-        if claimed.outcome is storage.Outcome.BUSY:
+        if claimed.outcome is records.Outcome.BUSY:
             # A claim that does not wait finds the lock taken also while another duplicate
             # holds it for the moment its own claim takes to find the record: what is
             # committed is replayed, and only a key whose first request still runs is busy.
             with failing_closed():
-                found = storage.lookup(
+                found = records.lookup(
                     self.using, principal=work.principal, key=work.key, window=window
                 )
             if found is not None:
-                claimed = storage.Claimed(storage.Outcome.FOUND, record=found)
-        if claimed.outcome is storage.Outcome.BUSY and self._patience.may_wait(capped):
+                claimed = records.Claimed(records.Outcome.FOUND, record=found)
+        if claimed.outcome is records.Outcome.BUSY and self._patience.may_wait(capped):
             self._release()
             yield None
             return False
@@ -291,7 +291,7 @@ class UnitOfWork:
             connection.close()
 
     def _run(
-        self, claimed: storage.Claimed, outermost: bool
+        self, claimed: records.Claimed, outermost: bool
     ) -> Generator[Decision | None, Result | BaseException, bool]:
         using = self.using
         riding: list[tuple[str, list[Any]]] = []
@@ -300,7 +300,7 @@ class UnitOfWork:
                 result = yield Run()
                 if isinstance(result, BaseException):
                     raise result
-                broken = storage.transaction_broken(using)
+                broken = records.transaction_broken(using)
                 if broken:
                     # Leave the savepoint by rolling back to it: the view's writes go, and
                     # the request's transaction can still store a 4xx.
@@ -308,11 +308,11 @@ class UnitOfWork:
         else:
             # The transaction is the unit's own, so writes that can wait (an outbox row)
             # travel with the store and its COMMIT instead of a round trip each.
-            with storage.riding(using, commits=outermost) as riding:
+            with riders.riding(using, commits=outermost) as riding:
                 result = yield Run()
             if isinstance(result, BaseException):
                 raise result
-            broken = storage.transaction_broken(using)
+            broken = records.transaction_broken(using)
         if broken and 200 <= result.status < 400:
             transaction.set_rollback(True, using=using)
             logger.error(
@@ -326,7 +326,7 @@ class UnitOfWork:
                 "The request's work was rolled back, so it did not take effect. Retry with "
                 "the same key."
             )
-        if broken and storage.transaction_broken(using):
+        if broken and records.transaction_broken(using):
             # A 4xx from a transaction that cannot commit: answered, not stored.
             transaction.set_rollback(True, using=using)
             return False
@@ -337,8 +337,8 @@ class UnitOfWork:
             return False
         work = self.work
         assert claimed.created_at is not None
-        body, encoding = storage.encode_body(using, result.body, conf.COMPRESS_MIN_BYTES)
-        finished = storage.Finished(
+        body, encoding = bodies.encode_body(using, result.body, conf.COMPRESS_MIN_BYTES)
+        finished = records.Finished(
             principal=work.principal,
             key=work.key,
             method=work.method,
@@ -352,11 +352,11 @@ class UnitOfWork:
             body_encoding=encoding,
         )
         try:
-            storage.store(using, finished, row_id=claimed.row_id, commit=outermost, riders=riding)
+            records.store(using, finished, row_id=claimed.row_id, commit=outermost, riders=riding)
         except _LOST_STORE:
             raise
         except Exception as exc:
-            if not storage.missing_partition(exc):
+            if not records.missing_partition(exc):
                 raise
             logger.critical(
                 "No partition accepts today's idempotency records: partition maintenance "
@@ -365,7 +365,7 @@ class UnitOfWork:
             raise store_unavailable("No partition accepts today's records.") from exc
         return True
 
-    def _misconfigured(self, refused: storage.IsolationRefused) -> Misconfigured:
+    def _misconfigured(self, refused: records.IsolationRefused) -> Misconfigured:
         logger.error(
             "The idempotent %s was not run: its claim on database %r ran at isolation level "
             "%s, whose snapshot predates the key's lock and cannot see a duplicate's "

@@ -8,7 +8,7 @@ from datetime import timedelta
 from typing import Any, ClassVar
 
 from django_idempotency.engine.errors import REPLAYED, WON, IdempotencyError
-from django_idempotency.storage import records as storage
+from django_idempotency.storage import bodies, records
 
 # The order in which differing parts of a fingerprint are reported.
 PARTS = ("method", "path", "query", "body")
@@ -54,13 +54,13 @@ class Replay:
     outcome: ClassVar[str] = REPLAYED
 
     @classmethod
-    def of(cls, record: storage.Record) -> Replay:
-        compressed = record.body_encoding == storage.ZLIB
+    def of(cls, record: records.Record) -> Replay:
+        compressed = record.body_encoding == bodies.ZLIB
         return cls(record.response_code, record.response_headers, record.response_body, compressed)
 
     def sent_body(self) -> bytes:
         """The body as it was first sent."""
-        return storage.decode_body(self.body, storage.ZLIB if self.compressed else "")
+        return bodies.decode_body(self.body, bodies.ZLIB if self.compressed else "")
 
 
 @dataclass(frozen=True, slots=True)

@@ -18,7 +18,7 @@ from django.db.models import Q
 from django_idempotency.conf import conf
 from django_idempotency.models import OutboxMessage
 from django_idempotency.partitions.tables import PartitionedTable
-from django_idempotency.storage.records import ride
+from django_idempotency.storage.riders import ride
 
 TABLE = "django_idempotency_outbox"
 # The relay LISTENs here; a NOTIFY is delivered only when the sending transaction commits.

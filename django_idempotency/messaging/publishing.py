@@ -1,31 +1,125 @@
-"""The relay's publish path: outbox rows as Celery task messages, at the broker's pace.
-
-``app.send_task()`` works out again, for every message, what does not change from one row to
-the next: the task's options, the app's settings, the queue bound to the channel (kombu copies
-and binds an unbound queue before it even looks at its declaration cache), the origin.
-``TaskSender`` works those out once per pass, and per row builds the message with Celery's own
-``create_task_message`` and sends it with Celery's own ``send_task_message``: the same protocol-2
-message as ``send_task()``, through the same routes, signals, serializer and declarations.
-
-What it does not repeat goes through ``send_task()`` itself: an eta (Celery's delayed delivery
-on quorum queues), a task with ``expires``, and a relay run inside a worker's task (whose
-messages ``send_task()`` makes that task's children). What it leaves out: registering each
-task with the result backend (a Redis backend subscribes to the task's result, then
-unsubscribes), which serves a caller that waits for the result; the relay never does.
-"""
+"""The broker: the relay's Celery app, its connection and producer, and ``TaskSender``, which
+sends outbox rows as ``app.send_task()`` would, at the broker's pace (``docs/outbox.md``)."""
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import datetime, timedelta
 from typing import Any
 
+from celery import _state, current_app
 from celery.app.routes import MapRoute
 from celery.utils.nodenames import anon_nodename
 from celery.utils.saferepr import saferepr
+from django.core.exceptions import ImproperlyConfigured
+from django.utils.module_loading import import_string
 from kombu import Queue
 from kombu.common import Broadcast
+from kombu.exceptions import OperationalError
+
+from django_idempotency.conf import conf
+from django_idempotency.messaging.leases import Message
+from django_idempotency.messaging.outbox import task_name
+from django_idempotency.models import OutboxMessage
+
+
+def celery_app() -> Any:
+    """The Celery app the relay publishes with: ``IDEMPOTENCY_OUTBOX_CELERY_APP``, else the
+    current app, the project's once its ``celery.py`` is imported. Never Celery's own
+    default app, whose broker no worker of the project reads (ImproperlyConfigured)."""
+    path = conf.OUTBOX_CELERY_APP
+    current = current_app._get_current_object  # type: ignore[attr-defined]
+    app = import_string(path) if path else current()
+    if celerys_default(app):
+        raise ImproperlyConfigured(
+            f"The relay's Celery app is Celery's default app ({app.main!r}, broker "
+            f"{broker_of(app)}), not the project's: the project's celery.py was never "
+            "imported, so the relay would publish where no worker of the project reads. "
+            "Import it in the project package's __init__.py (`from .celery import app as "
+            "celery_app`, as Celery's Django guide shows), or set "
+            "IDEMPOTENCY_OUTBOX_CELERY_APP to its dotted path, such as "
+            '"myproject.celery.app".'
+        )
+    return app
+
+
+def celerys_default(app: Any) -> bool:
+    """Whether ``app`` is the app Celery makes for itself when none was made (or set as
+    current in this thread)."""
+    fallback = getattr(_state, "default_app", None)  # made on first need, so read it now
+    return app is fallback and getattr(app, "main", None) == "default"
+
+
+def broker_of(app: Any) -> str:
+    """The app's broker URL to publish to, without its password."""
+    # A Connection is only a description until it is used: nothing connects here.
+    return str(app.connection_for_write().as_uri())
+
+
+def require_publisher_confirms(app: Any) -> None:
+    """On RabbitMQ, publish in confirm mode: a publish returns once the broker has the message.
+
+    Done before the relay opens its connection; Redis answers every command anyway.
+    """
+    url = str(app.conf.broker_write_url or app.conf.broker_url or "")
+    if url.split("://", 1)[0] in {"amqp", "pyamqp", "amqps"}:
+        options = dict(app.conf.broker_transport_options or {})
+        options.setdefault("confirm_publish", True)
+        app.conf.broker_transport_options = options
+
+
+class Broker:
+    """One connection and producer to the app's broker, kept between passes and replaced
+    after an error."""
+
+    def __init__(self, app: Any) -> None:
+        require_publisher_confirms(app)
+        self.app = app
+        self._connection: Any = None
+        self._producer: Any = None
+
+    def url(self) -> str:
+        return broker_of(self.app)
+
+    def producer(self) -> Any:
+        if self._producer is None:
+            self._connection = self.app.connection_for_write()
+            self._connection.ensure_connection(max_retries=1)
+            self._producer = self.app.amqp.Producer(self._connection, auto_declare=False)
+        return self._producer
+
+    def sender(self) -> TaskSender:
+        """What publishes on the producer; made once per pass."""
+        return TaskSender(self.app, self.producer())
+
+    def close(self) -> None:
+        if self._connection is not None:
+            with contextlib.suppress(Exception):
+                self._connection.close()
+        self._connection = self._producer = None
+
+    def is_connection_error(self, exc: Exception) -> bool:
+        """Whether ``exc`` says the broker is out of reach, rather than refusing a message."""
+        errors: tuple[type[BaseException], ...] = (OperationalError, OSError)
+        if self._connection is not None:
+            errors += tuple(self._connection.connection_errors)
+        # A failed Redis pipeline wraps the connection error that failed it.
+        return isinstance(exc, errors) or isinstance(exc.__cause__, errors)
+
+    def publish(self, message: Message, sender: TaskSender) -> None:
+        """Send one claimed row as its task (an event as the event task), under its own id."""
+        if message.kind == OutboxMessage.Kind.EVENT:
+            args, kwargs = [message.name, message.payload], {}
+        else:
+            args, kwargs = message.args, message.kwargs
+        name = task_name(message.kind, message.name)
+        countdown = message.options.get("countdown")
+        # From the enqueue, not from now: a relay that was late does not delay it further.
+        eta = None if countdown is None else message.created_at + timedelta(seconds=countdown)
+        queue = message.options.get("queue")
+        sender.send(name, args, kwargs, task_id=message.id, queue=queue, eta=eta)
 
 
 def argument_repr(

@@ -1,16 +1,5 @@
-"""Redrive: publish again a message that the broker lost.
-
-A broker can lose a message it accepted: a Redis without persistence restarted, kombu's Redis
-transport dropping an unacknowledged message when a worker dies at the wrong moment
-(celery/kombu#305), a queue purged by hand. The relay had marked it published, and nothing
-would ever run it. An exactly-once consumer leaves a record of every message it ran, so the
-relay can tell: a while after it publishes a message for an exactly-once task
-(``IDEMPOTENCY_OUTBOX_REDRIVE_AFTER``, doubled with each redrive), it looks for the
-consumer's record and, finding none, puts the message back to be published again with the
-same task id. A copy that arrives after all is answered from the record, so a message that
-was only slow costs one cheap extra delivery. Messages for other tasks are never redriven:
-nothing tells whether they ran, and running one twice could repeat its effect.
-"""
+"""The redrive: a published message for an exactly-once task whose consumer has no record of
+it (the broker lost it) is put back to be published again (``docs/outbox.md``)."""
 
 from __future__ import annotations
 
@@ -18,65 +7,35 @@ import contextlib
 import logging
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from datetime import datetime, timedelta
-from typing import TYPE_CHECKING, Any, Protocol
+from datetime import timedelta
+from typing import Any
 
-from django.db import connections, router, transaction
-from django.db.models import F
-from django.db.models.functions import Now
+from django.db import router, transaction
 from django.utils import timezone
 
 from django_idempotency import signals
 from django_idempotency.conf import conf
-from django_idempotency.messaging.outbox import CHANNEL, task_name
+from django_idempotency.messaging import leases
+from django_idempotency.messaging.leases import Message
+from django_idempotency.messaging.outbox import task_name
 from django_idempotency.models import IdempotencyRecord, OutboxMessage
-
-if TYPE_CHECKING:
-    from django.db.models import QuerySet
+from django_idempotency.storage import records
 
 logger = logging.getLogger("django_idempotency.relay")
 
-# Each redrive doubles the wait before the next check, up to 2**6 times the first.
-MAX_DOUBLINGS = 6
 # How often a running relay looks for rows due a check, at most (and at least twice per
 # IDEMPOTENCY_OUTBOX_REDRIVE_AFTER).
 CHECK_EVERY = timedelta(seconds=10)
 # A consumer's record is made by the database's clock, the message's created_at by the
 # app's: the lookup allows for this much skew between the two.
 CLOCK_SKEW = timedelta(hours=1)
+GIVEN_UP = (
+    "No record of its exactly-once consumer after its redrives "
+    "(IDEMPOTENCY_OUTBOX_REDRIVE_LIMIT, or the consumer records' retention); "
+    "not published again."
+)
 # Task names the relay's app did not know, already named in a warning.
 _unknown: set[str] = set()
-
-# The check time the relay's MARK sets, in SQL: after the message's countdown, if any, and
-# doubled with each redrive. Parameters: the ids to check, IDEMPOTENCY_OUTBOX_REDRIVE_AFTER.
-CHECK_AT_SQL = f"""CASE WHEN id = ANY(%s::uuid[]) THEN
-           greatest(now(), created_at + coalesce((options->>'countdown')::float8, 0)
-                           * interval '1 second')
-           + %s * power(2, least(redrives, {MAX_DOUBLINGS})) END"""
-
-
-class Published(Protocol):
-    """What the redrive needs of a message the relay published."""
-
-    @property
-    def id(self) -> str: ...
-    @property
-    def created_at(self) -> datetime: ...
-    @property
-    def kind(self) -> int: ...
-    @property
-    def name(self) -> str: ...
-    @property
-    def options(self) -> dict[str, Any]: ...
-    @property
-    def redrives(self) -> int: ...
-
-
-def check_at(message: Published, now: datetime, after: timedelta) -> datetime:
-    """CHECK_AT_SQL, in Python (databases other than PostgreSQL)."""
-    countdown = message.options.get("countdown") or 0
-    start = max(now, message.created_at + timedelta(seconds=countdown))
-    return start + after * (1 << min(message.redrives, MAX_DOUBLINGS))
 
 
 @dataclass
@@ -148,7 +107,7 @@ class Redrive:
         except Exception:  # the worker fails on it too; the relay still publishes
             logger.exception("The relay could not import the project's Celery tasks.")
 
-    def to_check(self, messages: Iterable[Published]) -> list[str]:
+    def to_check(self, messages: Iterable[Message]) -> list[str]:
         """The ids, among ``messages`` just published, whose consumer record is to be checked."""
         if self.after is None:
             return []
@@ -159,13 +118,7 @@ class Redrive:
         publishing those whose consumer has no record of them."""
         result = RedriveResult()
         with transaction.atomic(using=self.using):
-            due = list(
-                OutboxMessage.objects.using(self.using)
-                .select_for_update(skip_locked=True)
-                .filter(redrive_at__lte=Now())
-                .order_by("redrive_at")
-                .only("id", "created_at", "kind", "name", "redrives")[:limit]
-            )
+            due = leases.due_for_check(self.using, limit)
             if not due:
                 return result
             result.checked = len(due)
@@ -185,17 +138,16 @@ class Redrive:
                 else:
                     again.append(row.pk)
             result.consumed = len(done)
-            rows = OutboxMessage.objects.using(self.using)
-            rows.filter(pk__in=done).update(redrive_at=None)
+            leases.checked(self.using, done)
             if result.given_up:
-                rows.filter(pk__in=result.given_up).update(
-                    redrive_at=None,
-                    last_error="No record of its exactly-once consumer after its redrives "
-                    "(IDEMPOTENCY_OUTBOX_REDRIVE_LIMIT, or the consumer records' retention); "
-                    "not published again.",
-                )
+                leases.checked(self.using, result.given_up, error=GIVEN_UP)
             if again:
-                self._publish_again(rows.filter(pk__in=again), now)
+                leases.publish_again(
+                    self.using,
+                    again,
+                    error=f"Published, and no record of its exactly-once consumer by "
+                    f"{now.isoformat(timespec='seconds')}: published again.",
+                )
                 result.republished = [str(pk) for pk in again]
         self._log(result)
         if result.republished:
@@ -209,28 +161,12 @@ class Redrive:
         wanted = [row for row in due if principals[row.pk] is not None]
         if not wanted:
             return set()
-        found = IdempotencyRecord.objects.using(self.records_using).filter(
-            key__in=[str(row.pk) for row in wanted],
-            scope__in={principals[row.pk] for row in wanted},
-            created_at__gte=min(row.created_at for row in wanted) - CLOCK_SKEW,
+        return records.recorded(
+            self.records_using,
+            principals={principal for row in wanted if (principal := principals[row.pk])},
+            keys=[str(row.pk) for row in wanted],
+            since=min(row.created_at for row in wanted) - CLOCK_SKEW,
         )
-        return set(found.values_list("scope", "key"))
-
-    def _publish_again(self, rows: QuerySet[OutboxMessage], now: datetime) -> None:
-        rows.update(
-            published_at=None,
-            redrive_at=None,
-            lease_owner="",
-            lease_until=None,
-            redrives=F("redrives") + 1,
-            last_error=f"Published, and no record of its exactly-once consumer by "
-            f"{now.isoformat(timespec='seconds')}: published again.",
-        )
-        connection = connections[self.using]
-        if connection.vendor == "postgresql" and conf.OUTBOX_NOTIFY:
-            # Delivered on commit: every relay wakes to publish it.
-            with connection.cursor() as cursor:
-                cursor.execute("SELECT pg_notify(%s, '')", [CHANNEL])
 
     def _log(self, result: RedriveResult) -> None:
         if result.republished:

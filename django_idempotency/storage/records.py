@@ -1,21 +1,11 @@
-"""Every query the engine makes on the records table; the only writer of new records.
-
-On PostgreSQL the claim, the lock-free lookup and the store are the functions that the
-migrations create (``django_idempotency_claim``, ``django_idempotency_lookup`` and
-``django_idempotency_store``); elsewhere a plain table with a unique ``(key, scope)`` index
-arbitrates. Writes of other tables that can wait for
-the store (an outbox row) ride in its statement (``Riders``, at the end).
-"""
+"""Every query on the records table, the only writer of new records: claim, lookup, store (the
+migrations' functions on PostgreSQL, a unique index elsewhere), the redrive's check, a delete."""
 
 from __future__ import annotations
 
-import contextlib
 import enum
 import json
-import threading
-import zlib
-from collections.abc import Iterator, Sequence
-from contextvars import ContextVar
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Any, NamedTuple
@@ -26,6 +16,7 @@ from django.utils import timezone
 from django_idempotency.models import IdempotencyRecord
 from django_idempotency.partitions.apply import sqlstate
 from django_idempotency.storage import cursors
+from django_idempotency.storage.bodies import decode_body
 
 if TYPE_CHECKING:
     from django.db.backends.base.base import BaseDatabaseWrapper
@@ -34,11 +25,6 @@ if TYPE_CHECKING:
 NO_PARTITION_SQLSTATE = "23514"
 # SQLSTATE the claim raises at REPEATABLE READ or SERIALIZABLE (migration 0007).
 ISOLATION_REFUSED_SQLSTATE = "0AI01"
-ZLIB = "zlib"
-# zlib level 1 compresses JSON about as well as level 6 at a third of the CPU.
-ZLIB_LEVEL = 1
-# pg_attribute.attcompression of a column that PostgreSQL compresses with lz4.
-LZ4 = "l"
 
 
 class Outcome(enum.Enum):
@@ -251,48 +237,6 @@ def _record(obj: IdempotencyRecord) -> Record:
     )
 
 
-# Per database (alias, name): whether PostgreSQL compresses stored bodies itself. Read
-# once per process; a stale answer costs only speed, since each record says how its body
-# is stored.
-_lz4_columns: dict[tuple[str, str], bool] = {}
-_COLUMN_COMPRESSION = (
-    "SELECT attcompression FROM pg_attribute "
-    "WHERE attrelid = to_regclass('django_idempotency_record') AND attname = 'response_body'"
-)
-
-
-def database_compresses(using: str) -> bool:
-    """Whether PostgreSQL compresses the records' bodies with lz4 (migration 0003 sets it
-    where the server has lz4): storing 1 MB raw then costs a third of compressing it with
-    zlib level 1 here, and a replay no inflating."""
-    connection = connections[using]
-    if connection.vendor != "postgresql":
-        return False
-    database = (using, str(connection.settings_dict["NAME"]))
-    found = _lz4_columns.get(database)
-    if found is None:
-        with connection.cursor() as cursor:
-            cursor.execute(_COLUMN_COMPRESSION)
-            row = cursor.fetchone()
-        found = _lz4_columns[database] = row is not None and row[0] == LZ4
-    return found
-
-
-def encode_body(using: str, body: bytes, min_bytes: int) -> tuple[bytes, str]:
-    """The body as stored, and how: compressed here when it is large, that pays, and the
-    database does not compress it itself."""
-    if len(body) >= min_bytes and not database_compresses(using):
-        compressed = zlib.compress(body, ZLIB_LEVEL)
-        if len(compressed) < len(body):
-            return compressed, ZLIB
-    return body, ""
-
-
-def decode_body(stored: bytes | memoryview | None, encoding: str) -> bytes:
-    body = bytes(stored or b"")
-    return zlib.decompress(body) if encoding == ZLIB else body
-
-
 _STORE = "SELECT django_idempotency_store(%s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s)"
 # psycopg's commit() sends nothing when the server is already idle, so a COMMIT sent
 # with the store saves the transaction's last round trip.
@@ -328,7 +272,7 @@ def store(
     riders: Sequence[tuple[str, list[Any]]] = (),
 ) -> None:
     """Write the finished record in the claim's transaction; with ``commit``, commit that
-    transaction in the same round trip. ``riders`` (``Riders``, below) go first, in the
+    transaction in the same round trip. ``riders`` (``storage.riders``) go first, in the
     same round trip."""
     connection = connections[using]
     if row_id is not None:
@@ -407,84 +351,18 @@ def transaction_broken(using: str) -> bool:
     return bool(connection.connection.info.transaction_status == TransactionStatus.INERROR)
 
 
-# Writes that ride with the store: sent in the statement that stores the record and commits.
-#
-# A protected view or an exactly-once task that puts a message in the outbox would pay a round
-# trip for the row's ``INSERT``. While a unit of work runs in a transaction of its own (it
-# stores its record and commits in one statement), such a write can wait and travel in that
-# same statement instead: it commits with the work or not at all, as it would have. A write
-# made inside a savepoint that was rolled back is dropped, as the database would have dropped
-# it. Outside such a unit (a plain ``transaction.atomic()``, ``ATOMIC_REQUESTS``, an async
-# view's ORM thread) nothing waits: the caller writes at once.
+def recorded(
+    using: str, *, principals: Collection[str], keys: Collection[str], since: datetime
+) -> set[tuple[str, str]]:
+    """The (principal, key) pairs, among those of ``principals`` and ``keys``, that have a
+    record made since ``since`` (the bound prunes the query to the partitions from then on)."""
+    found = IdempotencyRecord.objects.using(using).filter(
+        key__in=keys, scope__in=principals, created_at__gte=since
+    )
+    return set(found.values_list("scope", "key"))
 
 
-class _Marker:
-    """An ``on_commit`` no-op: Django forgets it when its savepoint rolls back, which tells
-    the store that the write it marks was undone."""
-
-    __slots__ = ()
-
-    def __call__(self) -> None:
-        pass
-
-
-class Riders:
-    """The writes waiting for one unit of work's store, on one database."""
-
-    def __init__(self, using: str) -> None:
-        self.using = using
-        self.thread = threading.get_ident()
-        self.open = True
-        self._writes: list[tuple[str, list[Any], _Marker]] = []
-
-    def add(self, sql: str, params: list[Any]) -> None:
-        marker = _Marker()
-        transaction.on_commit(marker, using=self.using)
-        self._writes.append((sql, params, marker))
-
-    def close(self) -> list[tuple[str, list[Any]]]:
-        """Stop taking writes; return those not undone by a savepoint's rollback."""
-        self.open = False
-        if not self._writes:
-            return []
-        # Django keeps an on_commit callback only while every savepoint around it stands.
-        kept = {id(func) for _, func, *_ in connections[self.using].run_on_commit}
-        return [(sql, params) for sql, params, marker in self._writes if id(marker) in kept]
-
-
-riders_waiting: ContextVar[Riders | None] = ContextVar("django_idempotency_riders", default=None)
-
-
-@contextlib.contextmanager
-def riding(using: str, *, commits: bool) -> Iterator[list[tuple[str, list[Any]]]]:
-    """While the block runs (a unit of work's work), writes on ``using`` that can wait ride
-    with the store (``ride()``); once it has run, the yielded list holds those to send with
-    it. Only where the store commits the transaction itself, on PostgreSQL."""
-    kept: list[tuple[str, list[Any]]] = []
-    if not commits or connections[using].vendor != "postgresql":
-        yield kept
-        return
-    riders = Riders(using)
-    # set(), not a token's reset(): an async view's work ends in another context.
-    outer = riders_waiting.get()
-    riders_waiting.set(riders)
-    try:
-        yield kept
-    finally:
-        riders_waiting.set(outer)
-        kept += riders.close()
-
-
-def ride(using: str, sql: str, params: list[Any]) -> bool:
-    """Leave a write to travel with the running unit's store on ``using``, if there is one;
-    False means the caller must execute it now."""
-    riders = riders_waiting.get()
-    if (
-        riders is None
-        or not riders.open
-        or riders.using != using
-        or riders.thread != threading.get_ident()
-    ):
-        return False
-    riders.add(sql, params)
-    return True
+def delete(using: str | None, *, record_id: int, created_at: datetime) -> None:
+    """Delete one record (on ``using``, else the router's database), freeing its key;
+    ``created_at`` prunes the delete to the record's partition."""
+    IdempotencyRecord.objects.using(using).filter(pk=record_id, created_at=created_at).delete()

@@ -20,7 +20,7 @@ from django_idempotency.engine.hashing import lock_id
 from django_idempotency.engine.waiting import waiter_limit
 from django_idempotency.http.request import prefer_wait
 from django_idempotency.models import IdempotencyRecord
-from django_idempotency.storage import records
+from django_idempotency.storage import bodies, records
 from tests.factories import ScriptFactory, UserFactory, new_key
 from tests.support.claims import held_claim, unreachable_store
 from tests.support.client import problem, replayed, send
@@ -42,7 +42,7 @@ def atomic_requests(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPa
 def database_compresses(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> bool:
     """Run the test both ways bodies can be compressed, whatever this server has: zlib in
     the app, or (pretended where the server has no lz4) PostgreSQL's own."""
-    monkeypatch.setattr(records, "database_compresses", lambda using: request.param)
+    monkeypatch.setattr(bodies, "database_compresses", lambda using: request.param)
     return bool(request.param)
 
 
@@ -505,7 +505,7 @@ def test_incompressible_body_is_stored_as_it_is(client, path: str) -> None:
 def test_compression_starts_at_compress_min_bytes(
     client, settings, monkeypatch, threshold: int | None, encoding: str
 ) -> None:
-    monkeypatch.setattr(records, "database_compresses", lambda using: False)
+    monkeypatch.setattr(bodies, "database_compresses", lambda using: False)
     if threshold is not None:
         settings.IDEMPOTENCY_COMPRESS_MIN_BYTES = threshold
     key, script = new_key(), ScriptFactory(pad=1024)
@@ -903,7 +903,7 @@ def test_a_durable_block_in_an_idempotent_view_is_a_clear_error_naming_it(client
 def test_a_compressed_replay_goes_out_as_stored_to_clients_that_accept_deflate(
     client, path: str, monkeypatch
 ) -> None:
-    monkeypatch.setattr(records, "database_compresses", lambda using: False)
+    monkeypatch.setattr(bodies, "database_compresses", lambda using: False)
     key, script = new_key(), ScriptFactory(pad=64_000)
     first = send(client, "POST", path, script, key=key)
     plain = send(client, "POST", path, script, key=key)
@@ -928,7 +928,7 @@ def test_a_compressed_replay_goes_out_as_stored_to_clients_that_accept_deflate(
 def test_a_body_the_database_compresses_goes_out_as_it_is_to_every_client(
     client, monkeypatch
 ) -> None:
-    monkeypatch.setattr(records, "database_compresses", lambda using: True)
+    monkeypatch.setattr(bodies, "database_compresses", lambda using: True)
     key, script = new_key(), ScriptFactory(pad=64_000)
     first = send(client, "POST", "/drf/", script, key=key)
     encoded = send(client, "POST", "/drf/", script, key=key, headers={"Accept-Encoding": "deflate"})
@@ -955,7 +955,7 @@ def test_round_trip_budget_per_mode(client) -> None:
     the store with its COMMIT; a replay only the claim (its transaction's BEGIN and COMMIT
     are psycopg's, not statements); with lookup_first, one lookup and no transaction."""
     # Read once per process, by the first store: not a cost of every request.
-    records.database_compresses(connection.alias)
+    bodies.database_compresses(connection.alias)
     key, script = new_key(), ScriptFactory()
     fresh = statements(client, "/drf/", script, key)
     assert fresh[0] == "SELECT * FROM django_idempotency_claim"
@@ -975,7 +975,7 @@ def test_the_store_and_the_commit_travel_in_one_round_trip(client, random_bytes:
 
     from tests.support.claims import traced_stores
 
-    records.database_compresses(connection.alias)  # read once per process, not traced here
+    bodies.database_compresses(connection.alias)  # read once per process, not traced here
     with traced_stores() as stores:
         send(client, "POST", "/drf/", ScriptFactory(random_bytes=random_bytes), key=new_key())
     [(trace, status)] = stores

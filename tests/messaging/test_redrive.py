@@ -28,10 +28,12 @@ from django_idempotency import signals
 from django_idempotency.messaging.consumers import ExactlyOnceTask, consumer_principal
 from django_idempotency.messaging.outbox import enqueue_event, enqueue_task
 from django_idempotency.messaging.redrive import RedriveResult
-from django_idempotency.messaging.relay import Relay, running
+from django_idempotency.messaging.relay import Relay
 from django_idempotency.models import IdempotencyRecord, OutboxMessage
+from tests.factories import ConsumerRecordFactory
 from tests.messaging.test_relay import bare_app, run_on_sqlite
 from tests.support.chain_processes import QUEUE, RedisServer, wait_for
+from tests.support.relays import running
 
 pytestmark = [
     pytest.mark.django_db(transaction=True),
@@ -268,6 +270,20 @@ def test_it_gives_up_after_the_limit_or_past_the_records_retention_and_says_so(
     assert found.published_at is not None and found.redrive_at is None
     assert "not published again" in found.last_error
     assert message_id in caplog.text
+
+
+@override_settings(IDEMPOTENCY_OUTBOX_REDRIVE_AFTER=SOON)
+def test_a_message_its_consumer_recorded_is_done_with_and_not_published_again(
+    relay: Relay,
+) -> None:
+    recorded, lost = enqueue(), enqueue()
+    relay.drain()
+    ConsumerRecordFactory(task=EXACTLY_ONCE, key=recorded)
+    ConsumerRecordFactory(task=PLAIN, key=lost)  # another consumer's record of that id
+    OutboxMessage.objects.update(redrive_at=timezone.now() - timedelta(seconds=1))
+    result = relay.redrive.run_pass(100)
+    assert (result.consumed, result.republished, result.given_up) == (1, [lost], [])
+    assert OutboxMessage.objects.get(pk=recorded).redrive_at is None
 
 
 @override_settings(IDEMPOTENCY_OUTBOX_REDRIVE_AFTER=None)

@@ -15,10 +15,10 @@ from psycopg.pq import Format, TransactionStatus
 
 from django_idempotency.models import IdempotencyRecord
 from django_idempotency.partitions.tables import RECORDS
-from django_idempotency.storage import cursors
+from django_idempotency.storage import bodies, cursors
 from django_idempotency.storage import records as storage
 from django_idempotency.storage.records import Outcome
-from tests.factories import new_key
+from tests.factories import ConsumerRecordFactory, IdempotencyRecordFactory, new_key
 from tests.support.claims import (
     ClaimThread,
     body_of,
@@ -364,33 +364,70 @@ def server_has_lz4() -> bool:
 def test_the_database_compresses_where_the_column_is_lz4_and_it_is_read_once(
     monkeypatch,
 ) -> None:
-    monkeypatch.setattr(storage, "_lz4_columns", {})
+    monkeypatch.setattr(bodies, "_lz4_columns", {})
     with CaptureQueriesContext(connection) as first:
-        compresses = storage.database_compresses(DEFAULT_DB_ALIAS)
+        compresses = bodies.database_compresses(DEFAULT_DB_ALIAS)
     with CaptureQueriesContext(connection) as again:
-        assert storage.database_compresses(DEFAULT_DB_ALIAS) is compresses
+        assert bodies.database_compresses(DEFAULT_DB_ALIAS) is compresses
     assert (len(first), len(again)) == (1, 0)
     # Migration 0003 sets lz4 wherever the server has it.
     assert compresses is server_has_lz4()
     body = b'{"amount": 2499, "currency": "inr"}' * 100
-    stored, encoding = storage.encode_body(DEFAULT_DB_ALIAS, body, 2048)
+    stored, encoding = bodies.encode_body(DEFAULT_DB_ALIAS, body, 2048)
     if compresses:
         assert (stored, encoding) == (body, "")
     else:
-        assert encoding == storage.ZLIB and len(stored) < len(body) // 10
-    assert storage.decode_body(stored, encoding) == body
+        assert encoding == bodies.ZLIB and len(stored) < len(body) // 10
+    assert bodies.decode_body(stored, encoding) == body
 
 
 @pytest.mark.django_db
 def test_a_database_without_the_records_table_does_not_compress(monkeypatch) -> None:
-    monkeypatch.setattr(storage, "_lz4_columns", {})
+    monkeypatch.setattr(bodies, "_lz4_columns", {})
     with connection.cursor() as cursor:
         cursor.execute("SET LOCAL search_path TO pg_catalog")  # the table out of sight
-        assert storage.database_compresses(DEFAULT_DB_ALIAS) is False
+        assert bodies.database_compresses(DEFAULT_DB_ALIAS) is False
 
 
 @pytest.mark.django_db
 def test_the_app_stores_a_body_zlib_cannot_shrink_as_it_is(monkeypatch) -> None:
-    monkeypatch.setattr(storage, "database_compresses", lambda using: False)
+    monkeypatch.setattr(bodies, "database_compresses", lambda using: False)
     body = os.urandom(4096)
-    assert storage.encode_body(DEFAULT_DB_ALIAS, body, 2048) == (body, "")
+    assert bodies.encode_body(DEFAULT_DB_ALIAS, body, 2048) == (body, "")
+
+
+# The redrive's check and the admin's delete ------------------------------------------------
+
+
+@pytest.mark.django_db
+def test_recorded_finds_the_pairs_of_the_given_principals_and_keys_since_the_bound() -> None:
+    since = timezone.now() - timedelta(hours=1)
+    first, second, other = new_key(), new_key(), new_key()
+    ConsumerRecordFactory(task="a", key=first)
+    ConsumerRecordFactory(task="b", key=second)
+    ConsumerRecordFactory(task="a", key=other)  # not a key asked for
+    ConsumerRecordFactory(task="c", key=first)  # not a principal asked for
+    ConsumerRecordFactory(task="a", key=second, created_at=since - timedelta(seconds=1))
+    found = storage.recorded(
+        DEFAULT_DB_ALIAS,
+        principals={"consumer:a", "consumer:b"},
+        keys=[first, second],
+        since=since,
+    )
+    assert found == {("consumer:a", first), ("consumer:b", second)}
+
+
+@pytest.mark.django_db
+def test_recorded_of_nothing_is_nothing() -> None:
+    ConsumerRecordFactory(task="a")
+    since = timezone.now() - timedelta(hours=1)
+    assert storage.recorded(DEFAULT_DB_ALIAS, principals=set(), keys=[], since=since) == set()
+
+
+@pytest.mark.django_db
+def test_delete_frees_one_key_of_one_principal() -> None:
+    record = IdempotencyRecordFactory(scope="user:1")
+    kept = IdempotencyRecordFactory(scope="user:2", key=record.key)
+    storage.delete(DEFAULT_DB_ALIAS, record_id=record.pk, created_at=record.created_at)
+    assert list(IdempotencyRecord.objects.values_list("pk", flat=True)) == [kept.pk]
+    assert claim("user:1", record.key).outcome is Outcome.WON

@@ -1,0 +1,317 @@
+"""The outbox rows' SQL: claim a batch under a fence and a lease, mark it published, fail
+(with backoff) or release a row, the redrive's checks, the oldest unpublished row."""
+
+from __future__ import annotations
+
+import json
+import uuid
+from collections.abc import Collection
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+from typing import Any
+
+from django.db import connections, transaction
+from django.db.models import Case, DateTimeField, F, Min, Q, Value, When
+from django.db.models.functions import Now
+from django.utils import timezone
+
+from django_idempotency.conf import conf
+from django_idempotency.messaging.outbox import CHANNEL, TABLE
+from django_idempotency.models import OutboxMessage
+
+FENCE_SEQUENCE = "django_idempotency_outbox_fence"
+# A row whose publish failed waits 1, 2, 4 ... seconds, at most this long, before the next try.
+MAX_BACKOFF = timedelta(minutes=5)
+# Each redrive doubles the wait before the next check, up to 2**6 times the first.
+MAX_DOUBLINGS = 6
+
+CLAIM = f"""
+WITH batch AS (
+    SELECT id, created_at FROM {TABLE}
+     WHERE published_at IS NULL AND (lease_until IS NULL OR lease_until < now())
+     -- The id breaks ties of one millisecond, so that a batch boundary never takes a later
+     -- message of that millisecond before an earlier one.
+     ORDER BY created_at, id
+     LIMIT %s
+       FOR UPDATE SKIP LOCKED
+), next_fence AS (
+    SELECT nextval('{FENCE_SEQUENCE}') AS value
+), claimed AS (
+    UPDATE {TABLE} AS o
+       SET lease_owner = %s, lease_until = now() + %s, fence = next_fence.value
+      FROM batch, next_fence
+     WHERE o.id = batch.id AND o.created_at = batch.created_at
+    RETURNING o.id, o.created_at, o.kind, o.name, o.args, o.kwargs, o.payload, o.options, o.fence,
+              o.redrives
+)
+-- In the order written (UPDATE ... RETURNING has none; ids are time-ordered, compared as
+-- uuids, not as the text returned); the JSON columns as one document, decoded once a row.
+SELECT id::text, created_at, kind, name, jsonb_build_array(args, kwargs, payload, options)::text,
+       fence, redrives
+  FROM claimed
+ ORDER BY claimed.created_at, claimed.id
+"""
+
+# When the redrive checks a published row's consumer record: after the message's countdown,
+# if any, and doubled with each redrive. Parameters: the ids to check, the first wait.
+CHECK_AT_SQL = f"""CASE WHEN id = ANY(%s::uuid[]) THEN
+           greatest(now(), created_at + coalesce((options->>'countdown')::float8, 0)
+                           * interval '1 second')
+           + %s * power(2, least(redrives, {MAX_DOUBLINGS})) END"""
+
+# created_at bounds prune the statement to the batch's partitions.
+MARK = f"""
+UPDATE {TABLE} SET published_at = now(), lease_until = NULL, redrive_at = {CHECK_AT_SQL}
+ WHERE id = ANY(%s::uuid[]) AND created_at BETWEEN %s AND %s
+   AND lease_owner = %s AND fence = %s AND lease_until > now() AND published_at IS NULL
+"""
+
+FAIL = f"""
+UPDATE {TABLE}
+   SET attempts = attempts + 1, last_error = %s, lease_owner = '',
+       lease_until = CASE WHEN %s
+           THEN now() + interval '1 second' * least(power(2, least(attempts, 20)), %s) END
+ WHERE id = %s AND created_at = %s AND lease_owner = %s AND fence = %s
+"""
+
+RELEASE = f"""
+UPDATE {TABLE} SET lease_owner = '', lease_until = NULL
+ WHERE id = ANY(%s::uuid[]) AND created_at BETWEEN %s AND %s AND lease_owner = %s
+   AND fence = %s AND published_at IS NULL
+"""
+
+
+@dataclass(frozen=True)
+class Message:
+    """A claimed outbox row, as the relay publishes it."""
+
+    id: str
+    created_at: datetime
+    kind: int
+    name: str
+    args: list[Any]
+    kwargs: dict[str, Any]
+    payload: Any
+    options: dict[str, Any]
+    # How often the redrive put it back to be published again.
+    redrives: int = 0
+
+
+@dataclass(frozen=True)
+class Batch:
+    """Rows leased by one claim, all under the same fence."""
+
+    fence: int
+    messages: tuple[Message, ...]
+
+    def bounds(self, messages: tuple[Message, ...] | None = None) -> list[Any]:
+        chosen = self.messages if messages is None else messages
+        return [
+            [m.id for m in chosen],
+            min(m.created_at for m in chosen),
+            max(m.created_at for m in chosen),
+        ]
+
+
+def check_at(message: Message, now: datetime, after: timedelta) -> datetime:
+    """CHECK_AT_SQL, in Python (databases other than PostgreSQL)."""
+    countdown = message.options.get("countdown") or 0
+    start = max(now, message.created_at + timedelta(seconds=countdown))
+    return start + after * (1 << min(message.redrives, MAX_DOUBLINGS))
+
+
+def _postgresql(using: str) -> bool:
+    return connections[using].vendor == "postgresql"
+
+
+def _documents(text: str) -> tuple[list[Any], dict[str, Any], Any, dict[str, Any]]:
+    """A claimed row's args, kwargs, payload and options, sent as one JSON document."""
+    args, kwargs, payload, options = json.loads(text)
+    return args, kwargs, payload, options
+
+
+def claim(using: str, *, owner: str, limit: int) -> Batch:
+    """Lease up to ``limit`` unpublished rows to ``owner``, oldest first, and commit the lease."""
+    with transaction.atomic(using=using):
+        if not _postgresql(using):
+            return _claim_portable(using, owner, limit)
+        with connections[using].cursor() as cursor:
+            lease: Any = conf.OUTBOX_LEASE  # psycopg sends a timedelta as an interval
+            cursor.execute(CLAIM, [limit, owner, lease])
+            rows = cursor.fetchall()
+    if not rows:
+        return Batch(0, ())
+    # The database hands jsonb over as text (Django's choice): one document per row.
+    messages = tuple(
+        Message(r[0], r[1], r[2], r[3], *_documents(r[4]), redrives=r[6]) for r in rows
+    )
+    return Batch(int(rows[0][5]), messages)
+
+
+def _claim_portable(using: str, owner: str, limit: int) -> Batch:
+    # Without SKIP LOCKED and sequences (SQLite, a development fallback): the database
+    # serialises writers, and a fence above every claimed row's still moves every row on.
+    now = timezone.now()
+    pending = OutboxMessage.objects.using(using).filter(
+        Q(lease_until__isnull=True) | Q(lease_until__lt=now), published_at__isnull=True
+    )
+    rows = list(pending.order_by("created_at", "id")[:limit])
+    if not rows:
+        return Batch(0, ())
+    fence = max(r.fence for r in rows) + 1
+    OutboxMessage.objects.using(using).filter(pk__in=[r.pk for r in rows]).update(
+        lease_owner=owner, lease_until=now + conf.OUTBOX_LEASE, fence=fence
+    )
+    return Batch(
+        fence,
+        tuple(
+            Message(
+                str(r.id),
+                r.created_at,
+                r.kind,
+                r.name,
+                r.args,
+                r.kwargs,
+                r.payload,
+                r.options,
+                r.redrives,
+            )
+            for r in rows
+        ),
+    )
+
+
+def mark(
+    using: str,
+    batch: Batch,
+    messages: tuple[Message, ...],
+    *,
+    owner: str,
+    check: Collection[str],
+    after: timedelta,
+) -> int:
+    """Mark published the rows ``owner`` still holds under the batch's fence; those in
+    ``check`` get their redrive check time (``after`` the publish, or the countdown). Return
+    how many were marked."""
+    if not messages:
+        return 0
+    with transaction.atomic(using=using):
+        if _postgresql(using):
+            params: list[Any] = [list(check), after, *batch.bounds(messages)]
+            with connections[using].cursor() as cursor:
+                cursor.execute(MARK, [*params, owner, batch.fence])
+                return int(cursor.rowcount)
+        now = timezone.now()
+        checked = set(check)
+        ids = {m.id: uuid.UUID(m.id) for m in messages}
+        # MARK's CHECK_AT_SQL, in the same one UPDATE: each row's own check time.
+        redrive_at = Case(
+            *(
+                When(pk=ids[m.id], then=Value(check_at(m, now, after)))
+                for m in messages
+                if m.id in checked
+            ),
+            default=Value(None),
+            output_field=DateTimeField(),
+        )
+        return (
+            OutboxMessage.objects.using(using)
+            .filter(
+                pk__in=list(ids.values()),
+                lease_owner=owner,
+                fence=batch.fence,
+                lease_until__gt=now,
+                published_at__isnull=True,
+            )
+            .update(published_at=now, lease_until=None, redrive_at=redrive_at)
+        )
+
+
+def fail(using: str, batch: Batch, message: Message, error: str, *, owner: str, hold: bool) -> None:
+    """Count a failed publish and give the row back; with ``hold``, not before a backoff."""
+    with transaction.atomic(using=using):
+        if _postgresql(using):
+            with connections[using].cursor() as cursor:
+                cursor.execute(
+                    FAIL,
+                    [
+                        error[:2000],
+                        hold,
+                        MAX_BACKOFF.total_seconds(),
+                        uuid.UUID(message.id),
+                        message.created_at,
+                        owner,
+                        batch.fence,
+                    ],
+                )
+            return
+        row = OutboxMessage.objects.using(using).filter(
+            pk=uuid.UUID(message.id), lease_owner=owner, fence=batch.fence
+        )
+        for found in row:
+            delay = min(timedelta(seconds=2 ** min(found.attempts, 20)), MAX_BACKOFF)
+            row.update(
+                attempts=found.attempts + 1,
+                last_error=error[:2000],
+                lease_owner="",
+                lease_until=timezone.now() + delay if hold else None,
+            )
+
+
+def release(using: str, batch: Batch, messages: tuple[Message, ...], *, owner: str) -> None:
+    """Give rows back untried, for the next pass of any relay."""
+    if not messages:
+        return
+    with transaction.atomic(using=using):
+        if _postgresql(using):
+            with connections[using].cursor() as cursor:
+                cursor.execute(RELEASE, [*batch.bounds(messages), owner, batch.fence])
+            return
+        OutboxMessage.objects.using(using).filter(
+            pk__in=[uuid.UUID(m.id) for m in messages],
+            lease_owner=owner,
+            fence=batch.fence,
+            published_at__isnull=True,
+        ).update(lease_owner="", lease_until=None)
+
+
+def due_for_check(using: str, limit: int) -> list[OutboxMessage]:
+    """Lock up to ``limit`` published rows whose redrive check is due, oldest check first,
+    skipping those another relay holds; inside the caller's transaction."""
+    return list(
+        OutboxMessage.objects.using(using)
+        .select_for_update(skip_locked=True)
+        .filter(redrive_at__lte=Now())
+        .order_by("redrive_at")
+        .only("id", "created_at", "kind", "name", "redrives")[:limit]
+    )
+
+
+def checked(using: str, ids: Collection[Any], *, error: str = "") -> None:
+    """No more checks for these rows; ``error``, if any, says why in their ``last_error``."""
+    found = OutboxMessage.objects.using(using).filter(pk__in=ids)
+    found.update(redrive_at=None, **({"last_error": error} if error else {}))
+
+
+def publish_again(using: str, ids: Collection[Any], *, error: str) -> None:
+    """Put published rows back to be published under the same ids, and wake the relays."""
+    OutboxMessage.objects.using(using).filter(pk__in=ids).update(
+        published_at=None,
+        redrive_at=None,
+        lease_owner="",
+        lease_until=None,
+        redrives=F("redrives") + 1,
+        last_error=error,
+    )
+    connection = connections[using]
+    if connection.vendor == "postgresql" and conf.OUTBOX_NOTIFY:
+        # Delivered on commit: every relay wakes to publish it.
+        with connection.cursor() as cursor:
+            cursor.execute("SELECT pg_notify(%s, '')", [CHANNEL])
+
+
+def oldest_pending(using: str) -> datetime | None:
+    """When the oldest unpublished message was written; None when every one is published."""
+    found = OutboxMessage.objects.using(using).filter(published_at__isnull=True)
+    oldest: datetime | None = found.aggregate(oldest=Min("created_at"))["oldest"]
+    return oldest

@@ -1,0 +1,153 @@
+"""The outbox rows' SQL (``messaging.leases``): claim under a fence and a lease, mark, fail,
+release, the oldest pending message. The relay's tests cover the same against a broker."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+import pytest
+from django.db import DEFAULT_DB_ALIAS, transaction
+from django.utils import timezone
+
+from django_idempotency.messaging import leases
+from django_idempotency.messaging.outbox import enqueue_task
+from django_idempotency.models import OutboxMessage
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+USING = DEFAULT_DB_ALIAS
+NEVER = timedelta(0)
+
+
+def enqueue(count: int) -> list[str]:
+    with transaction.atomic():
+        return [enqueue_task("tests.leases.noop", (n,)) for n in range(count)]
+
+
+def expire_leases() -> None:
+    OutboxMessage.objects.update(lease_until=timezone.now() - timedelta(seconds=1))
+
+
+def test_a_claim_leases_the_oldest_rows_to_its_owner_under_one_new_fence() -> None:
+    ids = enqueue(3)
+    batch = leases.claim(USING, owner="a", limit=2)
+    assert [m.id for m in batch.messages] == ids[:2]
+    assert [m.args for m in batch.messages] == [[0], [1]]
+    rows = OutboxMessage.objects.filter(pk__in=ids[:2])
+    assert {(r.lease_owner, r.fence) for r in rows} == {("a", batch.fence)}
+    assert [m.id for m in leases.claim(USING, owner="b", limit=5).messages] == ids[2:]
+    assert leases.claim(USING, owner="c", limit=5).messages == ()  # all leased
+
+
+def test_mark_marks_the_owners_rows_and_sets_a_check_time_only_where_asked() -> None:
+    checked, unchecked = enqueue(2)
+    batch = leases.claim(USING, owner="a", limit=5)
+    marked = leases.mark(
+        USING, batch, batch.messages, owner="a", check=[checked], after=timedelta(minutes=10)
+    )
+    assert marked == 2
+    rows = {str(r.pk): r for r in OutboxMessage.objects.all()}
+    assert all(r.published_at is not None and r.lease_until is None for r in rows.values())
+    assert rows[unchecked].redrive_at is None
+    wait = rows[checked].redrive_at - rows[checked].published_at
+    assert wait == timedelta(minutes=10)
+
+
+def test_mark_with_a_stale_fence_or_another_owner_or_a_lapsed_lease_marks_nothing() -> None:
+    enqueue(2)
+    stale = leases.claim(USING, owner="a", limit=5)
+    expire_leases()
+    fresh = leases.claim(USING, owner="a", limit=5)  # the same owner, a new fence
+    assert fresh.fence > stale.fence
+    assert leases.mark(USING, stale, stale.messages, owner="a", check=[], after=NEVER) == 0
+    assert leases.mark(USING, fresh, fresh.messages, owner="b", check=[], after=NEVER) == 0
+    expire_leases()
+    assert leases.mark(USING, fresh, fresh.messages, owner="a", check=[], after=NEVER) == 0
+    assert OutboxMessage.objects.filter(published_at__isnull=True).count() == 2
+
+
+def test_a_held_failure_counts_the_attempt_and_backs_off_doubling() -> None:
+    enqueue(1)
+    for attempts, seconds in [(1, 1), (2, 2), (3, 4)]:
+        expire_leases()
+        batch = leases.claim(USING, owner="a", limit=1)
+        before = timezone.now()
+        leases.fail(USING, batch, batch.messages[0], "E" * 3000, owner="a", hold=True)
+        after = timezone.now()
+        row = OutboxMessage.objects.get()
+        assert (row.attempts, row.lease_owner, len(row.last_error)) == (attempts, "", 2000)
+        # From the FAIL statement's now(), which falls between the two readings.
+        held = timedelta(seconds=seconds)
+        assert before + held <= row.lease_until <= after + held
+
+
+def test_a_failure_not_held_gives_the_row_back_at_once() -> None:
+    enqueue(1)
+    batch = leases.claim(USING, owner="a", limit=1)
+    leases.fail(USING, batch, batch.messages[0], "broker down", owner="a", hold=False)
+    row = OutboxMessage.objects.get()
+    assert (row.attempts, row.lease_until, row.last_error) == (1, None, "broker down")
+    assert len(leases.claim(USING, owner="b", limit=1).messages) == 1
+
+
+def test_release_gives_back_only_the_rows_of_its_own_fence_untried() -> None:
+    enqueue(2)
+    stale = leases.claim(USING, owner="a", limit=5)
+    expire_leases()
+    fresh = leases.claim(USING, owner="a", limit=1)
+    leases.release(USING, stale, stale.messages, owner="a")  # a stale fence: nothing
+    assert OutboxMessage.objects.filter(lease_owner="a", fence=fresh.fence).count() == 1
+    leases.release(USING, fresh, fresh.messages, owner="a")
+    row = OutboxMessage.objects.get(pk=fresh.messages[0].id)
+    assert (row.lease_owner, row.lease_until, row.attempts) == ("", None, 0)
+
+
+def test_oldest_pending_is_when_the_oldest_unpublished_message_was_written() -> None:
+    assert leases.oldest_pending(USING) is None
+    published, pending = enqueue(2)
+    batch = leases.claim(USING, owner="a", limit=1)
+    assert leases.mark(USING, batch, batch.messages, owner="a", check=[], after=NEVER) == 1
+    assert OutboxMessage.objects.get(pk=published).published_at is not None
+    assert leases.oldest_pending(USING) == OutboxMessage.objects.get(pk=pending).created_at
+
+
+def published(count: int) -> list[str]:
+    """``count`` rows published, each due a redrive check at once."""
+    ids = enqueue(count)
+    batch = leases.claim(USING, owner="a", limit=count)
+    leases.mark(USING, batch, batch.messages, owner="a", check=ids, after=NEVER)
+    return ids
+
+
+def test_due_for_check_takes_the_rows_whose_check_has_come_oldest_check_first() -> None:
+    later, earlier, not_yet = published(3)
+    now = timezone.now()
+    OutboxMessage.objects.filter(pk=later).update(redrive_at=now - timedelta(seconds=1))
+    OutboxMessage.objects.filter(pk=earlier).update(redrive_at=now - timedelta(seconds=2))
+    OutboxMessage.objects.filter(pk=not_yet).update(redrive_at=now + timedelta(minutes=1))
+    with transaction.atomic():
+        due = leases.due_for_check(USING, 5)
+        assert [str(row.pk) for row in due] == [earlier, later]
+        assert [str(row.pk) for row in leases.due_for_check(USING, 1)] == [earlier]
+
+
+def test_checked_rows_are_due_no_more_and_a_reason_goes_in_their_last_error() -> None:
+    done, given_up = published(2)
+    leases.checked(USING, [done])
+    leases.checked(USING, [given_up], error="given up")
+    rows = {str(r.pk): r for r in OutboxMessage.objects.all()}
+    assert [rows[done].redrive_at, rows[given_up].redrive_at] == [None, None]
+    assert [rows[done].last_error, rows[given_up].last_error] == ["", "given up"]
+    assert all(r.published_at is not None for r in rows.values())
+
+
+def test_a_row_published_again_is_pending_under_its_id_with_one_redrive_more() -> None:
+    (message_id,) = published(1)
+    leases.publish_again(USING, [message_id], error="lost")
+    row = OutboxMessage.objects.get()
+    assert (row.published_at, row.redrive_at, row.lease_owner, row.lease_until) == (
+        None, None, "", None,
+    )  # fmt: skip
+    assert (row.redrives, row.last_error) == (1, "lost")
+    again = leases.claim(USING, owner="b", limit=1)
+    assert [(m.id, m.redrives) for m in again.messages] == [(message_id, 1)]
