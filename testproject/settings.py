@@ -45,8 +45,8 @@ INSTALLED_APPS = [
     "django_idempotency",
     "testproject.payments",
 ]
-# Celery and django-celery-beat are an optional extra (django-celery-beat 2.9 does not
-# allow Django 6.1), so the project runs with or without them.
+# Celery (the celery extra) and django-celery-beat (the beat extra: 2.9 does not allow
+# Django 6.1) are optional, so the project runs with or without them.
 if importlib.util.find_spec("django_celery_beat") is not None:
     INSTALLED_APPS.append("django_celery_beat")
 # drf-spectacular (the spectacular extra) documents the Idempotency-Key header by itself.
