@@ -45,8 +45,8 @@ INSTALLED_APPS = [
     "django_idempotency",
     "testproject.payments",
 ]
-# Celery and django-celery-beat are an optional extra (django-celery-beat 2.9 does not
-# allow Django 6.1), so the project runs with or without them.
+# Celery (the celery extra) and django-celery-beat (the beat extra: 2.9 does not allow
+# Django 6.1) are optional, so the project runs with or without them.
 if importlib.util.find_spec("django_celery_beat") is not None:
     INSTALLED_APPS.append("django_celery_beat")
 # drf-spectacular (the spectacular extra) documents the Idempotency-Key header by itself.
@@ -197,7 +197,18 @@ if CELERY_BROKER_URL.startswith("filesystem://"):
 CELERY_BROKER_CONNECTION_RETRY_ON_STARTUP = True
 CELERY_TIMEZONE = "UTC"
 CELERY_TASK_IGNORE_RESULT = True
-CELERY_BEAT_SCHEDULER = "django_celery_beat.schedulers:DatabaseScheduler"
+if "django_celery_beat" in INSTALLED_APPS:
+    CELERY_BEAT_SCHEDULER = "django_celery_beat.schedulers:DatabaseScheduler"
+elif importlib.util.find_spec("celery") is not None:
+    # Without django-celery-beat (Django 6.1): Celery's own schedule, as docs/partitions.md shows.
+    from celery.schedules import crontab
+
+    CELERY_BEAT_SCHEDULE = {
+        "django-idempotency-partitions": {
+            "task": "django_idempotency.maintain_partitions",
+            "schedule": crontab(minute=17),
+        },
+    }
 
 LOGGING = {
     "version": 1,

@@ -11,7 +11,7 @@ import pytest
 from django.core.management import CommandError, call_command
 from django.test import modify_settings, override_settings
 
-# Celery and django-celery-beat are an optional extra: without them these tests skip.
+# django-celery-beat (the beat extra) is optional: without it these tests skip.
 pytest.importorskip("django_celery_beat")
 from django_celery_beat.models import CrontabSchedule, IntervalSchedule, PeriodicTask
 from django_celery_beat.schedulers import DatabaseScheduler

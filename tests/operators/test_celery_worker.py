@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-# Celery and django-celery-beat are an optional extra: without them these tests skip.
+# Celery (the celery extra) is optional: without it these tests skip.
 pytest.importorskip("celery")
 pytest.importorskip("django_celery_beat")
 from celery import Celery

@@ -109,10 +109,10 @@ def test_w103_default_partition() -> None:
     assert "DEFAULT partition" in message.msg and message.hint
 
 
-# With django-celery-beat installed, as the celery extra brings it.
+# With django-celery-beat installed, as the beat extra brings it.
 needs_beat = pytest.mark.skipif(
     importlib.util.find_spec("django_celery_beat") is None,
-    reason="the celery extra is not installed",
+    reason="the beat extra is not installed",
 )
 
 

@@ -6,18 +6,24 @@ A real worker and broker: ``test_celery_worker.py``.
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import pytest
 from django.db import connection
+from django.test import override_settings
 
 from django_idempotency.partitions.maintain import MaintenanceFailed
 
-# Celery and django-celery-beat are an optional extra: without them these tests skip.
+# Celery (the celery extra) is optional: without it these tests skip.
 pytest.importorskip("celery")
+from celery import Celery
+from celery.beat import PersistentScheduler
+
 from django_idempotency.tasks import maintain_partitions
 from tests.support.partitions import (
     detach_and_drop,
@@ -65,6 +71,42 @@ def test_the_task_fails_when_a_step_fails() -> None:
     # Rebuilt from its message, as a result backend does.
     assert str(MaintenanceFailed(*result.result.args)) == str(result.result)
     assert connection.is_usable()
+
+
+def documented_beat_schedule() -> dict[str, Any]:
+    """``CELERY_BEAT_SCHEDULE`` as docs/partitions.md shows it for Celery's own scheduler."""
+    page = (Path(__file__).resolve().parent.parent / "docs" / "partitions.md").read_text()
+    section = page.split("### With Celery's own beat schedule", 1)[1].split("\n### ", 1)[0]
+    (code,) = re.findall(r"```python\n(.*?)```", section, re.DOTALL)
+    namespace: dict[str, Any] = {}
+    exec(code, namespace)
+    schedule: dict[str, Any] = namespace["CELERY_BEAT_SCHEDULE"]
+    return schedule
+
+
+@pytest.mark.usefixtures("partition_sandbox")
+def test_the_documented_celery_beat_schedule_runs_the_real_task_hourly(tmp_path: Path) -> None:
+    # Django 6.1 has no django-celery-beat: the docs schedule the task in Celery's own beat
+    # schedule. Build it as `celery -A myproject beat` does, with the app of deployment.md.
+    with override_settings(CELERY_BEAT_SCHEDULE=documented_beat_schedule()):
+        app = Celery("myproject", set_as_current=False)
+        app.config_from_object("django.conf:settings", namespace="CELERY")
+        # Eager: the entry's task runs here instead of waiting for a worker.
+        app.conf.task_always_eager = True
+        scheduler = PersistentScheduler(
+            app=app, schedule_filename=str(tmp_path / "celerybeat-schedule")
+        )
+    try:
+        (entry,) = [e for e in scheduler.schedule.values() if not e.name.startswith("celery.")]
+        # A name Celery does not know would be sent to the broker and fail on a worker.
+        assert entry.task == maintain_partitions.name and entry.task in app.tasks
+        assert entry.schedule.minute == {17} and entry.schedule.hour == set(range(24))
+        missing = today() + timedelta(days=3)
+        detach_and_drop(missing)
+        result = scheduler.apply_async(entry, advance=False)
+        assert result.get()["created"] == [partition_name(missing)]
+    finally:
+        scheduler.close()
 
 
 PROBE = """

@@ -1,0 +1,134 @@
+"""What the release declares and ships: pyproject.toml against tox.ini, the README as the package
+page, the lowest versions' constraints. Building and installing the wheel: .ci/release-check."""
+
+from __future__ import annotations
+
+import configparser
+import re
+import tomllib
+from pathlib import Path
+from typing import Any
+
+import pytest
+from packaging.requirements import Requirement
+from packaging.version import Version
+
+ROOT = Path(__file__).resolve().parent.parent
+PYPROJECT: dict[str, Any] = tomllib.loads((ROOT / "pyproject.toml").read_text())
+PROJECT: dict[str, Any] = PYPROJECT["project"]
+README = (ROOT / "README.md").read_text()
+
+
+def tox() -> configparser.ConfigParser:
+    parser = configparser.ConfigParser(interpolation=None)
+    parser.read(ROOT / "tox.ini")
+    return parser
+
+
+def declared() -> list[Requirement]:
+    """The dependencies and every extra's, as the wheel's metadata lists them."""
+    extras = [line for lines in PROJECT["optional-dependencies"].values() for line in lines]
+    return [Requirement(line) for line in [*PROJECT["dependencies"], *extras]]
+
+
+def floor(requirement: Requirement) -> str:
+    (lowest,) = [spec.version for spec in requirement.specifier if spec.operator == ">="]
+    return lowest
+
+
+def classified(prefix: str) -> set[str]:
+    return {
+        c.removeprefix(prefix)
+        for c in PROJECT["classifiers"]
+        if re.fullmatch(rf"{re.escape(prefix)}\d+\.\d+", c)
+    }
+
+
+def test_the_classifiers_declare_the_python_and_django_versions_tox_tests() -> None:
+    env_list = tox()["tox"]["env_list"]
+    pythons = {f"{m[0]}.{m[1:]}" for m in re.findall(r"\bpy(3\d+)", env_list)}
+    # "django52-beat" and "django{61, 60-beat}"
+    factors = re.findall(r"django(\d\d)", env_list) + [
+        factor.strip()[:2]
+        for group in re.findall(r"django\{([^}]*)\}", env_list)
+        for factor in group.split(",")
+    ]
+    djangos = {f"{m[0]}.{m[1]}" for m in factors}
+    assert classified("Programming Language :: Python :: ") == pythons == {"3.11", "3.12", "3.13"}
+    assert classified("Framework :: Django :: ") == djangos == {"5.2", "6.0", "6.1"}
+    assert PROJECT["requires-python"] == f">={min(pythons)}"
+    (django,) = [r for r in declared() if r.name == "django"]
+    assert floor(django) == min(djangos)
+
+
+def test_topics_keywords_and_the_licence_expression_are_declared() -> None:
+    assert any(c.startswith("Topic :: ") for c in PROJECT["classifiers"])
+    assert "idempotency" in PROJECT["keywords"]
+    assert PROJECT["license"] == "MIT" and PROJECT["license-files"] == ["LICENSE"]
+    # hatchling 1.26 wrote no License-Expression field into the metadata; 1.27 does.
+    (hatchling,) = [Requirement(r) for r in PYPROJECT["build-system"]["requires"]]
+    assert hatchling.name == "hatchling" and floor(hatchling) == "1.27"
+
+
+def test_the_celery_extra_never_holds_django_back_and_the_driver_is_plain() -> None:
+    extras = {
+        name: {Requirement(line).name: Requirement(line) for line in lines}
+        for name, lines in PROJECT["optional-dependencies"].items()
+    }
+    # django-celery-beat caps Django (2.9: below 6.1): only the beat extra may bring it.
+    assert [name for name, reqs in extras.items() if "django-celery-beat" in reqs] == ["beat"]
+    assert "celery" in extras["celery"] and "celery" in extras["beat"]
+    # Which libpq psycopg uses (its binary or c extra) is the project's choice.
+    assert extras["postgres"]["psycopg"].extras == set()
+
+
+def test_the_lowest_constraints_pin_exactly_the_declared_floors() -> None:
+    lines = (ROOT / ".ci" / "constraints-lowest.txt").read_text().splitlines()
+    pins = dict(line.split("==") for line in lines if line and not line.startswith("#"))
+    floors = {r.name: Version(floor(r)) for r in declared()}
+    assert {name: Version(pin) for name, pin in pins.items()} == floors
+
+
+def test_the_lowest_env_runs_test_files_that_exist() -> None:
+    commands = tox()["testenv:lowest"]["commands"]
+    paths = re.findall(r"tests/\S+\.py", commands)
+    assert paths and [p for p in paths if not (ROOT / p).is_file()] == []
+
+
+def test_the_sdist_holds_what_runs_the_tests_and_anchors_its_patterns() -> None:
+    include = PYPROJECT["tool"]["hatch"]["build"]["targets"]["sdist"]["include"]
+    # An unanchored "README.md" also matched bench/README.md.
+    assert all(pattern.startswith("/") for pattern in include)
+    for needed in ("/django_idempotency", "/tests", "/testproject", "/docs", "/tox.ini"):
+        assert needed in include
+    assert {"/README.md", "/CHANGELOG.md", "/LICENSE"} <= set(include)
+
+
+LINK = re.compile(r"\]\(([^)\s]+)\)")
+
+
+def test_the_readme_links_are_absolute_and_share_one_project_url() -> None:
+    source = PROJECT["urls"]["Source"]
+    links = LINK.findall(README)
+    assert links
+    relative = [link for link in links if not re.match(r"https?://|#", link)]
+    assert relative == [], "relative links break on the package page"
+    # Links into the repository all start with the one project URL of pyproject.toml.
+    project = [link for link in links if "django-idempotency" in link]
+    assert project and [link for link in project if not link.startswith(source)] == []
+    assert all(url.startswith(source) for url in PROJECT["urls"].values())
+
+
+@pytest.mark.parametrize(
+    "text", ["/root/", "/work/", "/home/", "/Users/", "not on PyPI", "path/to/", "git+<"]
+)
+def test_the_readme_names_no_machine_path_or_placeholder(text: str) -> None:
+    assert text not in README
+
+
+def test_the_changelog_dates_the_version_being_released() -> None:
+    changelog = (ROOT / "CHANGELOG.md").read_text()
+    headings = re.findall(r"^## (.+)$", changelog, re.MULTILINE)
+    assert f"{PROJECT['version']} (" in " ".join(headings)
+    (released,) = [h for h in headings if h.startswith(PROJECT["version"])]
+    assert re.fullmatch(r"\d+\.\d+\.\d+ \(\d{4}-\d\d-\d\d\)", released)
