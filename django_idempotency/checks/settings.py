@@ -192,7 +192,7 @@ def check_beat(app_configs: Sequence[AppConfig] | None, **kwargs: Any) -> list[C
             CheckWarning(
                 "IDEMPOTENCY_BEAT_REGISTER is True but django_celery_beat is not installed, so "
                 "no periodic task runs partition maintenance.",
-                hint="Install django-idempotency[celery] and add 'django_celery_beat' to "
+                hint="Install django-idempotency[beat] and add 'django_celery_beat' to "
                 "INSTALLED_APPS, or set IDEMPOTENCY_BEAT_REGISTER = False and schedule "
                 "`manage.py idempotency_partitions` hourly with cron or a Kubernetes CronJob.",
                 id="django_idempotency.W001",

@@ -37,8 +37,8 @@ from django_idempotency.engine.work import (
     view_name,
 )
 from django_idempotency.models import IdempotencyRecord
-from django_idempotency.storage.secret import SecretMissing
 from django_idempotency.storage import bodies, records, riders
+from django_idempotency.storage.secret import SecretMissing
 
 logger = logging.getLogger("django_idempotency")
 

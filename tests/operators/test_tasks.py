@@ -75,7 +75,7 @@ def test_the_task_fails_when_a_step_fails() -> None:
 
 def documented_beat_schedule() -> dict[str, Any]:
     """``CELERY_BEAT_SCHEDULE`` as docs/partitions.md shows it for Celery's own scheduler."""
-    page = (Path(__file__).resolve().parent.parent / "docs" / "partitions.md").read_text()
+    page = (Path(__file__).resolve().parents[2] / "docs" / "partitions.md").read_text()
     section = page.split("### With Celery's own beat schedule", 1)[1].split("\n### ", 1)[0]
     (code,) = re.findall(r"```python\n(.*?)```", section, re.DOTALL)
     namespace: dict[str, Any] = {}
