@@ -16,6 +16,9 @@ class IdempotencyRecord(models.Model):
         IN_PROGRESS = 0, _("in progress")
         COMPLETED = 1, _("completed")
 
+    # The method of an exactly-once consumer's record (a Celery task's message id is its key).
+    CONSUMER_METHOD = "TASK"
+
     id = models.BigAutoField(primary_key=True)
     scope = models.CharField(_("principal"), max_length=255)
     key = models.CharField(_("key"), max_length=255)

@@ -95,7 +95,7 @@ class OutboxMessageAdmin(ReadOnlyLargeTableAdmin[OutboxMessage]):
         (_("Message"), {"fields": ("id", "kind", "name", "args", "kwargs", "payload", "options")}),
         (_("Publishing"), {"fields": ("created_at", "published_at", "attempts", "last_error")}),
         (_("Lease"), {"fields": ("lease_owner", "lease_until", "fence")}),
-        (_("Redrive"), {"fields": ("redrive_at", "redrives")}),
+        (_("Redrive"), {"fields": ("consumer_check_due", "redrives")}),
     )
     readonly_fields = (
         "id",
@@ -112,7 +112,7 @@ class OutboxMessageAdmin(ReadOnlyLargeTableAdmin[OutboxMessage]):
         "lease_owner",
         "lease_until",
         "fence",
-        "redrive_at",
+        "consumer_check_due",
         "redrives",
     )
 
@@ -127,6 +127,11 @@ class OutboxMessageAdmin(ReadOnlyLargeTableAdmin[OutboxMessage]):
         except ValueError:  # no message has it; the nil UUID is nobody's (none() has no plan)
             message_id = uuid.UUID(int=0)
         return queryset.filter(id=message_id), False
+
+    # redrive_at is when the relay will look for the consumer's record: a time to come.
+    @admin.display(description=_("consumer's record to be checked at"))
+    def consumer_check_due(self, obj: OutboxMessage) -> Any:
+        return obj.redrive_at or "-"
 
     def has_delete_permission(self, request: HttpRequest, obj: OutboxMessage | None = None) -> bool:
         # A deleted pending message would never be published: the outbox is append-only.

@@ -114,6 +114,7 @@ class MethodFilter(admin.SimpleListFilter):
 
     def lookups(self, request: HttpRequest, model_admin: Any) -> list[tuple[str, str]]:
         methods = set(conf.METHODS).union(*(e.methods for e in idempotent_endpoints()))
+        methods.add(IdempotencyRecord.CONSUMER_METHOD)  # exactly-once consumers' records
         return [(method, method) for method in sorted(methods)]
 
     def queryset(self, request: HttpRequest, queryset: QuerySet[Any]) -> QuerySet[Any]:

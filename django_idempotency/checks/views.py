@@ -29,34 +29,32 @@ def check_views(app_configs: Sequence[AppConfig] | None, **kwargs: Any) -> list[
     if not ours(app_configs) or not getattr(settings, "ROOT_URLCONF", None):
         return []
     messages: list[CheckMessage] = []
-    for endpoint in _endpoints():
-        handler = endpoint.handler
-        handler = inspect.unwrap(handler) if callable(handler) else handler
-        name = f"{endpoint.route} ({view_name(handler)})"
-        policy = endpoint.policy
-        if _claims_before_authentication(endpoint):
+    # One message per view (a viewset or a class served on several routes), naming the
+    # routes it concerns.
+    for endpoints in _by_view(_endpoints()):
+        handler = endpoints[0].handler
+        label = view_name(inspect.unwrap(handler) if callable(handler) else handler)
+        early = [e for e in endpoints if _claims_before_authentication(e)]
+        shared = [e for e in endpoints if e not in early and _shares_anonymous_principal(e)]
+        if early:
             messages.append(
                 Error(
-                    f"The idempotent view {name} is decorated with @idempotent outside the "
-                    "view's own dispatch (above @api_view, around as_view(), or on "
-                    "dispatch()), so the key is claimed before the view authenticates the "
-                    "client: every caller shares the anonymous principal.",
+                    f"The idempotent view {_routes(early)} ({label}) is decorated with "
+                    "@idempotent outside the view's own dispatch (above @api_view, around "
+                    "as_view(), or on dispatch()), so the key is claimed before the view "
+                    "authenticates the client: every caller shares the anonymous principal.",
                     hint="Put @idempotent below @api_view (next to the function), use "
                     "IdempotencyMixin on a DRF class view, or decorate the method handler "
                     '(method_decorator(idempotent, name="post")).',
                     id="django_idempotency.E014",
                 )
             )
-        elif (
-            policy.principal is None
-            and not policy.allow_anonymous
-            and _open_to_anonymous(endpoint.view)
-        ):
+        if shared:
             messages.append(
                 CheckWarning(
-                    f"The idempotent view {name} lets anonymous clients in, and all of them "
-                    "share one principal: one anonymous client's key can replay another's "
-                    "response.",
+                    f"The idempotent view {_routes(shared)} ({label}) lets anonymous clients "
+                    "in, and all of them share one principal: one anonymous client's key can "
+                    "replay another's response.",
                     hint="Require authentication on this view, or give it a principal "
                     "callable (idempotency_principal / principal=) that tells anonymous "
                     "clients apart, such as by an API client id; or, where shared anonymous "
@@ -64,17 +62,38 @@ def check_views(app_configs: Sequence[AppConfig] | None, **kwargs: Any) -> list[
                     id="django_idempotency.W004",
                 )
             )
-        if _opens_durable_block(endpoint.handler):
+        if _opens_durable_block(handler):
             messages.append(
                 CheckWarning(
-                    f"The idempotent view {name} opens transaction.atomic(durable=True), which "
-                    "cannot run inside the transaction that holds its key: such requests fail "
-                    "with a clear error instead of running.",
+                    f"The idempotent view {_routes(endpoints)} ({label}) opens "
+                    "transaction.atomic(durable=True), which cannot run inside the "
+                    "transaction that holds its key: such requests fail with a clear error "
+                    "instead of running.",
                     hint="Use a plain transaction.atomic() in an idempotent view.",
                     id="django_idempotency.W005",
                 )
             )
     return messages
+
+
+def _by_view(endpoints: list[Any]) -> list[list[Any]]:
+    groups: dict[Any, list[Any]] = {}
+    for endpoint in endpoints:
+        groups.setdefault(endpoint.handler, []).append(endpoint)
+    return list(groups.values())
+
+
+def _shares_anonymous_principal(endpoint: Any) -> bool:
+    policy = endpoint.policy
+    return (
+        policy.principal is None
+        and not policy.allow_anonymous
+        and _open_to_anonymous(endpoint.view)
+    )
+
+
+def _routes(endpoints: list[Any]) -> str:
+    return ", ".join(dict.fromkeys(endpoint.route for endpoint in endpoints))
 
 
 def _endpoints() -> list[Any]:

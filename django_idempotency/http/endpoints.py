@@ -16,6 +16,8 @@ from django_idempotency.http.options import Policy, policy_for, resolve
 
 # Python's named groups are the one URL-pattern construct PostgreSQL's regexes lack.
 _NAMED_GROUP = re.compile(r"\(\?P<\w+>")
+# What simplify_regex() leaves escaped: DRF's format suffixes ("charges\.<format>").
+_ESCAPE = re.compile(r"\\(.)")
 
 
 @dataclass(frozen=True)
@@ -129,7 +131,10 @@ def _walk(
     # (the route as people write it, the full Python regex of path_info, the callback)
     for pattern in patterns:
         piece = pattern.pattern
-        here = str(piece) if isinstance(piece, RoutePattern) else simplify_regex(str(piece))[1:]
+        if isinstance(piece, RoutePattern):
+            here = str(piece)
+        else:  # a regex, as people would write its route: /charges.<format>/
+            here = _ESCAPE.sub(r"\1", simplify_regex(str(piece)))[1:]
         joined = regex + piece.regex.pattern.removeprefix("^")
         if isinstance(pattern, URLResolver):
             yield from _walk(pattern.url_patterns, route + here, joined)

@@ -23,10 +23,11 @@ from django_idempotency.engine.errors import (
 )
 from django_idempotency.engine.unit import UnitOfWork
 from django_idempotency.engine.work import Refuse, Replay, Result, Work
+from django_idempotency.models import IdempotencyRecord
 
 logger = logging.getLogger("django_idempotency.consumers")
 
-METHOD = "TASK"
+METHOD = IdempotencyRecord.CONSUMER_METHOD
 PRINCIPAL_PREFIX = "consumer:"
 JSON_HEADERS = [["content-type", "application/json"]]
 # Records' key and scope columns hold this many characters; longer ones are hashed.

@@ -8,6 +8,7 @@ from datetime import UTC, datetime, timedelta
 
 import pytest
 from django.db import connection, transaction
+from django.utils import timezone
 
 from django_idempotency.engine.unit import UnitOfWork
 from django_idempotency.engine.work import Result, Run, Work
@@ -240,6 +241,19 @@ def test_admin_is_read_only_and_shows_the_last_error(superuser_client) -> None:
     assert superuser_client.post(f"{OUTBOX_CHANGELIST}{message_id}/delete/").status_code == 403
     assert superuser_client.post(detail, {"name": "changed"}).status_code == 403
     assert OutboxMessage.objects.get(id=message_id).name == "tests.noop"
+
+
+@pytest.mark.django_db(transaction=True)
+def test_admin_says_when_the_consumers_record_will_be_checked(superuser_client) -> None:
+    with transaction.atomic():
+        message_id = enqueue_task("tests.noop")
+    due = timezone.now() + timedelta(minutes=10)
+    OutboxMessage.objects.filter(id=message_id).update(published_at=timezone.now(), redrive_at=due)
+
+    page = superuser_client.get(f"{OUTBOX_CHANGELIST}{message_id}/change/").content.decode()
+
+    assert "Consumer&#x27;s record to be checked at" in page
+    assert "checked at:" not in page.replace("to be checked at", "")
 
 
 @pytest.mark.django_db(transaction=True)

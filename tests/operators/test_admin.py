@@ -161,13 +161,15 @@ def test_response_status_filter_selects_a_status_class(superuser_client):
     assert found("4xx") == [rejected.pk]
 
 
-def test_method_filter_offers_the_covered_methods(superuser_client):
+def test_method_filter_offers_the_covered_methods_and_consumers_tasks(superuser_client):
     post = IdempotencyRecordFactory(method="POST")
     patch = IdempotencyRecordFactory(method="PATCH")
+    task = IdempotencyRecordFactory(method="TASK")
 
     response = superuser_client.get(CHANGELIST, {"method": "PATCH"})
 
-    assert offered(response, "method") == ["PATCH", "POST"]
+    assert offered(response, "method") == ["PATCH", "POST", "TASK"]
+    assert listed(superuser_client.get(CHANGELIST, {"method": "TASK"})) == [task.pk]
     assert listed(response) == [patch.pk]
     assert listed(superuser_client.get(CHANGELIST, {"method": "POST"})) == [post.pk]
 

@@ -13,6 +13,7 @@ from collections.abc import Iterator
 from datetime import timedelta
 from io import StringIO
 from pathlib import Path
+from typing import Any
 
 import pytest
 from django.core.checks import CheckMessage, Error, run_checks
@@ -546,13 +547,24 @@ def test_the_check_command_runs_the_settings_checks() -> None:
         call_command("check", stderr=StringIO())
 
 
+def routes_of(message: Any) -> str:
+    """The routes a view message names: "The idempotent view /a/, /b/ (module.View) ..."."""
+    return re.search(r"view (.+?) \(", message.msg)[1]  # type: ignore[index]
+
+
+def routes_in(check_id: str) -> set[str]:
+    """Every route that the URL checks name under ``check_id``."""
+    return {
+        route
+        for m in checks.check_views(None)
+        if m.id == check_id
+        for route in routes_of(m).split(", ")
+    }
+
+
 @pytest.mark.urls("tests.support.urls")
 def test_w004_an_idempotent_view_open_to_anonymous_clients_without_a_principal_callable() -> None:
-    warned = {
-        re.search(r"view (\S+) ", m.msg)[1]  # type: ignore[index]
-        for m in checks.check_views(None)
-        if m.id == "django_idempotency.W004"
-    }
+    warned = routes_in("django_idempotency.W004")
     assert "/drf/" in warned  # AllowAny, no principal callable
     assert "/drf/guarded/" not in warned  # IsAuthenticated
     assert "/drf/tenant/" not in warned  # a principal callable
@@ -672,11 +684,7 @@ def test_manage_py_check_reports_settings_of_the_wrong_type_without_a_traceback(
 
 @pytest.mark.urls("tests.support.urls")
 def test_w004_sees_every_view_style_and_allow_anonymous_silences_it() -> None:
-    warned = {
-        re.search(r"view (\S+) ", m.msg)[1]  # type: ignore[index]
-        for m in checks.check_views(None)
-        if m.id == "django_idempotency.W004"
-    }
+    warned = routes_in("django_idempotency.W004")
     assert "/drf/api-view/" in warned  # @api_view with AllowAny
     assert "/drf/method-decorated/" in warned  # method_decorator on an AllowAny APIView
     assert "/drf/token-only/" in warned
@@ -691,7 +699,7 @@ def test_w004_sees_every_view_style_and_allow_anonymous_silences_it() -> None:
 @pytest.mark.urls("tests.support.urls")
 def test_e014_idempotent_outside_the_views_own_authentication() -> None:
     errors = [m for m in checks.check_views(None) if m.id == "django_idempotency.E014"]
-    assert [re.search(r"view (\S+) ", m.msg)[1] for m in errors] == [  # type: ignore[index]
+    assert [routes_of(m) for m in errors] == [
         "/iban/above-api-view/",  # above @api_view
         "/drf/dispatch-decorated/",  # method_decorator on an APIView's dispatch()
     ]
@@ -826,3 +834,16 @@ def test_the_test_project_under_asgi_uses_a_bounded_pool() -> None:
     declared, found = done.stdout.splitlines()
     assert declared == "testproject.asgi.application 0 10"
     assert "django_idempotency.W009" not in found
+
+
+@pytest.mark.urls("tests.support.router_urls")
+def test_w004_once_for_a_viewset_naming_its_routes_without_regex_escapes() -> None:
+    from django_idempotency.http.endpoints import idempotent_endpoints
+
+    routes = [endpoint.route for endpoint in idempotent_endpoints()]
+    (warning,) = [m for m in checks.check_views(None) if m.id == "django_idempotency.W004"]
+
+    assert "/groups.<format>/" in routes and "/groups/<pk>.<format>/" in routes
+    assert not [route for route in routes if "\\" in route]
+    assert routes_of(warning).split(", ") == list(dict.fromkeys(routes))
+    assert "(tests.support.router_urls.OpenGroupViewSet)" in warning.msg
