@@ -40,7 +40,7 @@ from hypothesis import settings as hypothesis_settings
 ROOT = Path(__file__).resolve().parent.parent
 
 # The other deployment shapes' servers (uvicorn, PgBouncer) and their fixtures.
-pytest_plugins = ["tests.support.servers", "tests.support.partitions"]
+pytest_plugins = ["tests.support.servers", "tests.support.partitions", "tests.support.browser"]
 
 # Database round trips make per-example timings meaningless; CI also prints the blob to
 # reproduce a failure.

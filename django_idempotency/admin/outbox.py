@@ -15,7 +15,7 @@ from django.utils import timezone
 from django.utils.translation import gettext
 from django.utils.translation import gettext_lazy as _
 
-from django_idempotency.admin.base import ReadOnlyLargeTableAdmin
+from django_idempotency.admin.base import ReadOnlyLargeTableAdmin, time_column
 from django_idempotency.models import OutboxMessage
 
 # Columns the list never shows: arguments and payloads may be large.
@@ -82,12 +82,14 @@ class OutboxMessageAdmin(ReadOnlyLargeTableAdmin[OutboxMessage]):
         "id",
         "kind",
         "name",
-        "created_at",
-        "published_at",
+        "created",
+        "published",
         "attempts",
         "redrives",
         "lease_owner",
     )
+    created = time_column("created_at", _("created at"))
+    published = time_column("published_at", _("published at"))
     list_filter = (OutboxStateFilter, OutboxCreatedFilter, "kind")
     search_fields = ("id",)
     search_help_text = _("The exact message id, which is the Celery task id.")

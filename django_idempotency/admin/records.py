@@ -24,7 +24,11 @@ from django.utils.safestring import SafeString
 from django.utils.translation import gettext
 from django.utils.translation import gettext_lazy as _
 
-from django_idempotency.admin.base import DetailDeferringChangeList, ReadOnlyLargeTableAdmin
+from django_idempotency.admin.base import (
+    DetailDeferringChangeList,
+    ReadOnlyLargeTableAdmin,
+    time_column,
+)
 from django_idempotency.conf import conf
 from django_idempotency.engine.errors import InvalidKey
 from django_idempotency.engine.work import PARTS
@@ -217,9 +221,11 @@ class IdempotencyRecordAdmin(ReadOnlyLargeTableAdmin[IdempotencyRecord]):
         "method",
         "path",
         "response_code",
-        "created_at",
-        "expires_at",
+        "created",
+        "expires",
     )
+    created = time_column("created_at", _("created at"))
+    expires = time_column("expires_at", _("expires at"))
     list_filter = (CreatedFilter, ResponseStatusFilter, MethodFilter, EndpointFilter)
     search_fields = ("key",)
     search_help_text = _("The exact Idempotency-Key, as the client sent it, or a username.")
