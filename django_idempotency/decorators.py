@@ -79,10 +79,10 @@ def idempotent(view: Any = None, **options: Unpack[ViewOptions]) -> Any:
                 except BaseException as exc:
                     answered = _client_error(request, exc)
                     if answered is None or _unread(request, exc):
-                        await sync_to_async(unit.fail)(exc)
-                        if answered is None:
+                        lost = await sync_to_async(unit.fail)(exc)
+                        if answered is None and lost is None:
                             raise
-                        return answered
+                        return answered or lost
                     response = answered
                 return await sync_to_async(unit.close)(response)
 
@@ -104,10 +104,10 @@ def idempotent(view: Any = None, **options: Unpack[ViewOptions]) -> Any:
                 except BaseException as exc:
                     answered = _client_error(request, exc)
                     if answered is None or _unread(request, exc):
-                        unit.fail(exc)
-                        if answered is None:
+                        lost = unit.fail(exc)
+                        if answered is None and lost is None:
                             raise
-                        return answered
+                        return answered or lost
                     response = answered
                 return unit.close(response)
 

@@ -239,10 +239,13 @@ def _decided(claim: _Claim, decision: Decision) -> HttpResponse | None:
 
 def _failed(claim: _Claim, exc: BaseException) -> HttpResponseBase:
     """An exception left Ninja (it re-raises what it has no handler for, unless DEBUG):
-    roll back; a store outage becomes its problem response, anything else goes on up."""
+    roll back; a store outage (or a connection lost under the operation) becomes its problem
+    response, anything else goes on up."""
     if claim.claimed:
         claim.claimed = False
-        claim.unit.fail(exc)
+        lost = claim.unit.fail(exc)
+        if lost is not None:
+            return lost
     if isinstance(exc, IdempotencyError):
         return problem_response(exc)
     raise exc

@@ -193,9 +193,10 @@ class IdempotencyMixin:
             # An exception escaped the view (DRF re-raises what it cannot handle), so
             # finalize_response never ran: roll the claim back with everything else.
             unit = self._take_unit()
-            if unit is not None:
-                unit.fail(exc)
-            raise
+            lost = None if unit is None else unit.fail(exc)
+            if lost is None:
+                raise
+            return lost
         if isawaitable(response):
             # adrf's async dispatch, not started yet. Its finalize_response will run on the
             # event loop, where the ORM may not: close the unit after it instead.
@@ -211,9 +212,10 @@ class IdempotencyMixin:
             response = await dispatching
         except BaseException as exc:
             unit = self._take_unit()
-            if unit is not None:
-                await sync_to_async(unit.fail)(exc)
-            raise
+            lost = None if unit is None else await sync_to_async(unit.fail)(exc)
+            if lost is None:
+                raise
+            return lost
         unit = self._take_unit()
         return response if unit is None else await sync_to_async(unit.close)(response)
 

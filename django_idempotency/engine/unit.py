@@ -172,7 +172,23 @@ class UnitOfWork:
     @instrumentation.counted_fail
     def fail(self, exc: BaseException) -> None:
         """Roll back the claim and everything the work wrote (the work raised)."""
+        # The driver's connection the work ran on: whether it broke says why the work failed.
+        self._failed_on = connections[self.using].connection
         self._finish(exc)
+
+    def lost_store(self, exc: BaseException) -> StoreUnavailable | None:
+        """The refusal to answer when the work failed because the connection to the store
+        went away (a cut, a restart, a failover): nothing was saved and the key is free, so
+        the client is told to retry rather than shown a server error. None otherwise."""
+        if not isinstance(exc, _LOST_STORE):
+            return None
+        raw = getattr(self, "_failed_on", None)
+        if raw is not None and not (getattr(raw, "broken", False) or getattr(raw, "closed", 0)):
+            return None  # the view's own database error (a deadlock, a timeout): its 500
+        return store_unavailable(
+            "The connection to the database was lost while the request ran; nothing was "
+            "saved. Retry with the same key."
+        )
 
     def _finish(self, result: Result | BaseException) -> bool | None:
         if self._thread != threading.get_ident():

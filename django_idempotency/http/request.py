@@ -298,13 +298,29 @@ class RequestUnit:
             return replay_response(decision, deflate, self._headers)
         return problem_response(decision.error)
 
-    def fail(self, exc: BaseException) -> None:
-        """Roll back everything (the view raised); explain a durable block."""
+    def fail(self, exc: BaseException) -> HttpResponse | None:
+        """Roll back everything (the view raised); explain a durable block. The answer to
+        send instead of the view's exception, when there is one: a lost connection's 503."""
         unit = self._unit
         if unit is None:
-            return
+            return None
         self._unit = None
-        unit.fail(exc)
+        try:
+            unit.fail(exc)
+        except BaseException as raised:
+            # Ending the transaction on a lost connection raises a database error again;
+            # then the lost connection decides the answer, and anything else goes on up.
+            lost = unit.lost_store(raised) or unit.lost_store(exc)
+            if lost is None:
+                raise
+        else:
+            lost = unit.lost_store(exc)
+        if lost is not None:
+            logger.warning(
+                "The database connection was lost during %s; answered 503 store-unavailable.",
+                view_name(self.sender),
+            )
+            return self.respond(Refuse(lost))
         if isinstance(exc, RuntimeError) and "durable atomic block" in str(exc):
             raise ImproperlyConfigured(
                 f"The idempotent view {view_name(self.sender)} opens "
@@ -312,6 +328,7 @@ class RequestUnit:
                 "which cannot run inside the request's transaction that holds the key. Use a "
                 "plain transaction.atomic() in this view."
             ) from exc
+        return None
 
 
 @instrumentation.traced_replay
