@@ -124,11 +124,12 @@ settings.configure(
 import django
 django.setup()
 import django_idempotency
-# The Celery glue: the task module, the exactly-once consumers' base class and the relay's
+# The Celery glue: the task module, the Celery task bases (exactly-once, outbox) and the relay's
 # publish path (imported when the relay publishes).
 celery_only = {
     "django_idempotency.tasks",
     "django_idempotency.messaging.consumers",
+    "django_idempotency.messaging.outbox_task",
     "django_idempotency.messaging.publishing",
 }
 for module in pkgutil.walk_packages(django_idempotency.__path__, "django_idempotency."):
