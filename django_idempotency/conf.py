@@ -104,7 +104,7 @@ class Settings:
     def ADMIN_REDACT_FIELDS(self) -> tuple[str, ...]:
         value = _setting(
             "IDEMPOTENCY_ADMIN_REDACT_FIELDS",
-            ("card", "iban", "token", "password", "secret", "cvc", "pan", "account_number"),
+            ("card", "iban", "token", "password", "secret", "cvc", "cvv", "pan", "account_number"),
         )
         return tuple(value)
 
