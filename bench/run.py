@@ -19,6 +19,7 @@ BENCHMARKS = {
     "partitions": "bench.partitions_bench",
     "relay": "bench.relay_bench",
     "consumer": "bench.consumer_bench",
+    "sealing": "bench.sealing_bench",
 }
 
 

@@ -96,6 +96,19 @@ class Settings:
         return tuple(str(value) for value in _setting("IDEMPOTENCY_SECRET_KEY_FALLBACKS", ()))
 
     @property
+    def ENCRYPTION_KEYS(self) -> tuple[str, ...]:
+        # Empty: stored responses are kept plain (storage/sealing.py parses the keys).
+        return tuple(_setting("IDEMPOTENCY_ENCRYPTION_KEYS", ()))
+
+    @property
+    def ADMIN_REDACT_FIELDS(self) -> tuple[str, ...]:
+        value = _setting(
+            "IDEMPOTENCY_ADMIN_REDACT_FIELDS",
+            ("card", "iban", "token", "password", "secret", "cvc", "cvv", "pan", "account_number"),
+        )
+        return tuple(value)
+
+    @property
     def UNSTORED_STATUSES(self) -> frozenset[int]:
         return frozenset(_setting("IDEMPOTENCY_UNSTORED_STATUSES", (408, 409, 425, 429)))
 
@@ -314,6 +327,8 @@ KINDS: dict[str, Kind] = {
     "LOOKUP_FIRST": BOOLEAN,
     "SECRET_KEY": OPTIONAL_TEXT,
     "SECRET_KEY_FALLBACKS": SECRETS,
+    "ENCRYPTION_KEYS": SECRETS,
+    "ADMIN_REDACT_FIELDS": TEXTS,
     "UNSTORED_STATUSES": INTEGERS,
     "REPLAY_HEADERS": TEXTS,
     "FINGERPRINT_HEADERS": TEXTS,
@@ -363,6 +378,7 @@ REQUEST_SETTINGS = (
     "LOOKUP_FIRST",
     "SECRET_KEY",
     "SECRET_KEY_FALLBACKS",
+    "ENCRYPTION_KEYS",
     "UNSTORED_STATUSES",
     "REPLAY_HEADERS",
     "FINGERPRINT_HEADERS",

@@ -38,6 +38,8 @@ class IdempotencyRecord(models.Model):
         verbose_name = _("idempotency record")
         verbose_name_plural = _("idempotency records")
         indexes = [models.Index(fields=["key", "scope"], name="idempotency_key_scope")]
+        # The admin shows stored bodies and headers only with it (superusers have it).
+        permissions = [("view_stored_response", _("Can view stored response"))]
 
     def __str__(self) -> str:
         return f"{self.method} {self.path} [{self.key[:12]}]"

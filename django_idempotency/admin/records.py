@@ -1,10 +1,10 @@
 """The records' admin: filters whose choices come from the URLconf and the partition catalog
-(no ``SELECT DISTINCT``), an exact key or username search, principals shown by name."""
+(no ``SELECT DISTINCT``), an exact key or username search, principals shown by name; stored
+responses as ``admin/responses.py`` lets the user see them."""
 
 from __future__ import annotations
 
 import contextlib
-import json
 from collections.abc import Mapping
 from datetime import date, timedelta
 from typing import Any
@@ -24,6 +24,7 @@ from django.utils.safestring import SafeString
 from django.utils.translation import gettext
 from django.utils.translation import gettext_lazy as _
 
+from django_idempotency.admin import responses
 from django_idempotency.admin.base import (
     DetailDeferringChangeList,
     ReadOnlyLargeTableAdmin,
@@ -37,12 +38,10 @@ from django_idempotency.http.identity import parse_key
 from django_idempotency.models import IdempotencyRecord
 from django_idempotency.partitions import catalog
 from django_idempotency.partitions.tables import RECORDS
-from django_idempotency.storage import bodies, records
+from django_idempotency.storage import records
 
 # Columns the list never shows; a stored body alone may be megabytes.
 DETAIL_ONLY_FIELDS = ("fingerprint", "response_headers", "response_body")
-# Stored bodies longer than this are cut in the detail view, which must stay a web page.
-BODY_PREVIEW_CHARS = 100_000
 
 
 def _user_kinds() -> frozenset[str]:
@@ -195,23 +194,6 @@ def _pre(text: str) -> SafeString:
     return format_html('<pre style="white-space: pre-wrap">{}</pre>', text)
 
 
-def body_text(record: IdempotencyRecord) -> str:
-    """The stored body for people: decompressed, JSON indented, binary described."""
-    body = bodies.decode_body(record.response_body, record.body_encoding)
-    try:
-        text = body.decode()
-    except UnicodeDecodeError:
-        return gettext("%(size)d bytes of binary data") % {"size": len(body)}
-    with contextlib.suppress(ValueError):  # not JSON: shown as it is
-        text = json.dumps(json.loads(text), indent=2, ensure_ascii=False)
-    if len(text) > BODY_PREVIEW_CHARS:
-        return gettext("%(text)s\n… (%(size)d characters in all)") % {
-            "text": text[:BODY_PREVIEW_CHARS],
-            "size": len(text),
-        }
-    return text
-
-
 @admin.register(IdempotencyRecord)
 class IdempotencyRecordAdmin(ReadOnlyLargeTableAdmin[IdempotencyRecord]):
     detail_only_fields = DETAIL_ONLY_FIELDS
@@ -229,14 +211,6 @@ class IdempotencyRecordAdmin(ReadOnlyLargeTableAdmin[IdempotencyRecord]):
     list_filter = (CreatedFilter, ResponseStatusFilter, MethodFilter, EndpointFilter)
     search_fields = ("key",)
     search_help_text = _("The exact Idempotency-Key, as the client sent it, or a username.")
-    fieldsets = (
-        (_("Request"), {"fields": ("key", "principal", "method", "path", "fingerprint_parts")}),
-        (
-            _("Response"),
-            {"fields": ("response_code", "response_headers_list", "body_encoding", "body")},
-        ),
-        (_("Lifetime"), {"fields": ("created_at", "expires_at")}),
-    )
     readonly_fields = (
         "key",
         "principal",
@@ -244,12 +218,35 @@ class IdempotencyRecordAdmin(ReadOnlyLargeTableAdmin[IdempotencyRecord]):
         "path",
         "fingerprint_parts",
         "response_code",
+        "storage",
+        "body_size",
+        "body_digest",
         "response_headers_list",
-        "body_encoding",
         "body",
+        "response_headers_masked",
+        "body_redacted",
         "created_at",
         "expires_at",
     )
+
+    def get_fieldsets(self, request: HttpRequest, obj: IdempotencyRecord | None = None) -> Any:
+        # The stored headers and body only with the permission; others see them masked.
+        shown = (
+            ("response_headers_list", "body")
+            if responses.may_read(request)
+            else ("response_headers_masked", "body_redacted")
+        )
+        return (
+            (
+                _("Request"),
+                {"fields": ("key", "principal", "method", "path", "fingerprint_parts")},
+            ),
+            (
+                _("Response"),
+                {"fields": ("response_code", "storage", "body_size", "body_digest", *shown)},
+            ),
+            (_("Lifetime"), {"fields": ("created_at", "expires_at")}),
+        )
 
     def get_changelist(self, request: HttpRequest, **kwargs: Any) -> type[ChangeList]:
         return RecordChangeList
@@ -293,10 +290,48 @@ class IdempotencyRecordAdmin(ReadOnlyLargeTableAdmin[IdempotencyRecord]):
         )
         return format_html("<table>{}</table>", rows)
 
+    @admin.display(description=_("stored"))
+    def storage(self, obj: IdempotencyRecord) -> str:
+        return responses.encoding_label(obj.body_encoding)
+
+    @admin.display(description=_("body size"))
+    def body_size(self, obj: IdempotencyRecord) -> str:
+        shown = _shown(obj)
+        if shown.unreadable:
+            return gettext("%(stored)d bytes stored") % {"stored": shown.stored_bytes}
+        return gettext("%(sent)d bytes as sent, %(stored)d bytes stored") % {
+            "sent": len(shown.body),
+            "stored": shown.stored_bytes,
+        }
+
+    @admin.display(description=_("body digest"))
+    def body_digest(self, obj: IdempotencyRecord) -> str:
+        shown = _shown(obj)
+        return shown.unreadable or shown.digest()
+
     @admin.display(description=_("response headers"))
     def response_headers_list(self, obj: IdempotencyRecord) -> SafeString:
-        return _pre("\n".join(f"{name}: {value}" for name, value in obj.response_headers or ()))
+        return _pre(responses.headers_text(_shown(obj).headers, full=True))
 
     @admin.display(description=_("response body"))
     def body(self, obj: IdempotencyRecord) -> SafeString:
-        return _pre(body_text(obj))
+        shown = _shown(obj)
+        return _pre(shown.unreadable or responses.body_text(shown.body, full=True))
+
+    @admin.display(description=_("response headers (values masked)"))
+    def response_headers_masked(self, obj: IdempotencyRecord) -> SafeString:
+        return _pre(responses.headers_text(_shown(obj).headers, full=False))
+
+    @admin.display(description=_("response body (redacted)"))
+    def body_redacted(self, obj: IdempotencyRecord) -> SafeString:
+        shown = _shown(obj)
+        return _pre(shown.unreadable or responses.body_text(shown.body, full=False))
+
+
+def _shown(obj: IdempotencyRecord) -> responses.Shown:
+    # Opened once per page: a sealed body may be megabytes.
+    shown: responses.Shown | None = getattr(obj, "_shown", None)
+    if shown is None:
+        shown = responses.opened(obj)
+        obj._shown = shown  # type: ignore[attr-defined]
+    return shown

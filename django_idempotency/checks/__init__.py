@@ -5,6 +5,7 @@ registers them all."""
 from django_idempotency.checks.databases import check_databases, check_isolation
 from django_idempotency.checks.messaging import check_consumers, check_outbox_backlog
 from django_idempotency.checks.partitions import check_partitions
+from django_idempotency.checks.sealing import check_keys, check_plain_text
 from django_idempotency.checks.servers import check_servers
 from django_idempotency.checks.settings import check_beat, check_settings
 from django_idempotency.checks.views import check_records_follow_writes, check_views
@@ -14,8 +15,10 @@ __all__ = [
     "check_consumers",
     "check_databases",
     "check_isolation",
+    "check_keys",
     "check_outbox_backlog",
     "check_partitions",
+    "check_plain_text",
     "check_records_follow_writes",
     "check_servers",
     "check_settings",

@@ -13,9 +13,10 @@ from django_idempotency.engine.errors import (
     InProgress,
     KeyExpired,
     KeyReused,
+    Misconfigured,
 )
 from django_idempotency.engine.work import Decision, Refuse, Replay, Work, differing
-from django_idempotency.storage import records
+from django_idempotency.storage import records, sealing
 
 logger = logging.getLogger("django_idempotency")
 
@@ -26,10 +27,17 @@ def short(key: str) -> str:
 
 
 def decide(
-    claimed: records.Claimed, work: Work, *, sender: Any, context: Any, waited: float = 0.0
+    claimed: records.Claimed,
+    work: Work,
+    *,
+    sender: Any,
+    context: Any,
+    waited: float = 0.0,
+    ring: sealing.Keyring | None = None,
 ) -> Decision:
     """What a claim that was not won answers: the stored result (``Replay``), or ``Refuse``
-    (in progress, expired, reused); ``context`` is what signals carry as ``request``."""
+    (in progress, expired, reused, unreadable); ``context`` is what signals carry as
+    ``request``, ``ring`` the keys that open a sealed record."""
     record = claimed.record
     about = {"key": work.key, "principal": work.principal}
     if claimed.outcome is records.Outcome.BUSY:
@@ -61,6 +69,23 @@ def decide(
                 "This Idempotency-Key was already used for a different request. Use a new "
                 "key for a new request.",
                 differing=changed,
+            )
+        )
+    try:
+        record = sealing.opened(record, ring, scope=work.principal, key=work.key)
+    except sealing.Unreadable as exc:
+        # Never run again instead: the first execution took effect.
+        logger.critical(
+            "Idempotency key %s has a stored response that cannot be replayed: %s; the "
+            "request was refused, and will be until the key that sealed it is listed in "
+            "IDEMPOTENCY_ENCRYPTION_KEYS again (or the record expires).",
+            short(work.key),
+            exc,
+        )
+        return Refuse(
+            Misconfigured(
+                "The stored response for this Idempotency-Key cannot be read on this server, "
+                "so the request was not processed."
             )
         )
     logger.info("Replayed idempotency key %s", short(work.key))

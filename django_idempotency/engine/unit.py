@@ -37,7 +37,7 @@ from django_idempotency.engine.work import (
     view_name,
 )
 from django_idempotency.models import IdempotencyRecord
-from django_idempotency.storage import bodies, records, riders
+from django_idempotency.storage import bodies, records, riders, sealing
 from django_idempotency.storage.secret import SecretMissing
 
 logger = logging.getLogger("django_idempotency")
@@ -116,6 +116,7 @@ class UnitOfWork:
         self._thread = 0
         self._thrown: BaseException | None = None
         self._patience = Patience(wait)
+        self._ring: sealing.Keyring | None = None
 
     @instrumentation.traced_open
     def open(self) -> Decision:
@@ -214,6 +215,8 @@ class UnitOfWork:
         self, capped: bool | None, wait: timedelta
     ) -> Generator[Decision | None, Result | BaseException, bool]:
         work = self.work
+        # Before anything is claimed: with keys that cannot seal, nothing may run.
+        ring = self._ring = self._keyring()
         # A consumer's records outlive MAX_TTL (IDEMPOTENCY_CONSUMER_TTL).
         window = max(conf.MAX_TTL, work.ttl) + conf.EXPIRED_WINDOW
         if self.lookup_first:
@@ -223,7 +226,7 @@ class UnitOfWork:
                 )
             if found is not None:
                 stored = records.Claimed(records.Outcome.FOUND, record=found)
-                yield decide(stored, work, sender=self.sender, context=self.context)
+                yield decide(stored, work, sender=self.sender, context=self.context, ring=ring)
                 return False
         with failing_closed():
             lock, fallback_locks = self._locks()
@@ -283,8 +286,29 @@ class UnitOfWork:
             yield None
             return False
         waited = time.monotonic() - self._patience.started
-        yield decide(claimed, work, sender=self.sender, context=self.context, waited=waited)
+        yield decide(
+            claimed, work, sender=self.sender, context=self.context, waited=waited, ring=ring
+        )
         return False
+
+    def _keyring(self) -> sealing.Keyring | None:
+        raw = conf.ENCRYPTION_KEYS
+        if not raw:
+            return None
+        try:
+            return sealing.keyring(raw)
+        except sealing.MalformedKeys as exc:
+            # Never a plain write instead: the operator asked for responses sealed.
+            logger.error(
+                "The idempotent %s was refused: %s Fix IDEMPOTENCY_ENCRYPTION_KEYS "
+                "(`manage.py check` says the same).",
+                _name(self.sender, self.kind),
+                exc,
+            )
+            raise Misconfigured(
+                "The server's encryption keys for stored responses are invalid, so the "
+                "request was not processed."
+            ) from exc
 
     def _locks(self) -> tuple[int, tuple[int, ...]]:
         work = self.work
@@ -353,7 +377,22 @@ class UnitOfWork:
             return False
         work = self.work
         assert claimed.created_at is not None
-        body, encoding = bodies.encode_body(using, result.body, conf.COMPRESS_MIN_BYTES)
+        ring = self._ring
+        body, encoding = bodies.encode_body(
+            using, result.body, conf.COMPRESS_MIN_BYTES, sealed=ring is not None
+        )
+        headers: list[list[str]] | None = result.headers
+        if ring is not None:
+            body, encoding = sealing.seal(
+                ring,
+                scope=work.principal,
+                key=work.key,
+                status=result.status,
+                headers=result.headers,
+                body=body,
+                encoding=encoding,
+            )
+            headers = None  # inside the envelope
         finished = records.Finished(
             principal=work.principal,
             key=work.key,
@@ -363,7 +402,7 @@ class UnitOfWork:
             created_at=claimed.created_at,
             expires_at=claimed.created_at + work.ttl,
             code=result.status,
-            headers=result.headers,
+            headers=headers,
             body=body,
             body_encoding=encoding,
         )

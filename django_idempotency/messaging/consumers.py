@@ -171,6 +171,10 @@ def _refused(task: Task[Any, Any], message_id: str, decision: Refuse) -> Any:
             message_id,
         )
         return None
+    if isinstance(error, Misconfigured):
+        # Its stored result is sealed under a key no longer listed: it ran, and runs again
+        # never; the message waits with the broker until the key is listed again.
+        _give_back(task, message_id, error, "has a stored result no listed key opens")
     # KeyReused: the same message id with other arguments is not a redelivery.
     logger.error(
         "Task %s[%s] was delivered again with different arguments; it was not run.",

@@ -39,10 +39,13 @@ def database_compresses(using: str) -> bool:
     return found
 
 
-def encode_body(using: str, body: bytes, min_bytes: int) -> tuple[bytes, str]:
+def encode_body(
+    using: str, body: bytes, min_bytes: int, *, sealed: bool = False
+) -> tuple[bytes, str]:
     """The body as stored, and how: compressed here when it is large, that pays, and the
-    database does not compress it itself."""
-    if len(body) >= min_bytes and not database_compresses(using):
+    database does not compress it itself (it cannot once the body is ``sealed``: a
+    ciphertext does not compress)."""
+    if len(body) >= min_bytes and (sealed or not database_compresses(using)):
         compressed = zlib.compress(body, ZLIB_LEVEL)
         if len(compressed) < len(body):
             return compressed, ZLIB

@@ -189,7 +189,7 @@ def _lookup_plain(using: str, principal: str, key: str, window: timedelta) -> Re
         .order_by("-created_at")
         .first()
     )
-    return None if found is None else _record(found)
+    return None if found is None else as_record(found)
 
 
 def _claim_plain(
@@ -205,7 +205,7 @@ def _claim_plain(
             return Claimed(Outcome.BUSY)
         if existing.expires_at + gone > now:
             outcome = Outcome.FOUND if existing.expires_at > now else Outcome.EXPIRED
-            return Claimed(outcome, record=_record(existing))
+            return Claimed(outcome, record=as_record(existing))
         existing.delete()
     try:
         with transaction.atomic(using=using):
@@ -223,7 +223,8 @@ def _claim_plain(
     return Claimed(Outcome.WON, created_at=now, row_id=created.pk)
 
 
-def _record(obj: IdempotencyRecord) -> Record:
+def as_record(obj: IdempotencyRecord) -> Record:
+    """A finished record as the ORM read it."""
     return Record(
         created_at=obj.created_at,
         expires_at=obj.expires_at,
@@ -258,7 +259,8 @@ class Finished:
     created_at: datetime
     expires_at: datetime
     code: int
-    headers: list[list[str]]
+    # None when they travel sealed inside the body (storage/sealing.py).
+    headers: list[list[str]] | None
     body: bytes
     body_encoding: str
 

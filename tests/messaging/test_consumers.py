@@ -404,3 +404,23 @@ def test_a_delivery_at_repeatable_read_runs_nothing_and_keeps_its_message(
 
     redelivered = deliver(note, message_id, 7)
     assert redelivered.state == "SUCCESS" and [("note", message_id, 7)] == RAN
+
+
+def test_a_sealed_result_is_replayed_and_one_no_listed_key_opens_goes_back(
+    settings, monkeypatch: Any
+) -> None:
+    import base64
+    import os
+
+    monkeypatch.setattr(consumers, "STORE_DOWN_PAUSE", 0)
+    settings.IDEMPOTENCY_ENCRYPTION_KEYS = [base64.b64encode(os.urandom(32)).decode()]
+    message_id = str(uuid.uuid4())
+    first = deliver(note, message_id, 7).result
+    record = IdempotencyRecord.objects.get()
+    assert record.body_encoding.startswith("@")
+    assert b'"value"' not in bytes(record.response_body)
+    assert deliver(note, message_id, 7).result == first
+    settings.IDEMPOTENCY_ENCRYPTION_KEYS = [base64.b64encode(os.urandom(32)).decode()]
+    again = deliver(note, message_id, 7)
+    assert isinstance(again.result, Reject) and again.result.requeue
+    assert len(RAN) == 1

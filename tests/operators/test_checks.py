@@ -176,6 +176,7 @@ def test_check_ids_are_unique() -> None:
         "django_idempotency.E011",
         "django_idempotency.E013",
         "django_idempotency.E014",
+        "django_idempotency.E015",
         "django_idempotency.W001",
         "django_idempotency.W002",
         "django_idempotency.W003",
@@ -183,6 +184,7 @@ def test_check_ids_are_unique() -> None:
         "django_idempotency.W005",
         "django_idempotency.W008",
         "django_idempotency.W009",
+        "django_idempotency.W010",
         "django_idempotency.E101",
         "django_idempotency.W101",
         "django_idempotency.W102",
@@ -847,3 +849,41 @@ def test_w004_once_for_a_viewset_naming_its_routes_without_regex_escapes() -> No
     assert not [route for route in routes if "\\" in route]
     assert routes_of(warning).split(", ") == list(dict.fromkeys(routes))
     assert "(tests.support.router_urls.OpenGroupViewSet)" in warning.msg
+
+
+# Stored responses at rest (django_idempotency.E015, W010).
+
+KEY = "MDEyMzQ1Njc4OWFiY2RlZjAxMjM0NTY3ODlhYmNkZWY="  # 32 bytes, for the checks only
+
+
+@pytest.mark.parametrize(
+    ("keys", "said"),
+    [
+        (["not base64!"], r"IDEMPOTENCY_ENCRYPTION_KEYS\[0\] is not base64"),
+        ([KEY, "c2hvcnQ="], r"\[1\] decodes to 5 bytes; it must be 32"),
+        ([KEY, KEY], r"\[0\] and \[1\] have the same key id"),
+    ],
+)
+def test_e015_an_encryption_key_that_cannot_seal(keys: list[str], said: str) -> None:
+    with override_settings(IDEMPOTENCY_ENCRYPTION_KEYS=keys):
+        messages = checks.check_keys(None)
+    assert ids(messages) == ["django_idempotency.E015"]
+    assert re.search(said, messages[0].msg)
+    assert "no response is ever stored in plain text" in messages[0].msg
+    assert KEY not in messages[0].msg
+
+
+def test_well_formed_encryption_keys_are_fine_and_silence_w010() -> None:
+    with override_settings(IDEMPOTENCY_ENCRYPTION_KEYS=[KEY]):
+        assert checks.check_keys(None) == []
+        assert checks.check_plain_text(None) == []
+
+
+def test_w010_plain_text_at_rest_is_a_deployment_warning() -> None:
+    assert ids(checks.check_plain_text(None)) == ["django_idempotency.W010"]
+    out = StringIO()
+    call_command("check", "--deploy", stdout=out, stderr=out)
+    assert "django_idempotency.W010" in out.getvalue()
+    plain = StringIO()
+    call_command("check", stdout=plain, stderr=plain)
+    assert "W010" not in plain.getvalue()

@@ -56,12 +56,14 @@ def browser(tmp_path: Path) -> Iterator[Any]:
 def log_in(browser: Any, live_server: Any, username: str) -> None:
     """Log in through the admin's own form, as a person would."""
     from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import WebDriverWait
 
     browser.get(live_server.url + reverse("admin:login"))
     browser.find_element(By.NAME, "username").send_keys(username)
     browser.find_element(By.NAME, "password").send_keys(PASSWORD)
     browser.find_element(By.CSS_SELECTOR, "input[type=submit]").click()
-    assert "/admin/login/" not in browser.current_url, browser.page_source[:2000]
+    # The click returns before the browser has followed the login's redirect.
+    WebDriverWait(browser, 30).until(lambda driver: "/admin/login/" not in driver.current_url)
 
 
 def screenshot(browser: Any, tmp_path: Path, name: str) -> Path:

@@ -1,0 +1,141 @@
+"""What the admin shows of a stored response: all of it to a user with the
+``view_stored_response`` permission; to others its size, digest, and JSON with keys masked."""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from django.http import HttpRequest
+from django.utils.translation import gettext
+
+from django_idempotency.conf import conf
+from django_idempotency.models import IdempotencyRecord
+from django_idempotency.storage import bodies, sealing
+from django_idempotency.storage.records import as_record
+
+PERMISSION = "django_idempotency.view_stored_response"
+MASK = "[redacted]"
+# Stored bodies longer than this are cut in the detail view, which must stay a web page.
+BODY_PREVIEW_CHARS = 100_000
+# Header values shown without the permission: they describe the response's form, never
+# what it is about (a Location, an ETag or a configured header may name an object).
+PLAIN_HEADERS = frozenset(
+    ("content-type", "content-language", "cache-control", "expires", "pragma", "vary")
+)
+DIGEST_HEX = 16
+# Words of a JSON key: split on separators and lower-to-upper case changes.
+_WORDS = re.compile(r"[A-Z]?[a-z0-9]+|[A-Z]+(?![a-z])")
+
+
+def may_read(request: HttpRequest) -> bool:
+    """Whether the user may read stored bodies and headers (superusers may)."""
+    return bool(request.user.has_perm(PERMISSION))
+
+
+@dataclass(frozen=True, slots=True)
+class Shown:
+    """A stored response, opened: its headers and body as sent, or why it cannot be."""
+
+    headers: list[list[str]]
+    body: bytes
+    stored_bytes: int
+    unreadable: str = ""
+
+    def digest(self) -> str:
+        return "sha256:" + hashlib.sha256(self.body).hexdigest()[:DIGEST_HEX]
+
+
+def opened(obj: IdempotencyRecord) -> Shown:
+    stored_bytes = len(obj.response_body or b"")
+    ring = None
+    with contextlib.suppress(sealing.MalformedKeys):  # E015 says so; shown as unreadable
+        ring = sealing.keyring(conf.ENCRYPTION_KEYS)
+    try:
+        record = sealing.opened(as_record(obj), ring, scope=obj.scope, key=obj.key)
+    except sealing.Unreadable as exc:
+        return Shown([], b"", stored_bytes, str(exc))
+    body = bodies.decode_body(record.response_body, record.body_encoding)
+    return Shown(record.response_headers, body, stored_bytes)
+
+
+def encoding_label(encoding: str) -> str:
+    """How a body is stored, for people."""
+    key_id = sealing.sealed_under(encoding)
+    if key_id is None:
+        return gettext("zlib") if encoding == bodies.ZLIB else gettext("as sent")
+    label = gettext("sealed with AES-256-GCM under key %(key)s") % {"key": key_id}
+    if sealing.inner_encoding(encoding):
+        label += gettext(", zlib inside")
+    return label
+
+
+def headers_text(headers: Sequence[Sequence[str]], *, full: bool) -> str:
+    return "\n".join(
+        f"{name}: {value if full or name.lower() in PLAIN_HEADERS else MASK}"
+        for name, value in headers
+    )
+
+
+def body_text(body: bytes, *, full: bool) -> str:
+    """The body for people: JSON indented (listed keys masked unless ``full``), other text
+    as it is with ``full`` and never without, binary described."""
+    try:
+        text = body.decode()
+    except UnicodeDecodeError:
+        return gettext("%(size)d bytes of binary data") % {"size": len(body)}
+    try:
+        parsed = json.loads(text)
+    except ValueError:
+        if not full:
+            return gettext(
+                "%(size)d bytes of text that is not JSON: shown only with the permission to "
+                "view stored responses."
+            ) % {"size": len(body)}
+    else:
+        names = () if full else conf.ADMIN_REDACT_FIELDS
+        text = json.dumps(masked(parsed, names), indent=2, ensure_ascii=False)
+    if len(text) > BODY_PREVIEW_CHARS:
+        return gettext("%(text)s\n… (%(size)d characters in all)") % {
+            "text": text[:BODY_PREVIEW_CHARS],
+            "size": len(text),
+        }
+    return text
+
+
+def masked(value: Any, names: Sequence[str]) -> Any:
+    """``value`` with the values of listed keys replaced, at any depth."""
+    if not names:
+        return value
+    listed = [_words(name) for name in names]
+    return _masked(value, listed)
+
+
+def _masked(value: Any, listed: list[list[str]]) -> Any:
+    if isinstance(value, dict):
+        return {
+            key: MASK if _listed(key, listed) else _masked(item, listed)
+            for key, item in value.items()
+        }
+    if isinstance(value, list):
+        return [_masked(item, listed) for item in value]
+    return value
+
+
+def _listed(key: str, listed: list[list[str]]) -> bool:
+    # "card" masks card, card_number and cardNumber, but "pan" never masks company.
+    words = _words(key)
+    return any(
+        name and words[i : i + len(name)] == name
+        for name in listed
+        for i in range(len(words) - len(name) + 1)
+    )
+
+
+def _words(name: str) -> list[str]:
+    return [word.lower() for word in _WORDS.findall(name)]
