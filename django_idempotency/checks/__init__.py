@@ -3,7 +3,11 @@
 registers them all."""
 
 from django_idempotency.checks.databases import check_databases, check_isolation
-from django_idempotency.checks.messaging import check_consumers, check_outbox_backlog
+from django_idempotency.checks.messaging import (
+    check_consumers,
+    check_destinations,
+    check_outbox_backlog,
+)
 from django_idempotency.checks.partitions import check_partitions
 from django_idempotency.checks.servers import check_servers
 from django_idempotency.checks.settings import check_beat, check_settings
@@ -13,6 +17,7 @@ __all__ = [
     "check_beat",
     "check_consumers",
     "check_databases",
+    "check_destinations",
     "check_isolation",
     "check_outbox_backlog",
     "check_partitions",

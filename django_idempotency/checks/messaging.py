@@ -1,5 +1,5 @@
-"""The exactly-once chain: a relay that keeps up with the outbox (W120), exactly-once tasks
-that keep late acknowledgement (E010)."""
+"""The exactly-once chain: a relay that keeps up with the outbox (W120), destinations it can
+load (E121), exactly-once tasks that keep late acknowledgement (E010)."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ from typing import Any
 from django.apps import AppConfig, apps
 from django.core.checks import CheckMessage, Error, Tags, register
 from django.core.checks import Warning as CheckWarning
+from django.core.exceptions import ImproperlyConfigured
 from django.db import DatabaseError, router
 from django.utils import timezone
 
@@ -52,6 +53,31 @@ def check_outbox_backlog(
                 )
             )
     return messages
+
+
+@register()
+def check_destinations(
+    app_configs: Sequence[AppConfig] | None, **kwargs: Any
+) -> list[CheckMessage]:
+    """The relay's destinations: each defined, its backend and client library importable,
+    its options valid, every route naming one (nothing is connected to)."""
+    if not ours(app_configs) or wrong_type("OUTBOX_DESTINATIONS") or wrong_type("OUTBOX_ROUTES"):
+        return []
+    from django_idempotency.messaging import destinations
+
+    try:
+        destinations.configured()
+    except ImproperlyConfigured as exc:
+        return [
+            Error(
+                str(exc),
+                hint="See docs/outbox.md, Destinations: IDEMPOTENCY_OUTBOX_DESTINATIONS "
+                'maps names to {"BACKEND": ..., "OPTIONS": {...}} and must define "default"; '
+                "IDEMPOTENCY_OUTBOX_ROUTES maps name patterns to those names.",
+                id="django_idempotency.E121",
+            )
+        ]
+    return []
 
 
 @register()

@@ -175,6 +175,7 @@ def test_check_ids_are_unique() -> None:
         "django_idempotency.E011",
         "django_idempotency.E013",
         "django_idempotency.E014",
+        "django_idempotency.E121",
         "django_idempotency.W001",
         "django_idempotency.W002",
         "django_idempotency.W003",
@@ -609,6 +610,7 @@ WRONG_VALUES = {
     conf_module.OPTIONAL_DURATION: 600,
     conf_module.FUNCTION: 42,
     conf_module.OPTIONAL_FUNCTION: 42,
+    conf_module.MAPPING: [("default", "celery")],
 }
 
 
