@@ -91,8 +91,19 @@ class Relay:
         return leases.mark(self.using, batch, messages, owner=self.owner, check=check, after=after)
 
     def fail(self, batch: Batch, message: Message, error: str, *, hold: bool = True) -> None:
-        """Count a failed publish and, with ``hold``, hold the row back for a while."""
-        leases.fail(self.using, batch, message, error, owner=self.owner, hold=hold)
+        """Count a failed publish and, with ``hold``, hold the row back for a while (or for
+        good: a dead letter, after IDEMPOTENCY_OUTBOX_MAX_ATTEMPTS tries)."""
+        if leases.fail(self.using, batch, message, error, owner=self.owner, hold=hold):
+            logger.error(
+                "Outbox message %s (%s) failed to publish %d times and is now a dead letter: "
+                "it is kept and not tried again until requeued (the admin, or manage.py "
+                "idempotency_outbox requeue --id %s). Last error: %s",
+                message.id,
+                message.name,
+                conf.OUTBOX_MAX_ATTEMPTS,
+                message.id,
+                error,
+            )
 
     def release(self, batch: Batch, messages: tuple[Message, ...]) -> None:
         """Give rows back untried, for the next pass of any relay."""

@@ -22,6 +22,10 @@ STREAM = "OUTBOX"
 SUBJECTS = ["outbox.>"]
 
 
+async def _quiet(error: Exception) -> None:
+    """Polled before it listens: a refused connection is the expected answer then."""
+
+
 @dataclass
 class NatsServer:
     port: int
@@ -57,7 +61,9 @@ class NatsServer:
         async def ask() -> bool:
             import nats
 
-            client = await nats.connect(self.url, allow_reconnect=False, connect_timeout=1)
+            client = await nats.connect(
+                self.url, allow_reconnect=False, connect_timeout=1, error_cb=_quiet
+            )
             try:
                 await client.jetstream().account_info()
                 return True

@@ -37,9 +37,19 @@ DEFAULTS: dict[str, Any] = {
     # More keyword arguments for nats.connect() (credentials, TLS, name).
     "connect": {},
 }
+
+
+async def _reported_by_the_relay(error: Exception) -> None:
+    """nats-py's error callback: the relay logs the failure of the publish itself."""
+
+
 # The relay reconnects by itself, after a pause, on its next pass: a client reconnecting in
 # the background would hold publishes in its buffer, past the relay's wait for their acks.
-CONNECT = {"allow_reconnect": False, "connect_timeout": 2}
+CONNECT: dict[str, Any] = {
+    "allow_reconnect": False,
+    "connect_timeout": 2,
+    "error_cb": _reported_by_the_relay,
+}
 # Out of reach, or JetStream not answering yet (a server starting): no fault of the message.
 UNREACHABLE: tuple[type[BaseException], ...] = (
     OSError,
