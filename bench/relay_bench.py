@@ -181,14 +181,149 @@ def relay_drain(app: Any, count: int) -> float:
     clear_outbox()
     fill_outbox(count)
     relay = Relay(app=app)
-    relay.broker.producer()  # connect outside the timing, as the loop does
+    relay.destinations.by_name["default"].open()  # connect outside the timing, as the loop does
     started = time.perf_counter()
     published = relay.drain()
     elapsed = time.perf_counter() - started
-    relay.broker.close()
+    relay.destinations.close()
     if published != count:
         raise RuntimeError(f"the relay published {published} of {count}")
     return elapsed
+
+
+class PrivateNats:
+    """A private ``nats-server -js`` on a free port (never the machine's 4222), with a stream
+    taking the bench's subjects; its messages are counted per cell."""
+
+    SUBJECT = "bench.outbox.{name}"
+
+    def __init__(self) -> None:
+        self.port = free_port()
+        self.directory = tempfile.mkdtemp(prefix="relay_bench_nats_")
+        self.process: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"nats://127.0.0.1:{self.port}"
+
+    def __enter__(self) -> PrivateNats:
+        server = shutil.which("nats-server") or "/usr/sbin/nats-server"
+        self.process = subprocess.Popen(
+            [server, "-js", "-a", "127.0.0.1", "-p", str(self.port), "-sd", self.directory],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        )  # fmt: skip
+        deadline = time.monotonic() + 20
+        while True:
+            try:
+                self.call(lambda js: js.add_stream(name="BENCH", subjects=["bench.outbox.>"]))
+                return self
+            except Exception:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.1)
+
+    def __exit__(self, *exc: object) -> None:
+        if self.process is not None:
+            self.process.kill()
+            self.process.wait()
+        shutil.rmtree(self.directory, ignore_errors=True)
+
+    def call(self, work: Any) -> Any:
+        import asyncio
+
+        import nats
+
+        async def run() -> Any:
+            client = await nats.connect(self.url, allow_reconnect=False, connect_timeout=2)
+            try:
+                return await work(client.jetstream())
+            finally:
+                await client.close()
+
+        return asyncio.run(run())
+
+    def purge(self) -> None:
+        self.call(lambda js: js.purge_stream("BENCH"))
+
+    def count(self) -> int:
+        async def read(js: Any) -> int:
+            return int((await js.stream_info("BENCH")).state.messages)
+
+        return int(self.call(read))
+
+    def settings(self) -> dict[str, Any]:
+        backend = "django_idempotency.messaging.destinations.nats.NatsDestination"
+        options = {"servers": [self.url], "subject": self.SUBJECT}
+        return {"default": {"BACKEND": backend, "OPTIONS": options}}
+
+
+def nats_loop(server: PrivateNats, count: int) -> float:
+    """Seconds for a plain loop to publish ``count`` messages with nats-py's own async
+    JetStream publish (the same client, the same bodies and ids), waiting for every ack."""
+    import asyncio
+    import json
+
+    import nats
+
+    async def run() -> float:
+        client = await nats.connect(server.url)
+        js = client.jetstream()
+        try:
+            started = time.perf_counter()
+            for start in range(0, count, 500):
+                futures = []
+                for n in range(start, min(count, start + 500)):
+                    body = json.dumps({"args": [n, "inr"], "kwargs": {"amount": 2499}}).encode()
+                    futures.append(
+                        await js.publish_async(
+                            f"bench.outbox.{TASK}", body, headers={"Nats-Msg-Id": str(uuid.uuid4())}
+                        )
+                    )
+                await asyncio.gather(*futures)
+            return time.perf_counter() - started
+        finally:
+            await client.close()
+
+    return asyncio.run(run())
+
+
+def nats_relay(server: PrivateNats, count: int) -> float:
+    from django.test import override_settings
+
+    from django_idempotency.messaging.relay import Relay
+
+    clear_outbox()
+    fill_outbox(count)
+    with override_settings(IDEMPOTENCY_OUTBOX_DESTINATIONS=server.settings()):
+        relay = Relay()
+        relay.destinations.by_name["default"].open()  # connected outside the timing
+        started = time.perf_counter()
+        published = relay.drain()
+        elapsed = time.perf_counter() - started
+        relay.destinations.close()
+    if published != count:
+        raise RuntimeError(f"the relay published {published} of {count}")
+    return elapsed
+
+
+def nats_cells(count: int, repeats: int) -> tuple[list[float], list[float], list[str]]:
+    """Loop and relay rates on a private nats-server -js, or nothing without one."""
+    if shutil.which("nats-server") is None and not Path("/usr/sbin/nats-server").exists():
+        return [], [], []
+    loop_rates: list[float] = []
+    relay_rates: list[float] = []
+    errors: list[str] = []
+    with PrivateNats() as server:
+        for repeat in range(repeats):
+            for cell in ["loop", "relay"] if repeat % 2 == 0 else ["relay", "loop"]:
+                server.purge()
+                run_cell = nats_loop if cell == "loop" else nats_relay
+                seconds = run_cell(server, count)
+                stored = server.count()
+                if stored != count:
+                    errors.append(f"NATS {cell}: {stored} messages in the stream, not {count}")
+                (loop_rates if cell == "loop" else relay_rates).append(count / seconds)
+    return loop_rates, relay_rates, errors
 
 
 def latency(redis_server: PrivateRedis, url: str, samples: int) -> list[float]:
@@ -332,6 +467,8 @@ def run(options: Options) -> Section:
             ratios.append(rates["relay"] / rates["loop"])
         rabbit_loop, rabbit_relay, rabbit_errors = rabbitmq_cells(count // 4, options.repeats)
         errors += rabbit_errors
+        nats_loop_rates, nats_relay_rates, nats_errors = nats_cells(count, options.repeats)
+        errors += nats_errors
         delays = latency(redis_server, options.database_url, samples)
         plain, with_enqueue, call = enqueue_cost(samples * 5)
         unit_plain, unit_enqueue = enqueue_cost_in_unit(samples * 5)
@@ -357,6 +494,25 @@ def run(options: Options) -> Section:
             if rabbit_loop
             else []
         ),
+        *(
+            [
+                ["NATS JetStream: messages per cell", f"{count:,}"],
+                [
+                    "NATS publish loop (publish_async), messages/s (median)",
+                    f"{median(nats_loop_rates):,.0f}",
+                ],
+                ["NATS relay, rows/s (median)", f"{median(nats_relay_rates):,.0f}"],
+                [
+                    "NATS relay / loop, per repeat",
+                    ", ".join(
+                        f"{r / loop:.2f}"
+                        for r, loop in zip(nats_relay_rates, nats_loop_rates, strict=True)
+                    ),
+                ],
+            ]
+            if nats_loop_rates
+            else []
+        ),
         ["commit to publish, p50 ms", f"{p50:.1f}"],
         ["commit to publish, p99 ms", f"{p99:.1f}"],
         ["commit to publish, max ms", f"{max(delays) * ms:.1f}"],
@@ -377,6 +533,30 @@ def run(options: Options) -> Section:
             at_most=False,
             note=f"{median(relay_rates):,.0f} rows/s",
         ),
+        *(
+            [
+                Check(
+                    "NATS relay throughput / publish loop",
+                    median(
+                        [
+                            r / loop
+                            for r, loop in zip(nats_relay_rates, nats_loop_rates, strict=True)
+                        ]
+                    ),
+                    0.8,
+                    at_most=False,
+                ),
+                Check(
+                    "NATS relay rows/s / 5,000",
+                    median(nats_relay_rates) / 5000,
+                    1.0,
+                    at_most=False,
+                    note=f"{median(nats_relay_rates):,.0f} rows/s",
+                ),
+            ]
+            if nats_loop_rates
+            else []
+        ),
         Check("commit-to-publish p50 / 20 ms", p50 / 20, 1.0, at_most=True, note=f"{p50:.1f} ms"),
         Check("commit-to-publish p99 / 100 ms", p99 / 100, 1.0, at_most=True, note=f"{p99:.1f} ms"),
         Check(
@@ -391,7 +571,9 @@ def run(options: Options) -> Section:
         "Broker: a private redis-server, nothing consuming. The relay publishes in batches of "
         "IDEMPOTENCY_OUTBOX_BATCH_SIZE (one Redis pipeline each); the loop publishes the same "
         "messages one by one on one producer, as task.delay() would. RabbitMQ rows: the "
-        "machine's server, a queue of our own, publisher confirms in both (no target).",
+        "machine's server, a queue of our own, publisher confirms in both (no target). NATS "
+        "rows: a private nats-server -js and a stream of its own; the loop publishes the same "
+        "bodies with nats-py's publish_async and waits for every acknowledgement.",
     ]
     data = {
         "count": count,
@@ -400,6 +582,8 @@ def run(options: Options) -> Section:
         "relay_rates": relay_rates,
         "rabbitmq_loop_rates": rabbit_loop,
         "rabbitmq_relay_rates": rabbit_relay,
+        "nats_loop_rates": nats_loop_rates,
+        "nats_relay_rates": nats_relay_rates,
         "latency_seconds": delays,
         "plain_transaction_seconds": plain,
         "enqueue_transaction_seconds": with_enqueue,

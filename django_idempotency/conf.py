@@ -242,6 +242,27 @@ class Settings:
         return int(_setting("IDEMPOTENCY_OUTBOX_REDRIVE_LIMIT", 8))
 
     @property
+    def OUTBOX_DESTINATIONS(self) -> dict[str, Any]:
+        value: dict[str, Any] = _setting(
+            "IDEMPOTENCY_OUTBOX_DESTINATIONS",
+            {
+                "default": {
+                    "BACKEND": "django_idempotency.messaging.destinations.celery.CeleryDestination"
+                }
+            },
+        )
+        return value
+
+    @property
+    def OUTBOX_ROUTES(self) -> dict[str, str]:
+        value: dict[str, str] = _setting("IDEMPOTENCY_OUTBOX_ROUTES", {})
+        return value
+
+    @property
+    def OUTBOX_MAX_ATTEMPTS(self) -> int:
+        return int(_setting("IDEMPOTENCY_OUTBOX_MAX_ATTEMPTS", 10))
+
+    @property
     def PROBE_TOKEN(self) -> str | None:
         # None: the probe's run view refuses every request (its report: staff only).
         value = _setting("IDEMPOTENCY_PROBE_TOKEN", None)
@@ -309,6 +330,7 @@ BOOLEAN = Kind("True or False", lambda value: isinstance(value, bool))
 DURATION = Kind("a datetime.timedelta", _is_duration)
 OPTIONAL_DURATION = Kind("a datetime.timedelta, or None", _or_none(_is_duration))
 FUNCTION = Kind("a function, or its dotted path as a str", _is_function)
+MAPPING = Kind("a dict", lambda value: isinstance(value, dict))
 OPTIONAL_FUNCTION = Kind("a function, its dotted path as a str, or None", _or_none(_is_function))
 
 # What every IDEMPOTENCY_<name> setting must be; the settings' docs say the same. A setting
@@ -357,6 +379,9 @@ KINDS: dict[str, Kind] = {
     "OUTBOX_NOTIFY": BOOLEAN,
     "OUTBOX_REDRIVE_AFTER": OPTIONAL_DURATION,
     "OUTBOX_REDRIVE_LIMIT": INTEGER,
+    "OUTBOX_DESTINATIONS": MAPPING,
+    "OUTBOX_ROUTES": MAPPING,
+    "OUTBOX_MAX_ATTEMPTS": INTEGER,
     "PROBE_TOKEN": OPTIONAL_TEXT,
     "CONSUMER_TTL": DURATION,
     "CONSUMER_WAIT": DURATION,

@@ -77,6 +77,9 @@ class OutboxMessage(models.Model):
     redrive_at = models.DateTimeField(_("consumer record checked at"), null=True)
     # A database default too: the outbox writes its rows in SQL of its own (outbox.py).
     redrives = models.IntegerField(_("published again"), default=0, db_default=0)
+    # Set when it failed IDEMPOTENCY_OUTBOX_MAX_ATTEMPTS times: never tried again, never
+    # dropped, until an operator requeues it (manage.py idempotency_outbox requeue).
+    dead_at = models.DateTimeField(_("dead letter since"), null=True)
 
     class Meta:
         db_table = "django_idempotency_outbox"
@@ -92,6 +95,12 @@ class OutboxMessage(models.Model):
                 fields=["redrive_at"],
                 name="idempotency_outbox_redrive",
                 condition=models.Q(redrive_at__isnull=False),
+            ),
+            # Dead letters only: counted and listed for operators.
+            models.Index(
+                fields=["dead_at"],
+                name="idempotency_outbox_dead",
+                condition=models.Q(dead_at__isnull=False),
             ),
         ]
         verbose_name = _("outbox message")

@@ -82,6 +82,7 @@ __all__ = [
     "KIND",
     "LAG_BUCKETS",
     "OUTBOX_BACKLOG",
+    "OUTBOX_DEAD",
     "OUTBOX_MODEL",
     "OUTBOX_OLDEST_AGE",
     "OUTBOX_REDRIVEN",
@@ -124,6 +125,7 @@ OUTBOX_REDRIVEN = "idempotency.outbox.redriven"
 PARTITION_HEADROOM = "idempotency.partitions.headroom"
 OUTBOX_BACKLOG = "idempotency.outbox.backlog"
 OUTBOX_OLDEST_AGE = "idempotency.outbox.oldest_age"
+OUTBOX_DEAD = "idempotency.outbox.dead"
 
 # Attribute keys.
 DATABASE = "idempotency.database"  # a database alias
@@ -198,6 +200,12 @@ def connect() -> None:
             [_observe_backlog],
             "{message}",
             f"Unpublished outbox messages (counted up to {BACKLOG_COUNT_LIMIT}).",
+        )
+        meter.create_observable_gauge(
+            OUTBOX_DEAD,
+            [_observe_dead],
+            "{message}",
+            f"Outbox dead letters, waiting to be requeued (counted up to {BACKLOG_COUNT_LIMIT}).",
         )
         meter.create_observable_gauge(
             OUTBOX_OLDEST_AGE,
@@ -314,7 +322,7 @@ def _observe_headroom(options: CallbackOptions) -> Iterable[Observation]:
     return _observe(_cached(PARTITION_HEADROOM, read))
 
 
-def _backlog() -> list[tuple[float, float, str]]:
+def _backlog() -> list[tuple[float, float, float, str]]:
     from django.utils import timezone
 
     from django_idempotency.messaging import leases
@@ -323,12 +331,15 @@ def _backlog() -> list[tuple[float, float, str]]:
     found = []
     for alias in _aliases(OUTBOX_MODEL):
 
-        def read(connection: Any, alias: str = alias) -> list[tuple[float, float, str]]:
-            pending = OutboxMessage.objects.using(alias).filter(published_at__isnull=True)
+        def read(connection: Any, alias: str = alias) -> list[tuple[float, float, float, str]]:
+            pending = OutboxMessage.objects.using(alias).filter(
+                published_at__isnull=True, dead_at__isnull=True
+            )
             count = pending.values("pk")[:BACKLOG_COUNT_LIMIT].count()
             oldest = leases.oldest_pending(alias)
             age = 0.0 if oldest is None else (timezone.now() - oldest).total_seconds()
-            return [(float(count), max(age, 0.0), alias)]
+            dead = leases.dead_letters(alias, BACKLOG_COUNT_LIMIT)
+            return [(float(count), max(age, 0.0), float(dead), alias)]
 
         found += _on(alias, read)
     return found
@@ -336,9 +347,14 @@ def _backlog() -> list[tuple[float, float, str]]:
 
 def _observe_backlog(options: CallbackOptions) -> Iterable[Observation]:
     readings = _cached(OUTBOX_BACKLOG, _backlog)
-    return _observe([(count, {DATABASE: alias}) for count, _age, alias in readings])
+    return _observe([(count, {DATABASE: alias}) for count, _age, _dead, alias in readings])
 
 
 def _observe_oldest_age(options: CallbackOptions) -> Iterable[Observation]:
     readings = _cached(OUTBOX_BACKLOG, _backlog)
-    return _observe([(age, {DATABASE: alias}) for _count, age, alias in readings])
+    return _observe([(age, {DATABASE: alias}) for _count, age, _dead, alias in readings])
+
+
+def _observe_dead(options: CallbackOptions) -> Iterable[Observation]:
+    readings = _cached(OUTBOX_BACKLOG, _backlog)
+    return _observe([(dead, {DATABASE: alias}) for _count, _age, dead, alias in readings])

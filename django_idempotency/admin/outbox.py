@@ -1,5 +1,5 @@
-"""The outbox's admin: messages by state and age, found by their exact id; nothing deleted,
-since the outbox is append-only."""
+"""The outbox's admin: messages by state and age, found by their exact id, dead letters
+counted and requeued; nothing deleted, since the outbox is append-only."""
 
 from __future__ import annotations
 
@@ -7,8 +7,9 @@ import uuid
 from datetime import timedelta
 from typing import Any
 
-from django.contrib import admin
+from django.contrib import admin, messages
 from django.contrib.admin.options import IncorrectLookupParameters
+from django.db import router
 from django.db.models import QuerySet
 from django.http import HttpRequest
 from django.utils import timezone
@@ -16,7 +17,11 @@ from django.utils.translation import gettext
 from django.utils.translation import gettext_lazy as _
 
 from django_idempotency.admin.base import ReadOnlyLargeTableAdmin, time_column
+from django_idempotency.messaging import leases
 from django_idempotency.models import OutboxMessage
+
+# Dead letters are counted (on their own partial index) up to this many for the filter.
+DEAD_COUNT_LIMIT = 10_000
 
 # Columns the list never shows: arguments and payloads may be large.
 OUTBOX_DETAIL_ONLY_FIELDS = ("args", "kwargs", "payload", "options", "last_error")
@@ -29,9 +34,13 @@ class OutboxStateFilter(admin.SimpleListFilter):
     parameter_name = "state"
 
     def lookups(self, request: HttpRequest, model_admin: Any) -> list[tuple[str, str]]:
+        using = router.db_for_read(OutboxMessage)
+        dead = leases.dead_letters(using, DEAD_COUNT_LIMIT)
+        shown = f"{dead}+" if dead >= DEAD_COUNT_LIMIT else str(dead)
         return [
             ("pending", gettext("Pending")),
             ("failing", gettext("Pending, after a failed publish")),
+            ("dead", gettext("Dead letters (%(count)s)") % {"count": shown}),
             ("published", gettext("Published")),
             ("checking", gettext("Published, consumer's record not yet checked")),
         ]
@@ -41,9 +50,11 @@ class OutboxStateFilter(admin.SimpleListFilter):
         if value is None:
             return queryset
         if value == "pending":
-            return queryset.filter(published_at__isnull=True)
+            return queryset.filter(published_at__isnull=True, dead_at__isnull=True)
         if value == "failing":
-            return queryset.filter(published_at__isnull=True, attempts__gt=0)
+            return queryset.filter(published_at__isnull=True, dead_at__isnull=True, attempts__gt=0)
+        if value == "dead":
+            return queryset.filter(dead_at__isnull=False)
         if value == "published":
             return queryset.filter(published_at__isnull=False)
         if value == "checking":
@@ -85,17 +96,22 @@ class OutboxMessageAdmin(ReadOnlyLargeTableAdmin[OutboxMessage]):
         "created",
         "published",
         "attempts",
+        "dead",
         "redrives",
         "lease_owner",
     )
     created = time_column("created_at", _("created at"))
     published = time_column("published_at", _("published at"))
+    dead = time_column("dead_at", _("dead letter since"))
     list_filter = (OutboxStateFilter, OutboxCreatedFilter, "kind")
     search_fields = ("id",)
     search_help_text = _("The exact message id, which is the Celery task id.")
     fieldsets = (
         (_("Message"), {"fields": ("id", "kind", "name", "args", "kwargs", "payload", "options")}),
-        (_("Publishing"), {"fields": ("created_at", "published_at", "attempts", "last_error")}),
+        (
+            _("Publishing"),
+            {"fields": ("created_at", "published_at", "attempts", "dead_at", "last_error")},
+        ),
         (_("Lease"), {"fields": ("lease_owner", "lease_until", "fence")}),
         (_("Redrive"), {"fields": ("consumer_check_due", "redrives")}),
     )
@@ -110,6 +126,7 @@ class OutboxMessageAdmin(ReadOnlyLargeTableAdmin[OutboxMessage]):
         "created_at",
         "published_at",
         "attempts",
+        "dead_at",
         "last_error",
         "lease_owner",
         "lease_until",
@@ -117,6 +134,27 @@ class OutboxMessageAdmin(ReadOnlyLargeTableAdmin[OutboxMessage]):
         "consumer_check_due",
         "redrives",
     )
+
+    # The one bulk action: dead letters back to be published, under the same ids.
+    actions = ["requeue"]  # type: ignore[assignment]  # the base declares None (no action)
+
+    @admin.action(description=_("Requeue the selected dead letters"), permissions=["requeue"])
+    def requeue(self, request: HttpRequest, queryset: QuerySet[OutboxMessage]) -> None:
+        ids = [
+            str(pk) for pk in queryset.filter(dead_at__isnull=False).values_list("pk", flat=True)
+        ]
+        count = leases.requeue(queryset.db, ids) if ids else 0
+        self.message_user(
+            request,
+            gettext("Requeued %(count)d dead letters; they are published again with the same ids.")
+            % {"count": count},
+            messages.SUCCESS if count else messages.WARNING,
+        )
+
+    def has_requeue_permission(self, request: HttpRequest) -> bool:
+        # Changing a row is what requeueing does; the admin itself changes nothing else.
+        opts = self.opts
+        return bool(request.user.has_perm(f"{opts.app_label}.change_{opts.model_name}"))
 
     def get_search_results(
         self, request: HttpRequest, queryset: QuerySet[OutboxMessage], search_term: str

@@ -3,7 +3,11 @@
 registers them all."""
 
 from django_idempotency.checks.databases import check_databases, check_isolation
-from django_idempotency.checks.messaging import check_consumers, check_outbox_backlog
+from django_idempotency.checks.messaging import (
+    check_consumers,
+    check_destinations,
+    check_outbox_backlog,
+)
 from django_idempotency.checks.partitions import check_partitions
 from django_idempotency.checks.sealing import check_keys, check_plain_text
 from django_idempotency.checks.servers import check_servers
@@ -14,6 +18,7 @@ __all__ = [
     "check_beat",
     "check_consumers",
     "check_databases",
+    "check_destinations",
     "check_isolation",
     "check_keys",
     "check_outbox_backlog",

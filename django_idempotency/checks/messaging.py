@@ -1,5 +1,5 @@
-"""The exactly-once chain: a relay that keeps up with the outbox (W120), exactly-once tasks
-that keep late acknowledgement (E010)."""
+"""The exactly-once chain: a relay that keeps up with the outbox (W120), dead letters to
+requeue (W121), destinations it can load (E121), tasks that keep late acknowledgement (E010)."""
 
 from __future__ import annotations
 
@@ -12,13 +12,17 @@ from typing import Any
 from django.apps import AppConfig, apps
 from django.core.checks import CheckMessage, Error, Tags, register
 from django.core.checks import Warning as CheckWarning
+from django.core.exceptions import ImproperlyConfigured
 from django.db import DatabaseError, router
 from django.utils import timezone
 
-from django_idempotency.checks.base import ours
+from django_idempotency.checks.base import as_written, ours
 from django_idempotency.conf import conf, wrong_type
 from django_idempotency.messaging import leases
 from django_idempotency.models import OutboxMessage
+
+# Dead letters are counted up to this many.
+DEAD_COUNT_LIMIT = 10_000
 
 
 @register(Tags.database)
@@ -28,7 +32,7 @@ def check_outbox_backlog(
     **kwargs: Any,
 ) -> list[CheckMessage]:
     """Whether the outbox relay keeps up: the oldest unpublished message's age."""
-    if not ours(app_configs) or wrong_type("OUTBOX_MAX_AGE"):
+    if not ours(app_configs) or wrong_type("OUTBOX_MAX_AGE") or wrong_type("OUTBOX_MAX_ATTEMPTS"):
         return []
     messages: list[CheckMessage] = []
     for alias in databases or ():
@@ -38,6 +42,20 @@ def check_outbox_backlog(
             oldest = leases.oldest_pending(alias)
         except DatabaseError:
             continue  # not migrated yet
+        dead = leases.dead_letters(alias, DEAD_COUNT_LIMIT)
+        if dead:
+            messages.append(
+                CheckWarning(
+                    f"The outbox on database {alias!r} holds {dead}"
+                    f"{'+' if dead >= DEAD_COUNT_LIMIT else ''} dead letters: messages that "
+                    f"failed to publish IDEMPOTENCY_OUTBOX_MAX_ATTEMPTS "
+                    f"({conf.OUTBOX_MAX_ATTEMPTS}) times and are not tried again.",
+                    hint="Read their last error in the admin (outbox, state: dead letters), "
+                    "fix its cause, then requeue them there or with `manage.py "
+                    "idempotency_outbox requeue --all-dead`.",
+                    id="django_idempotency.W121",
+                )
+            )
         if oldest is not None and timezone.now() - oldest > conf.OUTBOX_MAX_AGE:
             messages.append(
                 CheckWarning(
@@ -52,6 +70,34 @@ def check_outbox_backlog(
                 )
             )
     return messages
+
+
+@register()
+def check_destinations(
+    app_configs: Sequence[AppConfig] | None, **kwargs: Any
+) -> list[CheckMessage]:
+    """The relay's destinations: each defined, its backend and client library importable,
+    its options valid, every route naming one (nothing is connected to)."""
+    if not ours(app_configs) or wrong_type("OUTBOX_DESTINATIONS") or wrong_type("OUTBOX_ROUTES"):
+        return []
+    chosen = as_written("OUTBOX_DESTINATIONS") or as_written("OUTBOX_ROUTES")
+    if not chosen and importlib.util.find_spec("celery") is None:
+        return []  # the default, Celery, without Celery: no relay runs here
+    from django_idempotency.messaging import destinations
+
+    try:
+        destinations.configured()
+    except ImproperlyConfigured as exc:
+        return [
+            Error(
+                str(exc),
+                hint="See docs/outbox.md, Destinations: IDEMPOTENCY_OUTBOX_DESTINATIONS "
+                'maps names to {"BACKEND": ..., "OPTIONS": {...}} and must define "default"; '
+                "IDEMPOTENCY_OUTBOX_ROUTES maps name patterns to those names.",
+                id="django_idempotency.E121",
+            )
+        ]
+    return []
 
 
 @register()

@@ -28,7 +28,8 @@ MAX_DOUBLINGS = 6
 CLAIM = f"""
 WITH batch AS (
     SELECT id, created_at FROM {TABLE}
-     WHERE published_at IS NULL AND (lease_until IS NULL OR lease_until < now())
+     WHERE published_at IS NULL AND dead_at IS NULL
+       AND (lease_until IS NULL OR lease_until < now())
      -- The id breaks ties of one millisecond, so that a batch boundary never takes a later
      -- message of that millisecond before an earlier one.
      ORDER BY created_at, id
@@ -66,12 +67,16 @@ UPDATE {TABLE} SET published_at = now(), lease_until = NULL, redrive_at = {CHECK
    AND lease_owner = %s AND fence = %s AND lease_until > now() AND published_at IS NULL
 """
 
+# A failure that was the message's fault (held back) and its last allowed try makes it a
+# dead letter. Parameters: error, hold, max backoff, hold, max attempts, the row and lease.
 FAIL = f"""
 UPDATE {TABLE}
    SET attempts = attempts + 1, last_error = %s, lease_owner = '',
        lease_until = CASE WHEN %s
-           THEN now() + interval '1 second' * least(power(2, least(attempts, 20)), %s) END
+           THEN now() + interval '1 second' * least(power(2, least(attempts, 20)), %s) END,
+       dead_at = CASE WHEN %s AND attempts + 1 >= %s THEN now() END
  WHERE id = %s AND created_at = %s AND lease_owner = %s AND fence = %s
+RETURNING dead_at IS NOT NULL
 """
 
 RELEASE = f"""
@@ -153,7 +158,9 @@ def _claim_portable(using: str, owner: str, limit: int) -> Batch:
     # serialises writers, and a fence above every claimed row's still moves every row on.
     now = timezone.now()
     pending = OutboxMessage.objects.using(using).filter(
-        Q(lease_until__isnull=True) | Q(lease_until__lt=now), published_at__isnull=True
+        Q(lease_until__isnull=True) | Q(lease_until__lt=now),
+        published_at__isnull=True,
+        dead_at__isnull=True,
     )
     rows = list(pending.order_by("created_at", "id")[:limit])
     if not rows:
@@ -227,8 +234,11 @@ def mark(
         )
 
 
-def fail(using: str, batch: Batch, message: Message, error: str, *, owner: str, hold: bool) -> None:
-    """Count a failed publish and give the row back; with ``hold``, not before a backoff."""
+def fail(using: str, batch: Batch, message: Message, error: str, *, owner: str, hold: bool) -> bool:
+    """Count a failed publish and give the row back; with ``hold`` (the message's own fault),
+    not before a backoff, and as a dead letter once it has had IDEMPOTENCY_OUTBOX_MAX_ATTEMPTS
+    tries. Return whether it is now a dead letter."""
+    limit = conf.OUTBOX_MAX_ATTEMPTS
     with transaction.atomic(using=using):
         if _postgresql(using):
             with connections[using].cursor() as cursor:
@@ -238,24 +248,31 @@ def fail(using: str, batch: Batch, message: Message, error: str, *, owner: str, 
                         error[:2000],
                         hold,
                         MAX_BACKOFF.total_seconds(),
+                        hold,
+                        limit,
                         uuid.UUID(message.id),
                         message.created_at,
                         owner,
                         batch.fence,
                     ],
                 )
-            return
+                found = cursor.fetchone()
+            return bool(found and found[0])
         row = OutboxMessage.objects.using(using).filter(
             pk=uuid.UUID(message.id), lease_owner=owner, fence=batch.fence
         )
-        for found in row:
-            delay = min(timedelta(seconds=2 ** min(found.attempts, 20)), MAX_BACKOFF)
+        for current in row:
+            delay = min(timedelta(seconds=2 ** min(current.attempts, 20)), MAX_BACKOFF)
+            dead = hold and current.attempts + 1 >= limit
             row.update(
-                attempts=found.attempts + 1,
+                attempts=current.attempts + 1,
                 last_error=error[:2000],
                 lease_owner="",
                 lease_until=timezone.now() + delay if hold else None,
+                dead_at=timezone.now() if dead else None,
             )
+            return dead
+        return False
 
 
 def release(using: str, batch: Batch, messages: tuple[Message, ...], *, owner: str) -> None:
@@ -310,8 +327,32 @@ def publish_again(using: str, ids: Collection[Any], *, error: str) -> None:
             cursor.execute("SELECT pg_notify(%s, '')", [CHANNEL])
 
 
+def requeue(using: str, ids: Collection[str] | None = None) -> int:
+    """Give dead letters (those of ``ids``, or all) their tries back, to be published again
+    under the same ids; wake the relays. Return how many."""
+    with transaction.atomic(using=using):
+        dead = OutboxMessage.objects.using(using).filter(dead_at__isnull=False)
+        if ids is not None:
+            dead = dead.filter(pk__in=[uuid.UUID(str(i)) for i in ids])
+        count = dead.update(dead_at=None, attempts=0, lease_owner="", lease_until=None)
+        connection = connections[using]
+        if count and connection.vendor == "postgresql" and conf.OUTBOX_NOTIFY:
+            with connection.cursor() as cursor:
+                cursor.execute("SELECT pg_notify(%s, '')", [CHANNEL])
+    return count
+
+
+def dead_letters(using: str, limit: int) -> int:
+    """How many dead letters the outbox holds, counted up to ``limit``."""
+    found = OutboxMessage.objects.using(using).filter(dead_at__isnull=False)
+    return found.values("pk")[:limit].count()
+
+
 def oldest_pending(using: str) -> datetime | None:
-    """When the oldest unpublished message was written; None when every one is published."""
-    found = OutboxMessage.objects.using(using).filter(published_at__isnull=True)
+    """When the oldest unpublished message still to be tried was written; None when there is
+    none (dead letters wait for an operator, and are counted apart)."""
+    found = OutboxMessage.objects.using(using).filter(
+        published_at__isnull=True, dead_at__isnull=True
+    )
     oldest: datetime | None = found.aggregate(oldest=Min("created_at"))["oldest"]
     return oldest

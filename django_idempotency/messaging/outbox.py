@@ -142,7 +142,8 @@ def keep_partition(connection: BaseDatabaseWrapper, partition: str) -> str | Non
     """Why partition maintenance must not drop an outbox partition, or None if it may.
 
     Retention applies to published messages only: a partition that still holds an
-    unpublished message is never dropped, however old. Checking before the detach is enough,
+    unpublished message (a dead letter too, which waits for an operator) is never dropped,
+    however old. Checking before the detach is enough,
     since a published row never becomes unpublished and new rows land in today's partition.
     """
     with connection.cursor() as cursor:

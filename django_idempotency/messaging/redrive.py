@@ -61,8 +61,9 @@ class Redrive:
 
     @property
     def after(self) -> timedelta | None:
-        """How long after a publish to check; None when the redrive is off."""
-        if conf.OUTBOX_REDRIVE_LIMIT <= 0:
+        """How long after a publish to check; None when the redrive is off (or the relay
+        publishes to no Celery app, whose exactly-once tasks alone keep records)."""
+        if conf.OUTBOX_REDRIVE_LIMIT <= 0 or self.app is None:
             return None
         return conf.OUTBOX_REDRIVE_AFTER
 

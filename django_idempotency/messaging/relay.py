@@ -13,7 +13,7 @@ import time
 import uuid
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from django.db import connections, router
 from django.utils import timezone
@@ -21,13 +21,11 @@ from django.utils import timezone
 from django_idempotency import signals
 from django_idempotency.conf import conf
 from django_idempotency.messaging import leases
+from django_idempotency.messaging.destinations import Destination, Destinations, Publication
 from django_idempotency.messaging.leases import Batch, Message
 from django_idempotency.messaging.outbox import CHANNEL
 from django_idempotency.messaging.redrive import Redrive
 from django_idempotency.models import OutboxMessage
-
-if TYPE_CHECKING:
-    from django_idempotency.messaging.publishing import Broker
 
 logger = logging.getLogger("django_idempotency.relay")
 
@@ -65,12 +63,11 @@ class Relay:
         batch_size: int | None = None,
         owner: str | None = None,
     ) -> None:
-        # Imported here: Celery is an optional extra, which only a relay needs.
-        from django_idempotency.messaging.publishing import Broker, celery_app
-
         self.using = using or router.db_for_write(OutboxMessage)
-        self.app = app if app is not None else celery_app()
-        self.broker: Broker = Broker(self.app)
+        # ``app``: the Celery app of the Celery destinations that name none of their own.
+        self.destinations = Destinations(app=app)
+        # The redrive reads the consumers' records of the tasks of the first Celery app.
+        self.app = next((getattr(d, "app", None) for d in self.destinations if d.redrives), None)
         self.batch_size = batch_size or conf.OUTBOX_BATCH_SIZE
         self.owner = owner or default_owner()
         self.redrive = Redrive(self.app, self.using)
@@ -89,54 +86,30 @@ class Relay:
         if not messages:
             return 0
         # Those whose exactly-once consumer's record the redrive checks later.
-        check = self.redrive.to_check(messages)
+        check = self.redrive.to_check(m for m in messages if self.destinations.of(m).redrives)
         after = self.redrive.after or timedelta(0)
         return leases.mark(self.using, batch, messages, owner=self.owner, check=check, after=after)
 
     def fail(self, batch: Batch, message: Message, error: str, *, hold: bool = True) -> None:
-        """Count a failed publish and, with ``hold``, hold the row back for a while."""
-        leases.fail(self.using, batch, message, error, owner=self.owner, hold=hold)
+        """Count a failed publish and, with ``hold``, hold the row back for a while (or for
+        good: a dead letter, after IDEMPOTENCY_OUTBOX_MAX_ATTEMPTS tries)."""
+        if leases.fail(self.using, batch, message, error, owner=self.owner, hold=hold):
+            logger.error(
+                "Outbox message %s (%s) failed to publish %d times and is now a dead letter: "
+                "it is kept and not tried again until requeued (the admin, or manage.py "
+                "idempotency_outbox requeue --id %s). Last error: %s",
+                message.id,
+                message.name,
+                conf.OUTBOX_MAX_ATTEMPTS,
+                message.id,
+                error,
+            )
 
     def release(self, batch: Batch, messages: tuple[Message, ...]) -> None:
         """Give rows back untried, for the next pass of any relay."""
         leases.release(self.using, batch, messages, owner=self.owner)
 
     # Passes -------------------------------------------------------------------------
-
-    def publish_all(
-        self, messages: tuple[Message, ...]
-    ) -> tuple[list[Message], Message | None, Exception | None]:
-        """Publish in order until one fails: (published, the one that failed, its error).
-
-        Where the transport can (Redis), the publishes go out as one pipeline when the loop
-        ends; if that fails, whether any arrived is unknown, so none counts as published.
-        """
-        sent: list[Message] = []
-        failed: Message | None = None
-        error: Exception | None = None
-        producer = self.broker.producer()
-        sender = self.broker.sender()
-        batching = getattr(producer, "batch", None)  # kombu 5.7+
-        # Large enough that the batch is flushed once, at the end.
-        context = (
-            batching(max_size=4 * len(messages) + 16) if batching else contextlib.nullcontext()
-        )
-        try:
-            with context:
-                for message in messages:
-                    if self.stopping.is_set():
-                        break
-                    try:
-                        self.broker.publish(message, sender)
-                    except Exception as exc:
-                        failed, error = message, exc
-                        break
-                    sent.append(message)
-        except Exception as exc:
-            if not sent:
-                raise
-            return [], sent[0], exc
-        return sent, failed, error
 
     def run_pass(self) -> PassResult:
         """Claim one batch, publish it in order, mark what was published."""
@@ -146,17 +119,23 @@ class Relay:
         if not batch.messages:
             return result
         published: list[Message] = []
-        failed: Message | None = None
-        error: Exception | None = None
+        failures: list[tuple[Destination, Message, Exception]] = []
         try:
-            published, failed, error = self.publish_all(batch.messages)
-        except Exception as exc:  # connecting failed: nothing went out
-            failed, error = batch.messages[0], exc
+            # Each destination its own messages, in order; one that fails stops none other.
+            for destination, messages in self.destinations.split(batch.messages):
+                try:
+                    destination.open()
+                    done = destination.publish(messages, self.stopping)
+                except Exception as exc:  # connecting failed: nothing went out
+                    done = Publication([], messages[0], exc)
+                published += done.sent
+                if done.failed is not None and done.error is not None:
+                    failures.append((destination, done.failed, done.error))
         finally:
-            done = tuple(published)
-            result.published = len(done)
-            result.marked = self.mark(batch, done)
-            result.ids = [m.id for m in done]
+            sent = tuple(published)
+            result.published = len(sent)
+            result.marked = self.mark(batch, sent)
+            result.ids = [m.id for m in sent]
         if result.marked < result.published:
             logger.warning(
                 "Relay %s lost its lease on %d of %d published outbox rows before marking "
@@ -165,16 +144,16 @@ class Relay:
                 result.published - result.marked,
                 result.published,
             )
-        done_ids = {m.id for m in done}
-        if failed is not None and error is not None:
-            result.failed = 1
+        done_ids = {m.id for m in sent}
+        for destination, failed, error in failures:
+            result.failed += 1
             result.error = f"{type(error).__name__}: {error}"
-            broker_down = self.broker.is_connection_error(error)
-            self.broker.close()
+            unreachable = destination.is_connection_error(error)
+            destination.close()
             logger.warning("Publishing outbox message %s failed: %s", failed.id, result.error)
-            # A broker that is down is no fault of the message: the relay pauses instead,
-            # so that every message goes out as soon as the broker is back.
-            self.fail(batch, failed, result.error, hold=not broker_down)
+            # A destination that is down is no fault of the message: the relay pauses instead,
+            # so that every message goes out as soon as it is back.
+            self.fail(batch, failed, result.error, hold=not unreachable)
             done_ids.add(failed.id)
         # Untried, or sent in a batch whose delivery is unknown: back for the next pass.
         self.release(batch, tuple(m for m in batch.messages if m.id not in done_ids))
@@ -275,12 +254,12 @@ class Relay:
         """Publish until stopped (or, with ``once``, until the outbox is empty)."""
         total = 0
         pause = FIRST_PAUSE
+        named = len(self.destinations.by_name) > 1
         logger.info(
-            "Relay %s started on database %r; it publishes with Celery app %r to %s.",
+            "Relay %s started on database %r; it publishes with %s.",
             self.owner,
             self.using,
-            self.app.main,
-            self.broker.url(),
+            "; ".join(f"{d.name}: " * named + d.describe() for d in self.destinations),
         )
         self.redrive.import_tasks()
         try:
@@ -311,7 +290,7 @@ class Relay:
                 self.wait(poll)
         finally:
             self.close_listener()
-            self.broker.close()
+            self.destinations.close()
         logger.info("Relay %s stopped; it published %d messages.", self.owner, total)
         return total
 

@@ -220,7 +220,7 @@ def test_a_broker_lost_between_passes_is_kombus_error_as_from_send_task_and_hold
 ) -> None:
     ids = enqueue_many(2)
     relay = Relay(app=make_app(private_redis.url))
-    relay.broker.producer()  # connected, then the broker goes
+    relay.destinations.by_name["default"].broker.producer()  # connected, then the broker goes
     private_redis.stop()
     try:
         with pytest.raises(PublishFailed, match="OperationalError"):
@@ -344,12 +344,12 @@ def test_on_rabbitmq_queues_nobody_declared_are_declared_once_per_connection(
         with rabbitmq.connection_for_write() as conn:
             for queue in (routed, named):
                 conn.default_channel.queue_delete(queue)
-        relay.broker.close()
+        relay.destinations.by_name["default"].broker.close()
         second = enqueue_three()
         assert relay.drain() == 3
         assert taken(routed, 2) == [second[0], second[2]] and taken(named, 1) == [second[1]]
     finally:
-        relay.broker.close()
+        relay.destinations.by_name["default"].broker.close()
         with rabbitmq.connection_for_write() as conn:
             for queue in (routed, named):
                 conn.default_channel.queue_delete(queue)

@@ -316,7 +316,7 @@ def test_rabbitmq_publishes_in_confirm_mode(django_db_blocker: Any) -> None:
     assert rabbit.conf.broker_transport_options["confirm_publish"] is True
     try:
         assert relay.drain() == 1
-        channel = relay.broker.producer().channel
+        channel = relay.destinations.by_name["default"].broker.producer().channel
         assert channel._confirm_selected  # the broker acknowledged each publish
         with rabbit.connection_for_read() as conn:
             simple = conn.SimpleQueue(queue)
@@ -326,7 +326,7 @@ def test_rabbitmq_publishes_in_confirm_mode(django_db_blocker: Any) -> None:
             simple.close()
             conn.default_channel.queue_delete(queue)
     finally:
-        relay.broker.close()
+        relay.destinations.by_name["default"].broker.close()
 
 
 @override_settings(IDEMPOTENCY_OUTBOX_MAX_AGE=timedelta(minutes=5))

@@ -14,6 +14,7 @@ from datetime import timedelta
 from io import StringIO
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 import pytest
 from django.core.checks import CheckMessage, Error, run_checks
@@ -177,6 +178,8 @@ def test_check_ids_are_unique() -> None:
         "django_idempotency.E013",
         "django_idempotency.E014",
         "django_idempotency.E015",
+        "django_idempotency.E121",
+        "django_idempotency.W121",
         "django_idempotency.W001",
         "django_idempotency.W002",
         "django_idempotency.W003",
@@ -623,6 +626,7 @@ WRONG_VALUES = {
     conf_module.OPTIONAL_DURATION: 600,
     conf_module.FUNCTION: 42,
     conf_module.OPTIONAL_FUNCTION: 42,
+    conf_module.MAPPING: [("default", "celery")],
 }
 
 
@@ -887,3 +891,58 @@ def test_w010_plain_text_at_rest_is_a_deployment_warning() -> None:
     plain = StringIO()
     call_command("check", stdout=plain, stderr=plain)
     assert "W010" not in plain.getvalue()
+
+
+# E121: the relay's destinations, checked without connecting.
+
+NATS_BACKEND = "django_idempotency.messaging.destinations.nats.NatsDestination"
+CELERY_BACKEND = "django_idempotency.messaging.destinations.celery.CeleryDestination"
+
+
+NATS_OPTIONS = {"BACKEND": NATS_BACKEND, "OPTIONS": {"server": "x"}}
+NATS_SUBJECT = {"BACKEND": NATS_BACKEND, "OPTIONS": {"subject": "{topic}"}}
+CELERY_OPTIONS = {"BACKEND": CELERY_BACKEND, "OPTIONS": {"broker": "x"}}
+
+
+@pytest.mark.parametrize(
+    ("destinations", "routes", "says"),
+    [
+        ({"stream": {"BACKEND": NATS_BACKEND}}, {}, "no 'default' destination"),
+        ({"default": {"BACKEND": CELERY_BACKEND}}, {"event:*": "stream"}, "destination 'stream'"),
+        ({"default": {"BACKEND": "no_such_client.Destination"}}, {}, "'no_such_client'"),
+        ({"default": "celery"}, {}, 'it must be a dict with a "BACKEND"'),
+        ({"default": NATS_OPTIONS}, {}, "unknown OPTIONS ['server']"),
+        ({"default": NATS_SUBJECT}, {}, "unknown field"),
+        ({"default": CELERY_OPTIONS}, {}, "unknown OPTIONS ['broker']"),
+    ],
+)
+def test_e121_a_destination_that_cannot_be_made_is_one_error_saying_why(
+    destinations: dict[str, Any], routes: dict[str, str], says: str
+) -> None:
+    with override_settings(
+        IDEMPOTENCY_OUTBOX_DESTINATIONS=destinations, IDEMPOTENCY_OUTBOX_ROUTES=routes
+    ):
+        (error,) = checks.check_destinations(None)
+    assert error.id == "django_idempotency.E121" and says in error.msg, error.msg
+
+
+def test_e121_a_missing_client_library_names_the_extra_to_install() -> None:
+    with (
+        mock.patch.dict(sys.modules, {"nats": None}),
+        override_settings(IDEMPOTENCY_OUTBOX_DESTINATIONS={"default": {"BACKEND": NATS_BACKEND}}),
+    ):
+        sys.modules.pop("django_idempotency.messaging.destinations.nats", None)
+        (error,) = checks.check_destinations(None)
+    sys.modules.pop("django_idempotency.messaging.destinations.nats", None)
+    assert "pip install 'django-idempotency[nats]'" in error.msg
+
+
+def test_destinations_and_routes_that_can_be_made_pass() -> None:
+    with override_settings(
+        IDEMPOTENCY_OUTBOX_DESTINATIONS={
+            "default": {"BACKEND": CELERY_BACKEND},
+            "stream": {"BACKEND": NATS_BACKEND, "OPTIONS": {"servers": "nats://h:4222"}},
+        },
+        IDEMPOTENCY_OUTBOX_ROUTES={"event:payments.*": "stream"},
+    ):
+        assert checks.check_destinations(None) == []

@@ -92,6 +92,22 @@ def test_outbox_backlog_and_oldest_age_are_gauges_cached_for_a_minute(collect: A
     assert again.gauge(telemetry.OUTBOX_BACKLOG, database="default") == [2]
 
 
+@pytest.mark.django_db
+def test_dead_letters_are_a_gauge_of_their_own_and_leave_the_backlog(collect: Any) -> None:
+    from django.utils import timezone
+
+    from django_idempotency.models import OutboxMessage
+
+    with transaction.atomic():
+        dead = enqueue_task("tests.telemetry.noop", (1,))
+        enqueue_task("tests.telemetry.noop", (2,))
+    OutboxMessage.objects.filter(id=dead).update(dead_at=timezone.now(), attempts=10)
+    telemetry.forget_readings()
+    got = collect()
+    assert got.gauge(telemetry.OUTBOX_DEAD, database="default") == [1]
+    assert got.gauge(telemetry.OUTBOX_BACKLOG, database="default") == [1]
+
+
 @pytest.mark.django_db(transaction=True)
 def test_relay_lag_is_recorded_per_published_message(collect: Any) -> None:
     pytest.importorskip("celery")

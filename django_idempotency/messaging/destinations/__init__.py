@@ -1,0 +1,165 @@
+"""Destinations: where the relay publishes each message, chosen by its kind and name from
+``IDEMPOTENCY_OUTBOX_ROUTES`` among ``IDEMPOTENCY_OUTBOX_DESTINATIONS`` (``docs/outbox.md``)."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from fnmatch import fnmatchcase
+from typing import Any, Protocol
+
+from django.core.exceptions import ImproperlyConfigured
+from django.utils.module_loading import import_string
+
+from django_idempotency.conf import conf
+from django_idempotency.messaging.leases import Message
+from django_idempotency.models import OutboxMessage
+
+# The destination that takes every message no route names.
+DEFAULT = "default"
+CELERY = "django_idempotency.messaging.destinations.celery.CeleryDestination"
+NATS = "django_idempotency.messaging.destinations.nats.NatsDestination"
+# A route's pattern may start with one of these to match that kind of message only.
+KIND_PREFIXES = {"task:": OutboxMessage.Kind.TASK, "event:": OutboxMessage.Kind.EVENT}
+
+
+@dataclass
+class Publication:
+    """What a destination did with the messages it was given: those it has (acknowledged),
+    and the first that failed, with its error; the others it was not sure of or never tried."""
+
+    sent: list[Message] = field(default_factory=list)
+    failed: Message | None = None
+    error: Exception | None = None
+
+
+class Destination(Protocol):
+    """Publishes claimed outbox messages somewhere, under their message ids."""
+
+    name: str
+    # Whether the relay checks the exactly-once consumer's record of what it published here
+    # (the redrive, Celery only): another destination's consumers keep no such record.
+    redrives: bool
+
+    def open(self) -> None:
+        """Connect, if not connected yet (the relay calls it before each batch)."""
+
+    def publish(self, messages: Sequence[Message], stopping: threading.Event) -> Publication:
+        """Publish in order; return once the destination has acknowledged what it counts as
+        sent. Stop early (and say so) once ``stopping`` is set."""
+
+    def close(self) -> None:
+        """Drop the connection; the next ``open()`` makes a new one."""
+
+    def is_connection_error(self, exc: Exception) -> bool:
+        """Whether ``exc`` says the destination is out of reach, rather than refusing a message."""
+
+    def describe(self) -> str:
+        """Where it publishes, for the relay's start line (no password)."""
+
+
+def _spec(name: str, value: Any) -> tuple[str, Mapping[str, Any]]:
+    if not isinstance(value, Mapping) or not isinstance(value.get("BACKEND"), str):
+        raise ImproperlyConfigured(
+            f"IDEMPOTENCY_OUTBOX_DESTINATIONS[{name!r}] is {value!r}; it must be a dict with "
+            f'a "BACKEND" (a dotted path, such as {CELERY!r}) and optionally "OPTIONS".'
+        )
+    options = value.get("OPTIONS", {})
+    if not isinstance(options, Mapping):
+        raise ImproperlyConfigured(
+            f'IDEMPOTENCY_OUTBOX_DESTINATIONS[{name!r}]["OPTIONS"] must be a dict.'
+        )
+    return value["BACKEND"], options
+
+
+def backend(name: str, path: str) -> Any:
+    """The class at ``path``; ImproperlyConfigured naming what is missing when it cannot be
+    imported (an optional client library not installed, say)."""
+    try:
+        return import_string(path)
+    except ImportError as exc:
+        missing = getattr(exc, "name", None)
+        extra = {"nats": " (pip install 'django-idempotency[nats]')"}.get(
+            (missing or "").split(".")[0], ""
+        )
+        raise ImproperlyConfigured(
+            f"The outbox destination {name!r} cannot load its BACKEND {path!r}: {exc}{extra}."
+        ) from exc
+
+
+def configured() -> dict[str, tuple[Any, Mapping[str, Any]]]:
+    """The destinations of the settings as (class, options), each class imported and its
+    options validated, without connecting; ImproperlyConfigured on the first problem."""
+    found: dict[str, tuple[Any, Mapping[str, Any]]] = {}
+    destinations = conf.OUTBOX_DESTINATIONS
+    if DEFAULT not in destinations:
+        raise ImproperlyConfigured(
+            f"IDEMPOTENCY_OUTBOX_DESTINATIONS has no {DEFAULT!r} destination, which takes "
+            "every message that no route of IDEMPOTENCY_OUTBOX_ROUTES names."
+        )
+    for name, value in destinations.items():
+        path, options = _spec(name, value)
+        cls = backend(name, path)
+        validate = getattr(cls, "validate", None)
+        if validate is not None:
+            validate(name, options)
+        found[name] = (cls, options)
+    for pattern, target in conf.OUTBOX_ROUTES.items():
+        if not isinstance(pattern, str) or target not in found:
+            raise ImproperlyConfigured(
+                f"IDEMPOTENCY_OUTBOX_ROUTES[{pattern!r}] names the destination {target!r}, "
+                f"which IDEMPOTENCY_OUTBOX_DESTINATIONS does not define "
+                f"(it defines {', '.join(map(repr, found))})."
+            )
+    return found
+
+
+def route(kind: int, name: str) -> str:
+    """The destination of a message: the first route whose pattern matches its name (a
+    pattern starting with ``task:`` or ``event:`` matches that kind only), else default."""
+    for pattern, target in conf.OUTBOX_ROUTES.items():
+        wanted = next(
+            (k for prefix, k in KIND_PREFIXES.items() if pattern.startswith(prefix)), None
+        )
+        if wanted is not None:
+            if wanted != kind:
+                continue
+            pattern = pattern.split(":", 1)[1]
+        if fnmatchcase(name, pattern):
+            return str(target)
+    return DEFAULT
+
+
+class Destinations:
+    """The relay's destinations, made once from the settings, and each message's own."""
+
+    def __init__(self, *, app: Any = None) -> None:
+        # ``app``: the Celery app the relay was given, for destinations that publish with Celery.
+        self.by_name: dict[str, Destination] = {
+            name: cls(name, options, app=app) for name, (cls, options) in configured().items()
+        }
+        self._routes: dict[tuple[int, str], Destination] = {}
+
+    def __iter__(self) -> Iterator[Destination]:
+        return iter(self.by_name.values())
+
+    def of(self, message: Message) -> Destination:
+        found = self._routes.get((message.kind, message.name))
+        if found is None:
+            found = self.by_name[route(message.kind, message.name)]
+            self._routes[message.kind, message.name] = found
+        return found
+
+    def split(self, messages: Sequence[Message]) -> list[tuple[Destination, tuple[Message, ...]]]:
+        """The messages by destination, each group in the order given."""
+        if len(self.by_name) == 1:  # the common case: one destination, no lookups
+            return [(next(iter(self)), tuple(messages))]
+        groups: dict[str, list[Message]] = {}
+        for message in messages:
+            groups.setdefault(self.of(message).name, []).append(message)
+        return [(self.by_name[name], tuple(group)) for name, group in groups.items()]
+
+    def close(self) -> None:
+        for destination in self:
+            destination.close()
