@@ -98,7 +98,6 @@ class OutboxMessageAdmin(ReadOnlyLargeTableAdmin[OutboxMessage]):
         "attempts",
         "dead",
         "redrives",
-        "lease_owner",
     )
     created = time_column("created_at", _("created at"))
     published = time_column("published_at", _("published at"))
