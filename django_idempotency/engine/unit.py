@@ -203,7 +203,11 @@ class UnitOfWork:
         if self.lookup_first:
             with failing_closed():
                 found = records.lookup(
-                    self.using, principal=work.principal, key=work.key, window=window
+                    self.using,
+                    principal=work.principal,
+                    key=work.key,
+                    window=window,
+                    version=work.version,
                 )
             if found is not None:
                 stored = records.Claimed(records.Outcome.FOUND, record=found)
@@ -225,6 +229,7 @@ class UnitOfWork:
                     wait=wait,
                     now=self.now,
                     also_lock=fallback_locks,
+                    version=work.version,
                 )
                 if claimed.outcome is records.Outcome.WON:
                     # set(), not a token's reset(): an async view closes the unit in
@@ -258,7 +263,11 @@ class UnitOfWork:
             # committed is replayed, and only a key whose first request still runs is busy.
             with failing_closed():
                 found = records.lookup(
-                    self.using, principal=work.principal, key=work.key, window=window
+                    self.using,
+                    principal=work.principal,
+                    key=work.key,
+                    window=window,
+                    version=work.version,
                 )
             if found is not None:
                 claimed = records.Claimed(records.Outcome.FOUND, record=found)
@@ -350,6 +359,7 @@ class UnitOfWork:
             headers=result.headers,
             body=body,
             body_encoding=encoding,
+            version=work.version,
         )
         try:
             records.store(using, finished, row_id=claimed.row_id, commit=outermost, riders=riding)

@@ -17,6 +17,7 @@ from django_idempotency.models import IdempotencyRecord
 from django_idempotency.partitions.apply import sqlstate
 from django_idempotency.storage import cursors
 from django_idempotency.storage.bodies import decode_body
+from django_idempotency.storage.erasure import tombstone_scope
 
 if TYPE_CHECKING:
     from django.db.backends.base.base import BaseDatabaseWrapper
@@ -32,7 +33,9 @@ class Outcome(enum.Enum):
 
     WON = "won"  # the key is ours until the transaction ends
     FOUND = "found"  # a stored response to replay
-    EXPIRED = "expired"  # a stored response past its lifetime, within the 410 window
+    # A stored response past its lifetime, within the 410 window; of another version where
+    # a window is configured; erased (a tombstone) until it would have expired.
+    EXPIRED = "expired"
     BUSY = "busy"  # another transaction holds the key, and the wait ran out
 
 
@@ -111,6 +114,8 @@ def _jsonb(value: Any) -> Any:
 
 
 _CLAIM = "SELECT * FROM django_idempotency_claim(%s, %s, %s, %s, %s, %s, %s)"
+# Unversioned work sends the statements of before versions (their p_version is null).
+_CLAIM_VERSIONED = "SELECT * FROM django_idempotency_claim(%s, %s, %s, %s, %s, %s, %s, %s)"
 _LOCK_ALL = "SELECT django_idempotency_lock_all(%s::integer[], %s)"
 
 
@@ -125,13 +130,15 @@ def claim(
     wait: timedelta,
     now: datetime | None = None,
     also_lock: Sequence[int] = (),
+    version: str | None = None,
 ) -> Claimed:
     """Claim (principal, key) inside the caller's transaction, or find the record that
     holds it, waiting up to ``wait`` for an in-flight holder. The claim lasts until that
-    transaction ends. ``also_lock``: the key's locks under fallback secrets, taken first."""
+    transaction ends. ``also_lock``: the key's locks under fallback secrets, taken first.
+    A record of another ``version`` than the work's is expired (``gone``) or replaced."""
     connection = connections[using]
     if connection.vendor != "postgresql":
-        return _claim_plain(using, principal, key, gone, now)
+        return _claim_plain(using, principal, key, gone, now, version)
     wait_ms = max(0, int(wait.total_seconds() * 1000))
     if also_lock:
         # Every lock in one order, the claim's own among them, so that no two claims wait
@@ -141,7 +148,11 @@ def claim(
         if locked is None or not locked[0]:
             return Claimed(Outcome.BUSY)
     try:
-        row = _call(connection, _CLAIM, [lock, principal, key, window, gone, wait_ms, now])
+        params = [lock, principal, key, window, gone, wait_ms, now]
+        if version is None:
+            row = _call(connection, _CLAIM, params)
+        else:
+            row = _call(connection, _CLAIM_VERSIONED, [*params, version])
     except DatabaseError as exc:
         if sqlstate(exc) == ISOLATION_REFUSED_SQLSTATE:
             raise IsolationRefused(using, _detail(exc)) from exc
@@ -156,15 +167,21 @@ def claim(
 
 
 _LOOKUP = "SELECT * FROM django_idempotency_lookup(%s, %s, %s)"
+_LOOKUP_VERSIONED = "SELECT * FROM django_idempotency_lookup(%s, %s, %s, %s)"
 
 
-def lookup(using: str, *, principal: str, key: str, window: timedelta) -> Record | None:
-    """A replayable record, read without a lock or a transaction of our own: one round
-    trip for a duplicate, at the price of one more for a fresh key."""
+def lookup(
+    using: str, *, principal: str, key: str, window: timedelta, version: str | None = None
+) -> Record | None:
+    """A replayable record of ``version``, read without a lock or a transaction of our own:
+    one round trip for a duplicate, at the price of one more for a fresh key."""
     connection = connections[using]
     if connection.vendor != "postgresql":
-        return _lookup_plain(using, principal, key, window)
-    row = _call(connection, _LOOKUP, [principal, key, window])
+        return _lookup_plain(using, principal, key, window, version)
+    if version is None:
+        row = _call(connection, _LOOKUP, [principal, key, window])
+    else:
+        row = _call(connection, _LOOKUP_VERSIONED, [principal, key, window, version])
     return None if row is None else row.record()
 
 
@@ -175,7 +192,9 @@ def _call(connection: BaseDatabaseWrapper, sql: str, params: list[Any]) -> Claim
     return None if row is None else ClaimRow._make(row)
 
 
-def _lookup_plain(using: str, principal: str, key: str, window: timedelta) -> Record | None:
+def _lookup_plain(
+    using: str, principal: str, key: str, window: timedelta, version: str | None
+) -> Record | None:
     now = timezone.now()
     found = (
         IdempotencyRecord.objects.using(using)
@@ -189,24 +208,34 @@ def _lookup_plain(using: str, principal: str, key: str, window: timedelta) -> Re
         .order_by("-created_at")
         .first()
     )
-    return None if found is None else _record(found)
+    return None if found is None or found.response_version != version else _record(found)
 
 
 def _claim_plain(
-    using: str, principal: str, key: str, gone: timedelta, now: datetime | None
+    using: str,
+    principal: str,
+    key: str,
+    gone: timedelta,
+    now: datetime | None,
+    version: str | None,
 ) -> Claimed:
     """Other databases: the claim inserts an in-progress row; a concurrent claimer loses
-    on the unique index; an expired row is replaced."""
+    on the unique index; an expired row (or one of another version) is replaced."""
     now = now or timezone.now()
     records = IdempotencyRecord.objects.using(using)
-    existing = records.filter(scope=principal, key=key).first()
+    scopes = (principal, tombstone_scope(principal))
+    existing = records.filter(scope__in=scopes, key=key).order_by("-created_at", "-pk").first()
     if existing is not None:
-        if existing.status != IdempotencyRecord.Status.COMPLETED:
+        if existing.status == IdempotencyRecord.Status.IN_PROGRESS:
             return Claimed(Outcome.BUSY)
         if existing.expires_at + gone > now:
-            outcome = Outcome.FOUND if existing.expires_at > now else Outcome.EXPIRED
-            return Claimed(outcome, record=_record(existing))
-        existing.delete()
+            erased = existing.status == IdempotencyRecord.Status.ERASED
+            stale = existing.response_version != version
+            live = existing.expires_at > now and not erased and not stale
+            if live or erased or gone > timedelta(0):
+                outcome = Outcome.FOUND if live else Outcome.EXPIRED
+                return Claimed(outcome, record=_record(existing))
+        records.filter(scope__in=scopes, key=key).delete()
     try:
         with transaction.atomic(using=using):
             created = records.create(
@@ -238,9 +267,11 @@ def _record(obj: IdempotencyRecord) -> Record:
 
 
 _STORE = "SELECT django_idempotency_store(%s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s)"
+_STORE_VERSIONED = "SELECT django_idempotency_store(%s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s)"
 # psycopg's commit() sends nothing when the server is already idle, so a COMMIT sent
 # with the store saves the transaction's last round trip.
 _STORE_AND_COMMIT = _STORE + "; COMMIT"
+_STORE_VERSIONED_AND_COMMIT = _STORE_VERSIONED + "; COMMIT"
 # Below this, a body's hex literal costs less than psycopg's pipeline, about 0.12 ms of
 # Python per store (the crossover measured between 32 and 64 KiB).
 BINARY_BODY_MIN_BYTES = 32 * 1024
@@ -261,6 +292,8 @@ class Finished:
     headers: list[list[str]]
     body: bytes
     body_encoding: str
+    # The version its view declares (None: none).
+    version: str | None = None
 
 
 def store(
@@ -286,6 +319,7 @@ def store(
             response_headers=record.headers,
             response_body=record.body,
             body_encoding=record.body_encoding,
+            response_version=record.version,
         )
         return
     params: list[Any] = [
@@ -301,8 +335,12 @@ def store(
         record.body,
         record.body_encoding,
     ]
+    store_sql, with_commit = _STORE, _STORE_AND_COMMIT
+    if record.version is not None:
+        store_sql, with_commit = _STORE_VERSIONED, _STORE_VERSIONED_AND_COMMIT
+        params.append(record.version)
     if len(record.body) < BINARY_BODY_MIN_BYTES:
-        sql = _STORE_AND_COMMIT if commit else _STORE
+        sql = with_commit if commit else store_sql
         if riders:
             # Bound on the client: the statements travel as one string.
             sql = "; ".join([*(statement for statement, _ in riders), sql])
@@ -315,7 +353,7 @@ def store(
         if not (commit and Pipeline.is_supported()):
             for statement, values in riders:
                 cursor.execute(statement, values)
-            cursor.execute(_STORE, params)
+            cursor.execute(store_sql, params)
             return
         # A statement bound on the server travels alone, so the store and its COMMIT share
         # a pipeline: still one round trip. Errors surface when it syncs, hence Django's
@@ -323,7 +361,7 @@ def store(
         with connection.wrap_database_errors, connection.connection.pipeline():
             for statement, values in riders:
                 cursor.execute(statement, values)
-            cursor.execute(_STORE, params)
+            cursor.execute(store_sql, params)
             cursor.execute("COMMIT")
 
 

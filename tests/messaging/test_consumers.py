@@ -21,7 +21,7 @@ pytest.importorskip("celery")
 from celery import shared_task
 from celery.exceptions import Reject, Retry
 from django.core import checks
-from django.db import OperationalError, connection, transaction
+from django.db import DEFAULT_DB_ALIAS, OperationalError, connection, transaction
 from django.test import override_settings
 from django.utils import timezone
 
@@ -32,6 +32,7 @@ from django_idempotency.messaging.downstream import derive_key
 from django_idempotency.messaging.outbox import enqueue_task
 from django_idempotency.models import IdempotencyRecord, OutboxMessage
 from django_idempotency.storage import records as storage
+from django_idempotency.storage.erasure import erase
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -404,3 +405,14 @@ def test_a_delivery_at_repeatable_read_runs_nothing_and_keeps_its_message(
 
     redelivered = deliver(note, message_id, 7)
     assert redelivered.state == "SUCCESS" and [("note", message_id, 7)] == RAN
+
+
+def test_a_redelivery_of_an_erased_consumer_record_is_acknowledged_and_not_run() -> None:
+    message_id = str(uuid.uuid4())
+    deliver(note, message_id, 7)
+    assert erase(DEFAULT_DB_ALIAS, "consumer:tests.consumers.note", batch=10) == 1
+
+    again = deliver(note, message_id, 7)
+
+    assert again.state == "SUCCESS" and again.result is None
+    assert [("note", message_id, 7)] == RAN

@@ -206,7 +206,7 @@ def claim_at_repeatable_read() -> Outcome:
 @pytest.mark.django_db(transaction=True)
 def test_the_claim_refuses_repeatable_read_until_its_migration_is_reversed() -> None:
     source = "SELECT prosrc FROM pg_proc WHERE oid = 'django_idempotency_claim'::regproc"
-    assert fetch_one(source) == (function_body("0007_claim_refuses_repeatable_read"),)
+    assert fetch_one(source) == (function_body("0010_response_version_and_tombstones"),)
     with pytest.raises(records.IsolationRefused):
         claim_at_repeatable_read()
     call_command("migrate", "django_idempotency", "0006", verbosity=0)
@@ -216,7 +216,7 @@ def test_the_claim_refuses_repeatable_read_until_its_migration_is_reversed() -> 
         assert claim_at_repeatable_read() is Outcome.WON
     finally:
         call_command("migrate", "django_idempotency", verbosity=0)
-    assert fetch_one(source) == (function_body("0007_claim_refuses_repeatable_read"),)
+    assert fetch_one(source) == (function_body("0010_response_version_and_tombstones"),)
     with pytest.raises(records.IsolationRefused):
         claim_at_repeatable_read()
 
