@@ -43,3 +43,7 @@ outbox_redriven = Signal()
 # kwargs: principal (str: as stored), count (int: records erased by this run), using (str).
 records_erased = Signal()
 
+# Sent by the engine when a principal's 4xx went past IDEMPOTENCY_MAX_STORED_ERRORS_PER_MINUTE
+# in this process (once a minute per principal), inside the request's transaction, which then
+# rolls back. kwargs: principal (str), limit (int), view (str: the view's dotted name).
+stored_errors_limited = Signal()

@@ -26,6 +26,7 @@ from django_idempotency.models import IdempotencyRecord
 from django_idempotency.storage import records as storage
 from django_idempotency.storage.erasure import erase, tombstone_scope
 from django_idempotency.storage.records import Outcome
+from django_idempotency.storage.usage import usage
 from tests.factories import IdempotencyRecordFactory, ScriptFactory, new_key
 from tests.support.claims import claim, store_first
 from tests.support.client import problem, send
@@ -236,6 +237,7 @@ def test_on_sqlite_a_record_of_another_version_is_replaced_or_expired() -> None:
         )  # fmt: skip
     assert renewed.outcome == Outcome.WON
     assert not IdempotencyRecord.objects.filter(pk=record.pk).exists()
+    assert usage("default", now.date(), top=5)[0].principal == "tenant:a"
 
 
 @on_sqlite
