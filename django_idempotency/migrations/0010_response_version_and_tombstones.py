@@ -11,8 +11,9 @@ principal. The claim looks for the principal and its tombstone in the same index
 answers ``expired`` for a tombstone until its record would have expired and left the window:
 a retry of an erased key is never run again.
 
-The functions gain a last parameter with a default, so a server still on the previous code calls
-the new functions unchanged (its records have no version, it declares none). On PostgreSQL the
+The functions gain parameters with defaults at the end (the claim also takes the tombstone's
+principal, which the app computes), so a server still on the previous code calls the new
+functions unchanged (its records have no version, it declares none). On PostgreSQL the
 column is added to the partitioned parent, which adds it to every partition without a rewrite
 (a null column); SQLite adds it in place. Frozen: the SQL is written here, the reverse (0007's,
 0006's and 0001's functions) too; nothing is imported from the package.
@@ -35,7 +36,8 @@ _STORE_SIGNATURE = (
 CLAIM_FUNCTION = """
 CREATE FUNCTION django_idempotency_claim(
     p_lock integer, p_scope text, p_key text, p_window interval, p_gone interval,
-    p_wait_ms integer, p_now timestamptz DEFAULT NULL, p_version text DEFAULT NULL)
+    p_wait_ms integer, p_now timestamptz DEFAULT NULL, p_version text DEFAULT NULL,
+    p_erased text DEFAULT NULL)
 RETURNS TABLE (
     outcome text, created_at timestamptz, expires_at timestamptz, method text,
     path text, fingerprint jsonb, response_code smallint, response_headers jsonb,
@@ -88,7 +90,9 @@ BEGIN
     v_from := v_now - p_window;
     v_to := greatest(v_now, clock_timestamp()) + interval '1 minute';
     -- An erased record's principal, as its tombstone holds it: found in the same probe.
-    v_erased := 'erased:' || encode(sha256(convert_to(p_scope, 'UTF8')), 'hex');
+    -- The app sends it (a digest here costs the claim more than the lookup: OpenSSL 3
+    -- fetches the digest anew on every call); a caller that does not is served too.
+    v_erased := coalesce(p_erased, 'erased:' || encode(sha256(convert_to(p_scope, 'UTF8')), 'hex'));
     -- The newest record decides: a tombstone is expired (never run again); a record of
     -- another version is expired where a window is configured, else the key is won.
     RETURN QUERY
@@ -301,7 +305,7 @@ FORWARD = [
 ]
 
 BACKWARD = [
-    f"DROP FUNCTION django_idempotency_claim(integer, text, text, {_CLAIM_SIGNATURE}, text)",
+    f"DROP FUNCTION django_idempotency_claim(integer, text, text, {_CLAIM_SIGNATURE}, text, text)",
     PREVIOUS_CLAIM_FUNCTION,
     "DROP FUNCTION django_idempotency_lookup(text, text, interval, text)",
     PREVIOUS_LOOKUP_FUNCTION,

@@ -8,6 +8,7 @@ import json
 import logging
 import time
 from collections.abc import Iterator
+from functools import lru_cache
 
 from django.db import connections, transaction
 
@@ -34,8 +35,9 @@ UPDATE django_idempotency_record
 _ID_RANGE = "SELECT min(id), max(id) FROM django_idempotency_record"
 
 
+@lru_cache(maxsize=4096)
 def tombstone_scope(principal: str) -> str:
-    """The principal of ``principal``'s tombstones."""
+    """The principal of ``principal``'s tombstones (every claim asks: cached)."""
     return TOMBSTONE_PREFIX + hashlib.sha256(principal.encode()).hexdigest()
 
 

@@ -113,9 +113,8 @@ def _jsonb(value: Any) -> Any:
     return json.loads(value) if isinstance(value, str) else value
 
 
-_CLAIM = "SELECT * FROM django_idempotency_claim(%s, %s, %s, %s, %s, %s, %s)"
-# Unversioned work sends the statements of before versions (their p_version is null).
-_CLAIM_VERSIONED = "SELECT * FROM django_idempotency_claim(%s, %s, %s, %s, %s, %s, %s, %s)"
+# The last parameters: the version (null: none), and the principal of the key's tombstone.
+_CLAIM = "SELECT * FROM django_idempotency_claim(%s, %s, %s, %s, %s, %s, %s, %s, %s)"
 _LOCK_ALL = "SELECT django_idempotency_lock_all(%s::integer[], %s)"
 
 
@@ -148,11 +147,9 @@ def claim(
         if locked is None or not locked[0]:
             return Claimed(Outcome.BUSY)
     try:
-        params = [lock, principal, key, window, gone, wait_ms, now]
-        if version is None:
-            row = _call(connection, _CLAIM, params)
-        else:
-            row = _call(connection, _CLAIM_VERSIONED, [*params, version])
+        erased = tombstone_scope(principal)
+        params = [lock, principal, key, window, gone, wait_ms, now, version, erased]
+        row = _call(connection, _CLAIM, params)
     except DatabaseError as exc:
         if sqlstate(exc) == ISOLATION_REFUSED_SQLSTATE:
             raise IsolationRefused(using, _detail(exc)) from exc
