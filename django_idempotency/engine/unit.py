@@ -34,6 +34,7 @@ from django_idempotency.engine.work import (
     Result,
     Run,
     Work,
+    differing,
     view_name,
 )
 from django_idempotency.models import IdempotencyRecord
@@ -231,6 +232,8 @@ class UnitOfWork:
                     also_lock=fallback_locks,
                     version=work.version,
                 )
+                if claimed.outcome is records.Outcome.STALE:
+                    claimed = self._unstale(claimed)
                 if claimed.outcome is records.Outcome.WON:
                     # set(), not a token's reset(): an async view closes the unit in
                     # another context than the one that opened it.
@@ -278,6 +281,18 @@ class UnitOfWork:
         waited = time.monotonic() - self._patience.started
         yield decide(claimed, work, sender=self.sender, context=self.context, waited=waited)
         return False
+
+    def _unstale(self, claimed: records.Claimed) -> records.Claimed:
+        """A record of another version (contract 8): expired for the same request (410
+        where a window is configured, else the key runs anew); another request on the key
+        is a reused key, whatever the versions (a view's version is no other view's)."""
+        work = self.work
+        assert claimed.record is not None
+        if differing(claimed.record.fingerprint, work.fingerprint):
+            return records.Claimed(records.Outcome.FOUND, record=claimed.record)
+        if timedelta(0) < conf.EXPIRED_WINDOW:
+            return records.Claimed(records.Outcome.EXPIRED, record=claimed.record)
+        return records.reclaim(self.using, claimed, principal=work.principal, key=work.key)
 
     def _locks(self) -> tuple[int, tuple[int, ...]]:
         work = self.work

@@ -1,9 +1,10 @@
 """Stored responses carry the version of their view, and an erased record stays as a tombstone.
 
 ``response_version`` is the version the view declared when the response was stored (null: none
-declared). The claim and the lookup take the version the view declares now: a record of another
-version is treated as expired (the claim answers ``expired`` where a 410 window is configured,
-else ``won``, and the key runs anew), and the lookup never returns it.
+declared). The claim and the lookup take the version the view declares now: the claim answers
+``stale`` for a record of another version (the app then refuses a reused key, answers 410 where
+a window is configured, or runs the key anew under the lock the claim holds), and the lookup
+never returns it.
 
 Erasure (``manage.py idempotency_erase``) keeps a record's row as a tombstone: status 2, its
 body and headers gone, its principal replaced by ``erased:`` and the SHA-256 (hex) of the
@@ -93,13 +94,15 @@ BEGIN
     -- The app sends it (a digest here costs the claim more than the lookup: OpenSSL 3
     -- fetches the digest anew on every call); a caller that does not is served too.
     v_erased := coalesce(p_erased, 'erased:' || encode(sha256(convert_to(p_scope, 'UTF8')), 'hex'));
-    -- The newest record decides: a tombstone is expired (never run again); a record of
-    -- another version is expired where a window is configured, else the key is won.
+    -- The newest record decides: a tombstone is expired (never run again). A record of
+    -- another version is 'stale', with our now() as its created_at: the app compares its
+    -- request (another request is a reused key) and answers 410, or runs the key anew, its
+    -- record then stored beside the stale one with that created_at, still holding the lock.
     RETURN QUERY
-        SELECT s.o, s.c, s.e, s.m, s.p, s.f, s.rc, s.rh, s.rb, s.be
+        SELECT s.o, CASE WHEN s.o = 'stale' THEN v_now ELSE s.c END,
+               s.e, s.m, s.p, s.f, s.rc, s.rh, s.rb, s.be
           FROM (SELECT CASE WHEN r.status = 2 OR r.expires_at <= v_now THEN 'expired'
-                            WHEN r.response_version IS DISTINCT FROM p_version THEN
-                                CASE WHEN p_gone > interval '0' THEN 'expired' ELSE 'stale' END
+                            WHEN r.response_version IS DISTINCT FROM p_version THEN 'stale'
                             ELSE 'found' END AS o,
                        r.created_at AS c, r.expires_at AS e, r.method::text AS m,
                        r.path AS p, r.fingerprint AS f, r.response_code AS rc,
@@ -112,8 +115,7 @@ BEGIN
                    AND r.expires_at + p_gone > v_now
                  -- Two records of one transaction's now() (a test's): the later one.
                  ORDER BY r.created_at DESC, r.id DESC
-                 LIMIT 1) s
-         WHERE s.o <> 'stale';
+                 LIMIT 1) s;
     IF FOUND THEN
         RETURN;
     END IF;

@@ -36,6 +36,9 @@ class Outcome(enum.Enum):
     # A stored response past its lifetime, within the 410 window; of another version where
     # a window is configured; erased (a tombstone) until it would have expired.
     EXPIRED = "expired"
+    # A record of another version than the work's (``record``); ``created_at``: the claim's
+    # now, for the work's record if the key runs anew (``reclaim``). The claim holds the key.
+    STALE = "stale"
     BUSY = "busy"  # another transaction holds the key, and the wait ran out
 
 
@@ -158,6 +161,8 @@ def claim(
     outcome = Outcome(row.outcome)
     if outcome is Outcome.WON:
         return Claimed(outcome, created_at=row.created_at)
+    if outcome is Outcome.STALE:
+        return Claimed(outcome, created_at=row.created_at, record=row.record())
     if outcome is Outcome.BUSY:
         return Claimed(outcome)
     return Claimed(outcome, record=row.record())
@@ -226,12 +231,12 @@ def _claim_plain(
         if existing.status == IdempotencyRecord.Status.IN_PROGRESS:
             return Claimed(Outcome.BUSY)
         if existing.expires_at + gone > now:
-            erased = existing.status == IdempotencyRecord.Status.ERASED
-            stale = existing.response_version != version
-            live = existing.expires_at > now and not erased and not stale
-            if live or erased or gone > timedelta(0):
-                outcome = Outcome.FOUND if live else Outcome.EXPIRED
-                return Claimed(outcome, record=_record(existing))
+            live = existing.expires_at > now
+            if existing.status == IdempotencyRecord.Status.ERASED or not live:
+                return Claimed(Outcome.EXPIRED, record=_record(existing))
+            if existing.response_version != version:
+                return Claimed(Outcome.STALE, created_at=now, record=_record(existing))
+            return Claimed(Outcome.FOUND, record=_record(existing))
         records.filter(scope__in=scopes, key=key).delete()
     try:
         with transaction.atomic(using=using):
@@ -247,6 +252,17 @@ def _claim_plain(
     except IntegrityError:
         return Claimed(Outcome.BUSY)
     return Claimed(Outcome.WON, created_at=now, row_id=created.pk)
+
+
+def reclaim(using: str, stale: Claimed, *, principal: str, key: str) -> Claimed:
+    """The key of a stale claim, won for the work to run anew in the claim's transaction: its
+    record is stored beside the stale one (PostgreSQL: the claim reads the newest) or
+    replaces it (other databases)."""
+    assert stale.outcome is Outcome.STALE and stale.created_at is not None
+    if connections[using].vendor == "postgresql":
+        return Claimed(Outcome.WON, created_at=stale.created_at)
+    IdempotencyRecord.objects.using(using).filter(scope=principal, key=key).delete()
+    return _claim_plain(using, principal, key, timedelta(0), stale.created_at, None)
 
 
 def _record(obj: IdempotencyRecord) -> Record:
@@ -390,11 +406,13 @@ def recorded(
     using: str, *, principals: Collection[str], keys: Collection[str], since: datetime
 ) -> set[tuple[str, str]]:
     """The (principal, key) pairs, among those of ``principals`` and ``keys``, that have a
-    record made since ``since`` (the bound prunes the query to the partitions from then on)."""
+    record made since ``since`` (the bound prunes the query to the partitions from then on).
+    An erased record counts: its tombstone still answers the key."""
+    erased = {tombstone_scope(principal): principal for principal in principals}
     found = IdempotencyRecord.objects.using(using).filter(
-        key__in=keys, scope__in=principals, created_at__gte=since
+        key__in=keys, scope__in=[*principals, *erased], created_at__gte=since
     )
-    return set(found.values_list("scope", "key"))
+    return {(erased.get(scope, scope), key) for scope, key in found.values_list("scope", "key")}
 
 
 def delete(using: str | None, *, record_id: int, created_at: datetime) -> None:

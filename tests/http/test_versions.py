@@ -117,3 +117,32 @@ def test_the_setting_versions_views_and_a_views_own_version_wins(client: Any) ->
     assert IdempotencyRecord.objects.filter(key=plain).latest("id").response_version == "2"
     # Unset again: a record of version "2" is of another version than none.
     assert not replayed(client.post("/unversioned/", HTTP_IDEMPOTENCY_KEY=plain))
+
+
+def test_a_key_of_another_endpoint_and_version_is_a_reused_key_never_a_stale_one(
+    api_client: Any,
+) -> None:
+    # The charges view is versioned, the refunds view is not: the charge's record is of
+    # "another version" for the refunds view, yet the key stays bound to its first request.
+    key = new_key()
+    charge(api_client, key)
+    refunds = IdempotencyRecord.objects.count()
+
+    other = api_client.post("/api/refunds/", CHARGE, format="json", HTTP_IDEMPOTENCY_KEY=key)
+
+    assert other.status_code == 422 and problem(other)["differing"] == ["path"]
+    assert IdempotencyRecord.objects.count() == refunds
+
+
+def test_after_a_version_change_another_body_on_the_key_is_still_a_reused_key(
+    api_client: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    key = new_key()
+    charge(api_client, key)
+    monkeypatch.setattr(ChargeCreateView, "idempotency_response_version", "2027-01")
+
+    other = api_client.post(
+        "/api/charges/", {**CHARGE, "amount": 1}, format="json", HTTP_IDEMPOTENCY_KEY=key
+    )
+
+    assert other.status_code == 422 and problem(other)["differing"] == ["body"]

@@ -222,20 +222,17 @@ def test_on_sqlite_an_erased_key_is_expired_until_the_record_would_have_expired(
 
 @on_sqlite
 @pytest.mark.django_db
-def test_on_sqlite_a_record_of_another_version_is_replaced_or_expired() -> None:
+def test_on_sqlite_a_record_of_another_version_is_stale_then_replaced() -> None:
     key, now = new_key(), timezone.now()
     record = IdempotencyRecordFactory(scope="tenant:a", key=key, response_version="1")
-    stored = storage.claim(
-        "default", lock=0, principal="tenant:a", key=key, window=timedelta(days=1),
-        gone=timedelta(hours=1), wait=timedelta(0), version="2",
-    )  # fmt: skip
-    assert stored.outcome == Outcome.EXPIRED
     with transaction.atomic():
-        renewed = storage.claim(
+        stale = storage.claim(
             "default", lock=0, principal="tenant:a", key=key, window=timedelta(days=1),
             gone=timedelta(0), wait=timedelta(0), now=now, version="2",
         )  # fmt: skip
-    assert renewed.outcome == Outcome.WON
+        assert stale.outcome == Outcome.STALE and stale.record is not None
+        renewed = storage.reclaim("default", stale, principal="tenant:a", key=key)
+    assert renewed.outcome == Outcome.WON and renewed.row_id is not None
     assert not IdempotencyRecord.objects.filter(pk=record.pk).exists()
     assert usage("default", now.date(), top=5)[0].principal == "tenant:a"
 
