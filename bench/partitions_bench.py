@@ -97,18 +97,18 @@ class Window:
 # The server and the database -----------------------------------------------------------
 
 
-def own_database(url: str) -> str:
-    """(Re)create our database on the server of ``url``; return its URL."""
+def own_database(url: str, name: str = DATABASE) -> str:
+    """(Re)create our database (``name``) on the server of ``url``; return its URL."""
     parts = urlsplit(url)
     with psycopg.connect(url, autocommit=True) as conn:
-        conn.execute(f'DROP DATABASE IF EXISTS "{DATABASE}" WITH (FORCE)')
-        conn.execute(f'CREATE DATABASE "{DATABASE}"')
-    return urlunsplit(parts._replace(path=f"/{DATABASE}"))
+        conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+        conn.execute(f'CREATE DATABASE "{name}"')
+    return urlunsplit(parts._replace(path=f"/{name}"))
 
 
-def drop_database(url: str) -> None:
+def drop_database(url: str, name: str = DATABASE) -> None:
     with psycopg.connect(url, autocommit=True) as conn:
-        conn.execute(f'DROP DATABASE IF EXISTS "{DATABASE}" WITH (FORCE)')
+        conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
 
 
 def setup_django(url: str) -> None:

@@ -82,6 +82,12 @@ class Settings:
         return None if value is None else int(value)
 
     @property
+    def RESPONSE_VERSION(self) -> str | None:
+        # None: responses are not versioned (a view may still declare its own).
+        value = _setting("IDEMPOTENCY_RESPONSE_VERSION", None)
+        return str(value) if value else None
+
+    @property
     def LOOKUP_FIRST(self) -> bool:
         return bool(_setting("IDEMPOTENCY_LOOKUP_FIRST", False))
 
@@ -347,6 +353,7 @@ KINDS: dict[str, Kind] = {
     "MAX_WAITERS": INTEGER,
     "SERVER_THREADS": OPTIONAL_INTEGER,
     "LOOKUP_FIRST": BOOLEAN,
+    "RESPONSE_VERSION": OPTIONAL_TEXT,
     "SECRET_KEY": OPTIONAL_TEXT,
     "SECRET_KEY_FALLBACKS": SECRETS,
     "ENCRYPTION_KEYS": SECRETS,
@@ -401,6 +408,7 @@ REQUEST_SETTINGS = (
     "MAX_WAITERS",
     "SERVER_THREADS",
     "LOOKUP_FIRST",
+    "RESPONSE_VERSION",
     "SECRET_KEY",
     "SECRET_KEY_FALLBACKS",
     "ENCRYPTION_KEYS",

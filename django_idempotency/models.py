@@ -15,6 +15,9 @@ class IdempotencyRecord(models.Model):
     class Status(models.IntegerChoices):
         IN_PROGRESS = 0, _("in progress")
         COMPLETED = 1, _("completed")
+        # A tombstone (``manage.py idempotency_erase``): no body, headers or principal, and a
+        # retry of its key is refused (410) until the record would have expired.
+        ERASED = 2, _("erased")
 
     # The method of an exactly-once consumer's record (a Celery task's message id is its key).
     CONSUMER_METHOD = "TASK"
@@ -30,6 +33,11 @@ class IdempotencyRecord(models.Model):
     response_headers = models.JSONField(_("response headers"), null=True)
     response_body = models.BinaryField(_("response body"), null=True)
     body_encoding = models.CharField(_("body encoding"), max_length=8, default="", blank=True)
+    # The version its view declared (``response_version``); null: none, which is also what
+    # the store function writes for a server still on the code before versions.
+    response_version = models.CharField(  # noqa: DJ001
+        _("response version"), max_length=64, null=True, blank=True
+    )
     created_at = models.DateTimeField(_("created at"))
     expires_at = models.DateTimeField(_("expires at"))
 

@@ -70,6 +70,7 @@ class IdempotencyMixin:
     idempotency_key_from: KeyFunc | None = None
     idempotency_using: str | Callable[[HttpRequest], str] | None = None
     idempotency_allow_anonymous: bool | None = None
+    idempotency_response_version: str | None = None
 
     _idempotency: RequestUnit | None = None
     _closes_after_dispatch = False

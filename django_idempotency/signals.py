@@ -37,3 +37,13 @@ outbox_published = Signal()
 # again (no exactly-once consumer had recorded them), outside any transaction.
 # kwargs: ids (list[str]: the message ids), using (str: the database alias).
 outbox_redriven = Signal()
+
+# Sent by erasure (``manage.py idempotency_erase``, the records admin's action) after a
+# principal's records became tombstones, outside any transaction (each batch committed).
+# kwargs: principal (str: as stored), count (int: records erased by this run), using (str).
+records_erased = Signal()
+
+# Sent by the engine when a principal's 4xx went past IDEMPOTENCY_MAX_STORED_ERRORS_PER_MINUTE
+# in this process (once a minute per principal), inside the request's transaction, which then
+# rolls back. kwargs: principal (str), limit (int), view (str: the view's dotted name).
+stored_errors_limited = Signal()

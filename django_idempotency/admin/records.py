@@ -9,7 +9,7 @@ from collections.abc import Mapping
 from datetime import date, timedelta
 from typing import Any
 
-from django.contrib import admin
+from django.contrib import admin, messages
 from django.contrib.admin.options import IncorrectLookupParameters
 from django.contrib.admin.views.main import ChangeList
 from django.contrib.auth import get_user_model
@@ -21,7 +21,7 @@ from django.utils import timezone
 from django.utils.formats import date_format
 from django.utils.html import format_html, format_html_join
 from django.utils.safestring import SafeString
-from django.utils.translation import gettext
+from django.utils.translation import gettext, ngettext
 from django.utils.translation import gettext_lazy as _
 
 from django_idempotency.admin import responses
@@ -39,6 +39,7 @@ from django_idempotency.models import IdempotencyRecord
 from django_idempotency.partitions import catalog
 from django_idempotency.partitions.tables import RECORDS
 from django_idempotency.storage import records
+from django_idempotency.storage.erasure import BATCH, TOMBSTONE_PREFIX, erase
 
 # Columns the list never shows; a stored body alone may be megabytes.
 DETAIL_ONLY_FIELDS = ("fingerprint", "response_headers", "response_body")
@@ -75,7 +76,12 @@ def principals_of_username(username: str) -> list[str]:
     pk = User._default_manager.filter(**{User.USERNAME_FIELD: username}).values_list(
         "pk", flat=True
     )[:1]
-    return [f"{kind}:{pk[0]}" for kind in sorted(_user_kinds())] if pk else []
+    return user_principals(pk[0]) if pk else []
+
+
+def user_principals(pk: Any) -> list[str]:
+    """The principals a user's records can have, from the user's primary key."""
+    return [f"{kind}:{pk}" for kind in sorted(_user_kinds())]
 
 
 def _principal_label(principal: str, labels: Mapping[str, str]) -> str:
@@ -203,11 +209,14 @@ class IdempotencyRecordAdmin(ReadOnlyLargeTableAdmin[IdempotencyRecord]):
         "method",
         "path",
         "response_code",
+        "response_version",
         "created",
         "expires",
     )
     created = time_column("created_at", _("created at"))
     expires = time_column("expires_at", _("expires at"))
+    # Erasure is the one bulk action (delete_selected is not offered).
+    actions: Any = ("erase_principals",)
     list_filter = (CreatedFilter, ResponseStatusFilter, MethodFilter, EndpointFilter)
     search_fields = ("key",)
     search_help_text = _("The exact Idempotency-Key, as the client sent it, or a username.")
@@ -225,6 +234,8 @@ class IdempotencyRecordAdmin(ReadOnlyLargeTableAdmin[IdempotencyRecord]):
         "body",
         "response_headers_masked",
         "body_redacted",
+        "response_version",
+        "status",
         "created_at",
         "expires_at",
     )
@@ -245,7 +256,10 @@ class IdempotencyRecordAdmin(ReadOnlyLargeTableAdmin[IdempotencyRecord]):
                 _("Response"),
                 {"fields": ("response_code", "storage", "body_size", "body_digest", *shown)},
             ),
-            (_("Lifetime"), {"fields": ("created_at", "expires_at")}),
+            (
+                _("Lifetime"),
+                {"fields": ("response_version", "status", "created_at", "expires_at")},
+            ),
         )
 
     def get_changelist(self, request: HttpRequest, **kwargs: Any) -> type[ChangeList]:
@@ -268,7 +282,39 @@ class IdempotencyRecordAdmin(ReadOnlyLargeTableAdmin[IdempotencyRecord]):
             found |= Q(scope__in=principals)
         return queryset.filter(found), False
 
-    # Deleting frees a key; it is done one record at a time, from its page (no bulk action).
+    def get_actions(self, request: HttpRequest) -> dict[str, Any]:
+        actions = super().get_actions(request)
+        # Deleting frees a key; it is done one record at a time, from its page.
+        actions.pop("delete_selected", None)
+        return actions
+
+    @admin.action(
+        permissions=["delete"],
+        description=_("Erase every record of the selected records' principals"),
+    )
+    def erase_principals(self, request: HttpRequest, queryset: QuerySet[IdempotencyRecord]) -> None:
+        if request.POST.get("select_across") == "1":
+            # Every principal of a large table would take a scan: erase by principal instead.
+            self.message_user(
+                request,
+                gettext("Select records on this page, or run manage.py idempotency_erase."),
+                messages.ERROR,
+            )
+            return
+        scopes = set(queryset.values_list("scope", flat=True))
+        principals = sorted(p for p in scopes if not p.startswith(TOMBSTONE_PREFIX))
+        erased = sum(erase(queryset.db, principal, batch=BATCH) for principal in principals)
+        self.message_user(
+            request,
+            ngettext(
+                "Erased %(count)d record of %(principals)d principal(s).",
+                "Erased %(count)d records of %(principals)d principal(s).",
+                erased,
+            )
+            % {"count": erased, "principals": len(principals)},
+        )
+
+    # Deleting frees a key; it is done one record at a time, from its page.
     def delete_model(self, request: HttpRequest, obj: IdempotencyRecord) -> None:
         records.delete(obj._state.db, record_id=obj.pk, created_at=obj.created_at)
 

@@ -63,6 +63,7 @@ ROLLED_BACK = "idempotency.rolled_back"
 CLAIM_DURATION = "idempotency.claim.duration"
 WAIT_DURATION = "idempotency.wait.duration"
 REDELIVERED = "idempotency.messages.redelivered"
+ERRORS_LIMITED = "idempotency.stored_errors.limited"
 
 # Attribute keys.
 VIEW = "idempotency.view"  # the view, or the task of an exactly-once consumer
@@ -131,6 +132,7 @@ class _Instruments:
     claim_duration: Any
     wait_duration: Any
     redelivered: Any
+    errors_limited: Any
 
 
 @functools.cache
@@ -168,6 +170,12 @@ def _instruments() -> _Instruments:
             REDELIVERED,
             "{message}",
             "Redelivered messages that exactly-once consumers answered from the store.",
+        ),
+        errors_limited=meter.create_counter(
+            ERRORS_LIMITED,
+            "{principal}",
+            "Principals past IDEMPOTENCY_MAX_STORED_ERRORS_PER_MINUTE in a process, once a "
+            "minute each: their further 4xx are answered but not stored.",
         ),
     )
 
@@ -226,6 +234,12 @@ def _count(instruments: _Instruments, attributes: dict[str, str], outcome: str) 
         instruments.store_unavailable.add(1, attributes)
     elif outcome == ROLLED_BACK_OUTCOME:
         instruments.rolled_back.add(1, attributes)
+
+
+def errors_limited(sender: Any) -> None:
+    """A principal went past the per-minute bound on stored 4xx (``engine/keeping.py``)."""
+    if ENABLED and listening():
+        _instruments().errors_limited.add(1, {VIEW: view_name(sender)})
 
 
 # Hooks of the unit of work (decorators on its methods, so they stay one line each).

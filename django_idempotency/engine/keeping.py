@@ -10,7 +10,9 @@ from typing import Any
 
 from django.core.exceptions import ImproperlyConfigured
 
+from django_idempotency import signals
 from django_idempotency.conf import conf
+from django_idempotency.engine import instrumentation
 from django_idempotency.engine.work import Result, view_name
 
 logger = logging.getLogger("django_idempotency")
@@ -59,13 +61,18 @@ def keeps(result: Result, principal: str, sender: Any) -> bool:
         seen = 0 if limit is None else error_budget.take(principal)
         if limit is not None and seen >= limit:
             # Likewise, a client cannot make the store keep a record per 4xx at any
-            # rate: answered, not stored, and the key stays free. Logged once a minute.
+            # rate: answered, not stored, and the key stays free. Logged, counted and
+            # signalled once a minute per principal.
             if seen == limit:
                 logger.warning(
                     "A principal of view %s stored %d 4xx this minute; its further 4xx are "
                     "answered but not stored (IDEMPOTENCY_MAX_STORED_ERRORS_PER_MINUTE).",
                     view_name(sender),
                     limit,
+                )
+                instrumentation.errors_limited(sender)
+                signals.stored_errors_limited.send_robust(
+                    sender, principal=principal, limit=limit, view=view_name(sender)
                 )
             return False
     if len(result.body) > conf.MAX_RESPONSE_BYTES:

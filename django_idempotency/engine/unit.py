@@ -34,6 +34,7 @@ from django_idempotency.engine.work import (
     Result,
     Run,
     Work,
+    differing,
     view_name,
 )
 from django_idempotency.models import IdempotencyRecord
@@ -222,7 +223,11 @@ class UnitOfWork:
         if self.lookup_first:
             with failing_closed():
                 found = records.lookup(
-                    self.using, principal=work.principal, key=work.key, window=window
+                    self.using,
+                    principal=work.principal,
+                    key=work.key,
+                    window=window,
+                    version=work.version,
                 )
             if found is not None:
                 stored = records.Claimed(records.Outcome.FOUND, record=found)
@@ -244,7 +249,10 @@ class UnitOfWork:
                     wait=wait,
                     now=self.now,
                     also_lock=fallback_locks,
+                    version=work.version,
                 )
+                if claimed.outcome is records.Outcome.STALE:
+                    claimed = self._unstale(claimed)
                 if claimed.outcome is records.Outcome.WON:
                     # set(), not a token's reset(): an async view closes the unit in
                     # another context than the one that opened it.
@@ -277,7 +285,11 @@ class UnitOfWork:
             # committed is replayed, and only a key whose first request still runs is busy.
             with failing_closed():
                 found = records.lookup(
-                    self.using, principal=work.principal, key=work.key, window=window
+                    self.using,
+                    principal=work.principal,
+                    key=work.key,
+                    window=window,
+                    version=work.version,
                 )
             if found is not None:
                 claimed = records.Claimed(records.Outcome.FOUND, record=found)
@@ -309,6 +321,18 @@ class UnitOfWork:
                 "The server's encryption keys for stored responses are invalid, so the "
                 "request was not processed."
             ) from exc
+
+    def _unstale(self, claimed: records.Claimed) -> records.Claimed:
+        """A record of another version (contract 8): expired for the same request (410
+        where a window is configured, else the key runs anew); another request on the key
+        is a reused key, whatever the versions (a view's version is no other view's)."""
+        work = self.work
+        assert claimed.record is not None
+        if differing(claimed.record.fingerprint, work.fingerprint):
+            return records.Claimed(records.Outcome.FOUND, record=claimed.record)
+        if timedelta(0) < conf.EXPIRED_WINDOW:
+            return records.Claimed(records.Outcome.EXPIRED, record=claimed.record)
+        return records.reclaim(self.using, claimed, principal=work.principal, key=work.key)
 
     def _locks(self) -> tuple[int, tuple[int, ...]]:
         work = self.work
@@ -405,6 +429,7 @@ class UnitOfWork:
             headers=headers,
             body=body,
             body_encoding=encoding,
+            version=work.version,
         )
         try:
             records.store(using, finished, row_id=claimed.row_id, commit=outermost, riders=riding)

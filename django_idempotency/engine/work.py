@@ -24,6 +24,8 @@ class Work:
     path: str
     fingerprint: dict[str, str]
     ttl: timedelta
+    # The version of the responses the work makes: a record of another is expired.
+    version: str | None = None
 
 
 @dataclass(frozen=True, slots=True)

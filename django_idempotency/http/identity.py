@@ -53,7 +53,8 @@ ANONYMOUS = "anonymous"
 # What a principal's name says before its first ":". A string that could be read as one of
 # these, or as a model label (which has a dot), is written "str:<string>" so that no two
 # principals share a name; other strings are kept as they are, readable in the admin.
-_PRINCIPAL_KINDS = frozenset({ANONYMOUS, "user", "str", "int", "uuid", "sha256"})
+# "erased": the principal of a tombstone (storage/erasure.py), never a live one.
+_PRINCIPAL_KINDS = frozenset({ANONYMOUS, "user", "str", "int", "uuid", "sha256", "erased"})
 
 
 def parse_key(raw: str) -> str:

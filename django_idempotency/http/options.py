@@ -45,6 +45,9 @@ class ViewOptions(TypedDict, total=False):
     # Keys of anonymous clients are meant (a receiver scoped otherwise): no refusal of an
     # anonymous request that carries credentials, and no warning W004.
     allow_anonymous: bool | None
+    # The version of the view's responses ("2026-11"): a record stored under another version
+    # is expired. Changing it is a deploy step (docs/data-you-keep.md).
+    response_version: str | None
 
 
 OPTION_NAMES: tuple[str, ...] = tuple(ViewOptions.__annotations__)
@@ -65,6 +68,7 @@ class Policy:
     using: str | Callable[[HttpRequest], str] | None
     allow_anonymous: bool
     key_from: KeyFunc | None
+    version: str | None
     # The key's header, and as it appears in request.META.
     header: str
     header_meta: str
@@ -103,6 +107,7 @@ def resolve(options: ViewOptions) -> Policy:
         using=getattr(options.get("using"), "__func__", options.get("using")),
         allow_anonymous=bool(options.get("allow_anonymous")),
         key_from=getattr(key_from, "__func__", key_from),
+        version=options.get("response_version") or conf.RESPONSE_VERSION,
         header=header,
         header_meta="HTTP_" + header.upper().replace("-", "_"),
     )

@@ -243,6 +243,7 @@ class RequestUnit:
             path=request.path,
             fingerprint=parts,
             ttl=policy.ttl,
+            version=policy.version,
         )
         return UnitOfWork(
             work,

@@ -8,7 +8,7 @@ from django.db import migrations
 
 class Migration(migrations.Migration):
     dependencies = [
-        ("django_idempotency", "0009_probe"),
+        ("django_idempotency", "0010_response_version_and_tombstones"),
     ]
 
     operations = [

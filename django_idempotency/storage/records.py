@@ -17,6 +17,7 @@ from django_idempotency.models import IdempotencyRecord
 from django_idempotency.partitions.apply import sqlstate
 from django_idempotency.storage import cursors
 from django_idempotency.storage.bodies import decode_body
+from django_idempotency.storage.erasure import tombstone_scope
 
 if TYPE_CHECKING:
     from django.db.backends.base.base import BaseDatabaseWrapper
@@ -32,7 +33,12 @@ class Outcome(enum.Enum):
 
     WON = "won"  # the key is ours until the transaction ends
     FOUND = "found"  # a stored response to replay
-    EXPIRED = "expired"  # a stored response past its lifetime, within the 410 window
+    # A stored response past its lifetime, within the 410 window; of another version where
+    # a window is configured; erased (a tombstone) until it would have expired.
+    EXPIRED = "expired"
+    # A record of another version than the work's (``record``); ``created_at``: the claim's
+    # now, for the work's record if the key runs anew (``reclaim``). The claim holds the key.
+    STALE = "stale"
     BUSY = "busy"  # another transaction holds the key, and the wait ran out
 
 
@@ -110,7 +116,8 @@ def _jsonb(value: Any) -> Any:
     return json.loads(value) if isinstance(value, str) else value
 
 
-_CLAIM = "SELECT * FROM django_idempotency_claim(%s, %s, %s, %s, %s, %s, %s)"
+# The last parameters: the version (null: none), and the principal of the key's tombstone.
+_CLAIM = "SELECT * FROM django_idempotency_claim(%s, %s, %s, %s, %s, %s, %s, %s, %s)"
 _LOCK_ALL = "SELECT django_idempotency_lock_all(%s::integer[], %s)"
 
 
@@ -125,13 +132,15 @@ def claim(
     wait: timedelta,
     now: datetime | None = None,
     also_lock: Sequence[int] = (),
+    version: str | None = None,
 ) -> Claimed:
     """Claim (principal, key) inside the caller's transaction, or find the record that
     holds it, waiting up to ``wait`` for an in-flight holder. The claim lasts until that
-    transaction ends. ``also_lock``: the key's locks under fallback secrets, taken first."""
+    transaction ends. ``also_lock``: the key's locks under fallback secrets, taken first.
+    A record of another ``version`` than the work's is expired (``gone``) or replaced."""
     connection = connections[using]
     if connection.vendor != "postgresql":
-        return _claim_plain(using, principal, key, gone, now)
+        return _claim_plain(using, principal, key, gone, now, version)
     wait_ms = max(0, int(wait.total_seconds() * 1000))
     if also_lock:
         # Every lock in one order, the claim's own among them, so that no two claims wait
@@ -141,7 +150,9 @@ def claim(
         if locked is None or not locked[0]:
             return Claimed(Outcome.BUSY)
     try:
-        row = _call(connection, _CLAIM, [lock, principal, key, window, gone, wait_ms, now])
+        erased = tombstone_scope(principal)
+        params = [lock, principal, key, window, gone, wait_ms, now, version, erased]
+        row = _call(connection, _CLAIM, params)
     except DatabaseError as exc:
         if sqlstate(exc) == ISOLATION_REFUSED_SQLSTATE:
             raise IsolationRefused(using, _detail(exc)) from exc
@@ -150,21 +161,29 @@ def claim(
     outcome = Outcome(row.outcome)
     if outcome is Outcome.WON:
         return Claimed(outcome, created_at=row.created_at)
+    if outcome is Outcome.STALE:
+        return Claimed(outcome, created_at=row.created_at, record=row.record())
     if outcome is Outcome.BUSY:
         return Claimed(outcome)
     return Claimed(outcome, record=row.record())
 
 
 _LOOKUP = "SELECT * FROM django_idempotency_lookup(%s, %s, %s)"
+_LOOKUP_VERSIONED = "SELECT * FROM django_idempotency_lookup(%s, %s, %s, %s)"
 
 
-def lookup(using: str, *, principal: str, key: str, window: timedelta) -> Record | None:
-    """A replayable record, read without a lock or a transaction of our own: one round
-    trip for a duplicate, at the price of one more for a fresh key."""
+def lookup(
+    using: str, *, principal: str, key: str, window: timedelta, version: str | None = None
+) -> Record | None:
+    """A replayable record of ``version``, read without a lock or a transaction of our own:
+    one round trip for a duplicate, at the price of one more for a fresh key."""
     connection = connections[using]
     if connection.vendor != "postgresql":
-        return _lookup_plain(using, principal, key, window)
-    row = _call(connection, _LOOKUP, [principal, key, window])
+        return _lookup_plain(using, principal, key, window, version)
+    if version is None:
+        row = _call(connection, _LOOKUP, [principal, key, window])
+    else:
+        row = _call(connection, _LOOKUP_VERSIONED, [principal, key, window, version])
     return None if row is None else row.record()
 
 
@@ -175,7 +194,9 @@ def _call(connection: BaseDatabaseWrapper, sql: str, params: list[Any]) -> Claim
     return None if row is None else ClaimRow._make(row)
 
 
-def _lookup_plain(using: str, principal: str, key: str, window: timedelta) -> Record | None:
+def _lookup_plain(
+    using: str, principal: str, key: str, window: timedelta, version: str | None
+) -> Record | None:
     now = timezone.now()
     found = (
         IdempotencyRecord.objects.using(using)
@@ -189,24 +210,34 @@ def _lookup_plain(using: str, principal: str, key: str, window: timedelta) -> Re
         .order_by("-created_at")
         .first()
     )
-    return None if found is None else as_record(found)
+    return None if found is None or found.response_version != version else as_record(found)
 
 
 def _claim_plain(
-    using: str, principal: str, key: str, gone: timedelta, now: datetime | None
+    using: str,
+    principal: str,
+    key: str,
+    gone: timedelta,
+    now: datetime | None,
+    version: str | None,
 ) -> Claimed:
     """Other databases: the claim inserts an in-progress row; a concurrent claimer loses
-    on the unique index; an expired row is replaced."""
+    on the unique index; an expired row (or one of another version) is replaced."""
     now = now or timezone.now()
     records = IdempotencyRecord.objects.using(using)
-    existing = records.filter(scope=principal, key=key).first()
+    scopes = (principal, tombstone_scope(principal))
+    existing = records.filter(scope__in=scopes, key=key).order_by("-created_at", "-pk").first()
     if existing is not None:
-        if existing.status != IdempotencyRecord.Status.COMPLETED:
+        if existing.status == IdempotencyRecord.Status.IN_PROGRESS:
             return Claimed(Outcome.BUSY)
         if existing.expires_at + gone > now:
-            outcome = Outcome.FOUND if existing.expires_at > now else Outcome.EXPIRED
-            return Claimed(outcome, record=as_record(existing))
-        existing.delete()
+            live = existing.expires_at > now
+            if existing.status == IdempotencyRecord.Status.ERASED or not live:
+                return Claimed(Outcome.EXPIRED, record=as_record(existing))
+            if existing.response_version != version:
+                return Claimed(Outcome.STALE, created_at=now, record=as_record(existing))
+            return Claimed(Outcome.FOUND, record=as_record(existing))
+        records.filter(scope__in=scopes, key=key).delete()
     try:
         with transaction.atomic(using=using):
             created = records.create(
@@ -221,6 +252,17 @@ def _claim_plain(
     except IntegrityError:
         return Claimed(Outcome.BUSY)
     return Claimed(Outcome.WON, created_at=now, row_id=created.pk)
+
+
+def reclaim(using: str, stale: Claimed, *, principal: str, key: str) -> Claimed:
+    """The key of a stale claim, won for the work to run anew in the claim's transaction: its
+    record is stored beside the stale one (PostgreSQL: the claim reads the newest) or
+    replaces it (other databases)."""
+    assert stale.outcome is Outcome.STALE and stale.created_at is not None
+    if connections[using].vendor == "postgresql":
+        return Claimed(Outcome.WON, created_at=stale.created_at)
+    IdempotencyRecord.objects.using(using).filter(scope=principal, key=key).delete()
+    return _claim_plain(using, principal, key, timedelta(0), stale.created_at, None)
 
 
 def as_record(obj: IdempotencyRecord) -> Record:
@@ -239,9 +281,11 @@ def as_record(obj: IdempotencyRecord) -> Record:
 
 
 _STORE = "SELECT django_idempotency_store(%s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s)"
+_STORE_VERSIONED = "SELECT django_idempotency_store(%s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s)"
 # psycopg's commit() sends nothing when the server is already idle, so a COMMIT sent
 # with the store saves the transaction's last round trip.
 _STORE_AND_COMMIT = _STORE + "; COMMIT"
+_STORE_VERSIONED_AND_COMMIT = _STORE_VERSIONED + "; COMMIT"
 # Below this, a body's hex literal costs less than psycopg's pipeline, about 0.12 ms of
 # Python per store (the crossover measured between 32 and 64 KiB).
 BINARY_BODY_MIN_BYTES = 32 * 1024
@@ -263,6 +307,8 @@ class Finished:
     headers: list[list[str]] | None
     body: bytes
     body_encoding: str
+    # The version its view declares (None: none).
+    version: str | None = None
 
 
 def store(
@@ -288,6 +334,7 @@ def store(
             response_headers=record.headers,
             response_body=record.body,
             body_encoding=record.body_encoding,
+            response_version=record.version,
         )
         return
     params: list[Any] = [
@@ -303,8 +350,12 @@ def store(
         record.body,
         record.body_encoding,
     ]
+    store_sql, with_commit = _STORE, _STORE_AND_COMMIT
+    if record.version is not None:
+        store_sql, with_commit = _STORE_VERSIONED, _STORE_VERSIONED_AND_COMMIT
+        params.append(record.version)
     if len(record.body) < BINARY_BODY_MIN_BYTES:
-        sql = _STORE_AND_COMMIT if commit else _STORE
+        sql = with_commit if commit else store_sql
         if riders:
             # Bound on the client: the statements travel as one string.
             sql = "; ".join([*(statement for statement, _ in riders), sql])
@@ -317,7 +368,7 @@ def store(
         if not (commit and Pipeline.is_supported()):
             for statement, values in riders:
                 cursor.execute(statement, values)
-            cursor.execute(_STORE, params)
+            cursor.execute(store_sql, params)
             return
         # A statement bound on the server travels alone, so the store and its COMMIT share
         # a pipeline: still one round trip. Errors surface when it syncs, hence Django's
@@ -325,7 +376,7 @@ def store(
         with connection.wrap_database_errors, connection.connection.pipeline():
             for statement, values in riders:
                 cursor.execute(statement, values)
-            cursor.execute(_STORE, params)
+            cursor.execute(store_sql, params)
             cursor.execute("COMMIT")
 
 
@@ -357,11 +408,13 @@ def recorded(
     using: str, *, principals: Collection[str], keys: Collection[str], since: datetime
 ) -> set[tuple[str, str]]:
     """The (principal, key) pairs, among those of ``principals`` and ``keys``, that have a
-    record made since ``since`` (the bound prunes the query to the partitions from then on)."""
+    record made since ``since`` (the bound prunes the query to the partitions from then on).
+    An erased record counts: its tombstone still answers the key."""
+    erased = {tombstone_scope(principal): principal for principal in principals}
     found = IdempotencyRecord.objects.using(using).filter(
-        key__in=keys, scope__in=principals, created_at__gte=since
+        key__in=keys, scope__in=[*principals, *erased], created_at__gte=since
     )
-    return set(found.values_list("scope", "key"))
+    return {(erased.get(scope, scope), key) for scope, key in found.values_list("scope", "key")}
 
 
 def delete(using: str | None, *, record_id: int, created_at: datetime) -> None:

@@ -84,6 +84,9 @@ class ChargeCreateView(IdempotencyMixin, PaymentCreateView):
     """Create a charge; a retry with the same ``Idempotency-Key`` gets the first answer."""
 
     captures = True
+    # The version of its response body: a charge stored before a deploy that changes the
+    # body (this string changes with it) is never replayed after it (docs/data-you-keep.md).
+    idempotency_response_version = "2026-11"
 
 
 class AsyncChargeCreateView(IdempotencyMixin, AsyncAPIView):

@@ -416,3 +416,32 @@ def test_the_package_works_without_opentelemetry() -> None:
     )
     assert result.returncode == 0, result.stderr
     assert result.stdout.splitlines() == ["201 201 true", "True"]
+
+
+@pytest.mark.django_db
+def test_a_principal_past_the_bound_on_stored_4xx_is_counted_and_signalled_once(
+    collect: Any, client: Any, settings: Any
+) -> None:
+    from django_idempotency import signals
+
+    settings.IDEMPOTENCY_MAX_STORED_ERRORS_PER_MINUTE = 2
+    tenant = new_key()
+    sent: list[dict[str, Any]] = []
+
+    def receiver(**kwargs: Any) -> None:
+        sent.append(kwargs)
+
+    signals.stored_errors_limited.connect(receiver)
+    try:
+        for _ in range(5):
+            script = ScriptFactory(reject="invalid")
+            send(
+                client, "POST", "/drf/tenant/", script, key=new_key(), headers={"X-Tenant": tenant}
+            )
+    finally:
+        signals.stored_errors_limited.disconnect(receiver)
+
+    assert collect().count(instrumentation.ERRORS_LIMITED, view=SCRIPTED) == 1
+    assert [(s["principal"], s["limit"], s["view"]) for s in sent] == [
+        (f"tenant:{tenant}", 2, SCRIPTED)
+    ]

@@ -21,7 +21,7 @@ pytest.importorskip("celery")
 from celery import shared_task
 from celery.exceptions import Reject, Retry
 from django.core import checks
-from django.db import OperationalError, connection, transaction
+from django.db import DEFAULT_DB_ALIAS, OperationalError, connection, transaction
 from django.test import override_settings
 from django.utils import timezone
 
@@ -32,6 +32,7 @@ from django_idempotency.messaging.downstream import derive_key
 from django_idempotency.messaging.outbox import enqueue_task
 from django_idempotency.models import IdempotencyRecord, OutboxMessage
 from django_idempotency.storage import records as storage
+from django_idempotency.storage.erasure import erase
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -424,3 +425,14 @@ def test_a_sealed_result_is_replayed_and_one_no_listed_key_opens_goes_back(
     again = deliver(note, message_id, 7)
     assert isinstance(again.result, Reject) and again.result.requeue
     assert len(RAN) == 1
+
+
+def test_a_redelivery_of_an_erased_consumer_record_is_acknowledged_and_not_run() -> None:
+    message_id = str(uuid.uuid4())
+    deliver(note, message_id, 7)
+    assert erase(DEFAULT_DB_ALIAS, "consumer:tests.consumers.note", batch=10) == 1
+
+    again = deliver(note, message_id, 7)
+
+    assert again.state == "SUCCESS" and again.result is None
+    assert [("note", message_id, 7)] == RAN

@@ -296,13 +296,22 @@ def test_superuser_cannot_add_or_change_either(superuser_client):
     assert record.method == "POST"
 
 
-def test_bulk_actions_are_not_offered(superuser_client):
+def test_the_only_bulk_action_is_erasure(superuser_client):
     IdempotencyRecordFactory()
 
     response = superuser_client.get(CHANGELIST)
 
-    assert response.context["action_form"] is None
     assert "delete_selected" not in response.text
+    assert [name for name, _ in response.context["action_form"].fields["action"].choices][1:] == [
+        "erase_principals"
+    ]
+
+
+def test_a_viewer_is_offered_no_bulk_action(viewer_client):
+    IdempotencyRecordFactory()
+
+    # Erasing takes the delete permission.
+    assert viewer_client.get(CHANGELIST).context["action_form"] is None
 
 
 def test_deleting_asks_for_confirmation_then_frees_the_key(superuser_client, api_client):

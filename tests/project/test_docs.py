@@ -203,7 +203,7 @@ def test_docs_build_without_warnings(tmp_path):
 # The table of promise, guard and test (docs/guards.md): each MUST of the contract's sections
 # below names the test that fails when its guard is removed. A refactor that deletes or
 # renames such a test fails here until the table names its replacement.
-GUARDED_SECTIONS = ("3", "4", "5", "6", "12", "13", "15")
+GUARDED_SECTIONS = ("3", "4", "5", "6", "8", "12", "13", "15")
 # `tests/wing/test_x.py::test_name`, `tests/test_x.py::TestCase::test_name`, with a parameter id.
 TEST_REFERENCE = re.compile(r"`(tests/(?:\w+/)*\w+\.py)::((?:\w+::)?test_\w+)(?:\[[^\]`]*\])?`")
 TABLE_RULE = re.compile(r"\|[-:| ]+\|")

@@ -183,7 +183,7 @@ def test_the_claim_keeps_one_generic_plan_until_its_migration_is_reversed() -> N
     try:
         assert fetch_one(config) == (None,)
         with transaction.atomic():
-            assert claim("anonymous", new_key()).outcome == Outcome.WON
+            assert previous_claim("anonymous", new_key()) == Outcome.WON
     finally:
         call_command("migrate", "django_idempotency", verbosity=0)
     assert fetch_one(config) == generic
@@ -196,27 +196,41 @@ def function_body(migration: str) -> str:
     return sql.split("AS $$", 1)[1].rsplit("$$", 1)[0]
 
 
-def claim_at_repeatable_read() -> Outcome:
+def previous_claim(scope: str, key: str) -> Outcome:
+    """A claim as the code before migration 0010 called it: the app's own sends the version
+    and the tombstone's principal, which the functions of before do not take."""
+    with connection.cursor() as cursor:
+        cursor.execute(
+            "SELECT outcome FROM django_idempotency_claim(1, %s, %s, interval '1 day', "
+            "interval '0', 0)",
+            [scope, key],
+        )
+        return Outcome(cursor.fetchone()[0])
+
+
+def claim_at_repeatable_read(*, previous: bool = False) -> Outcome:
     with transaction.atomic():
         with connection.cursor() as cursor:
             cursor.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ")
+        if previous:
+            return previous_claim("anonymous", new_key())
         return claim("anonymous", new_key()).outcome
 
 
 @pytest.mark.django_db(transaction=True)
 def test_the_claim_refuses_repeatable_read_until_its_migration_is_reversed() -> None:
     source = "SELECT prosrc FROM pg_proc WHERE oid = 'django_idempotency_claim'::regproc"
-    assert fetch_one(source) == (function_body("0007_claim_refuses_repeatable_read"),)
+    assert fetch_one(source) == (function_body("0010_response_version_and_tombstones"),)
     with pytest.raises(records.IsolationRefused):
         claim_at_repeatable_read()
     call_command("migrate", "django_idempotency", "0006", verbosity=0)
     try:
         # 0004's function exactly, which does not look at the level.
         assert fetch_one(source) == (function_body("0004_claim_prunes_future_partitions"),)
-        assert claim_at_repeatable_read() is Outcome.WON
+        assert claim_at_repeatable_read(previous=True) is Outcome.WON
     finally:
         call_command("migrate", "django_idempotency", verbosity=0)
-    assert fetch_one(source) == (function_body("0007_claim_refuses_repeatable_read"),)
+    assert fetch_one(source) == (function_body("0010_response_version_and_tombstones"),)
     with pytest.raises(records.IsolationRefused):
         claim_at_repeatable_read()
 

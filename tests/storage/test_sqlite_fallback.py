@@ -23,7 +23,10 @@ from django.test import Client
 from django.utils import timezone
 
 from django_idempotency.models import IdempotencyRecord
+from django_idempotency.storage import records as storage
+from django_idempotency.storage.erasure import erase, tombstone_scope
 from django_idempotency.storage.records import Outcome
+from django_idempotency.storage.usage import usage
 from tests.factories import IdempotencyRecordFactory, ScriptFactory, new_key
 from tests.support.claims import claim, store_first
 from tests.support.client import problem, send
@@ -199,6 +202,39 @@ def test_on_sqlite_an_expired_record_is_gone_then_replaced() -> None:
         renewed = claim("anonymous", key, now=now + timedelta(minutes=150), gone=gone)
         assert renewed.outcome == Outcome.WON
     assert IdempotencyRecord.objects.filter(key=key).count() == 1
+
+
+@on_sqlite
+@pytest.mark.django_db
+def test_on_sqlite_an_erased_key_is_expired_until_the_record_would_have_expired() -> None:
+    key, now = new_key(), timezone.now()
+    with transaction.atomic():
+        store_first("tenant:a", key, claim("tenant:a", key, now=now), ttl=timedelta(hours=1))
+    assert erase("default", "tenant:a", batch=1) == 1
+    assert erase("default", "tenant:a", batch=1) == 0
+    with transaction.atomic():
+        assert claim("tenant:a", key, now=now).outcome == Outcome.EXPIRED
+    tomb = IdempotencyRecord.objects.get(scope=tombstone_scope("tenant:a"))
+    assert tomb.response_body is None and tomb.status == IdempotencyRecord.Status.ERASED
+    with transaction.atomic():
+        assert claim("tenant:a", key, now=now + timedelta(minutes=61)).outcome == Outcome.WON
+
+
+@on_sqlite
+@pytest.mark.django_db
+def test_on_sqlite_a_record_of_another_version_is_stale_then_replaced() -> None:
+    key, now = new_key(), timezone.now()
+    record = IdempotencyRecordFactory(scope="tenant:a", key=key, response_version="1")
+    with transaction.atomic():
+        stale = storage.claim(
+            "default", lock=0, principal="tenant:a", key=key, window=timedelta(days=1),
+            gone=timedelta(0), wait=timedelta(0), now=now, version="2",
+        )  # fmt: skip
+        assert stale.outcome == Outcome.STALE and stale.record is not None
+        renewed = storage.reclaim("default", stale, principal="tenant:a", key=key)
+    assert renewed.outcome == Outcome.WON and renewed.row_id is not None
+    assert not IdempotencyRecord.objects.filter(pk=record.pk).exists()
+    assert usage("default", now.date(), top=5)[0].principal == "tenant:a"
 
 
 @on_sqlite

@@ -17,6 +17,7 @@ from django_idempotency.models import IdempotencyRecord
 from django_idempotency.partitions.tables import RECORDS
 from django_idempotency.storage import bodies, cursors
 from django_idempotency.storage import records as storage
+from django_idempotency.storage.erasure import erase
 from django_idempotency.storage.records import Outcome
 from tests.factories import ConsumerRecordFactory, IdempotencyRecordFactory, new_key
 from tests.support.claims import (
@@ -415,6 +416,17 @@ def test_recorded_finds_the_pairs_of_the_given_principals_and_keys_since_the_bou
         since=since,
     )
     assert found == {("consumer:a", first), ("consumer:b", second)}
+
+
+@pytest.mark.django_db
+def test_recorded_counts_an_erased_consumer_record_under_its_principal() -> None:
+    # Its tombstone answers a redelivery (410, acknowledged): no need to publish it again.
+    key = new_key()
+    ConsumerRecordFactory(task="a", key=key)
+    erase(DEFAULT_DB_ALIAS, "consumer:a", batch=1000)
+    since = timezone.now() - timedelta(hours=1)
+    found = storage.recorded(DEFAULT_DB_ALIAS, principals={"consumer:a"}, keys=[key], since=since)
+    assert found == {("consumer:a", key)}
 
 
 @pytest.mark.django_db
