@@ -31,7 +31,9 @@ LONG_PATH = "/api/charges/4242/refunds/partial-with-a-rather-long-reason-slug/"
 def rows() -> None:
     now = timezone.now()
     for n in range(6):
-        IdempotencyRecordFactory(scope=f"user:{n}", path=LONG_PATH, key=str(uuid.uuid4()))
+        IdempotencyRecordFactory(
+            scope=f"user:{n}", path=LONG_PATH, key=str(uuid.uuid4()), response_version="2026-11"
+        )
     ConsumerRecordFactory(task="payments.post_ledger_entry_with_a_longer_name")
     for n in range(4):
         OutboxMessage.objects.create(
