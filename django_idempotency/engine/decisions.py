@@ -4,9 +4,11 @@ expired, reused), each logged and signalled."""
 from __future__ import annotations
 
 import logging
+from datetime import timedelta
 from typing import Any
 
 from django_idempotency import signals
+from django_idempotency.conf import conf
 from django_idempotency.engine.errors import (
     RETRY_AFTER_SECONDS,
     IdempotencyError,
@@ -93,3 +95,15 @@ def decide(
         sender, request=context, status=record.response_code, **about
     )
     return Replay.of(record)
+
+
+def unstale(using: str, work: Work, claimed: records.Claimed) -> records.Claimed:
+    """A record of another version (contract 8): expired for the same request (410 where a
+    window is configured, else the key runs anew); another request on the key is a reused
+    key, whatever the versions (a view's version is no other view's)."""
+    assert claimed.record is not None
+    if differing(claimed.record.fingerprint, work.fingerprint):
+        return records.Claimed(records.Outcome.FOUND, record=claimed.record)
+    if timedelta(0) < conf.EXPIRED_WINDOW:
+        return records.Claimed(records.Outcome.EXPIRED, record=claimed.record)
+    return records.reclaim(using, claimed, principal=work.principal, key=work.key)

@@ -18,8 +18,8 @@ from django.core.exceptions import ImproperlyConfigured
 from django.db import InterfaceError, OperationalError, connections, router, transaction
 
 from django_idempotency.conf import conf
-from django_idempotency.engine import instrumentation
-from django_idempotency.engine.decisions import decide
+from django_idempotency.engine import instrumentation, record
+from django_idempotency.engine.decisions import decide, unstale
 from django_idempotency.engine.errors import (
     RETRY_AFTER_SECONDS,
     Misconfigured,
@@ -34,11 +34,10 @@ from django_idempotency.engine.work import (
     Result,
     Run,
     Work,
-    differing,
     view_name,
 )
 from django_idempotency.models import IdempotencyRecord
-from django_idempotency.storage import bodies, records, riders, sealing
+from django_idempotency.storage import records, riders, sealing
 from django_idempotency.storage.secret import SecretMissing
 
 logger = logging.getLogger("django_idempotency")
@@ -217,7 +216,7 @@ class UnitOfWork:
     ) -> Generator[Decision | None, Result | BaseException, bool]:
         work = self.work
         # Before anything is claimed: with keys that cannot seal, nothing may run.
-        ring = self._ring = self._keyring()
+        ring = self._ring = record.keyring(self.sender, self.kind)
         # A consumer's records outlive MAX_TTL (IDEMPOTENCY_CONSUMER_TTL).
         window = max(conf.MAX_TTL, work.ttl) + conf.EXPIRED_WINDOW
         if self.lookup_first:
@@ -252,7 +251,7 @@ class UnitOfWork:
                     version=work.version,
                 )
                 if claimed.outcome is records.Outcome.STALE:
-                    claimed = self._unstale(claimed)
+                    claimed = unstale(self.using, self.work, claimed)
                 if claimed.outcome is records.Outcome.WON:
                     # set(), not a token's reset(): an async view closes the unit in
                     # another context than the one that opened it.
@@ -302,37 +301,6 @@ class UnitOfWork:
             claimed, work, sender=self.sender, context=self.context, waited=waited, ring=ring
         )
         return False
-
-    def _keyring(self) -> sealing.Keyring | None:
-        raw = conf.ENCRYPTION_KEYS
-        if not raw:
-            return None
-        try:
-            return sealing.keyring(raw)
-        except sealing.MalformedKeys as exc:
-            # Never a plain write instead: the operator asked for responses sealed.
-            logger.error(
-                "The idempotent %s was refused: %s Fix IDEMPOTENCY_ENCRYPTION_KEYS "
-                "(`manage.py check` says the same).",
-                _name(self.sender, self.kind),
-                exc,
-            )
-            raise Misconfigured(
-                "The server's encryption keys for stored responses are invalid, so the "
-                "request was not processed."
-            ) from exc
-
-    def _unstale(self, claimed: records.Claimed) -> records.Claimed:
-        """A record of another version (contract 8): expired for the same request (410
-        where a window is configured, else the key runs anew); another request on the key
-        is a reused key, whatever the versions (a view's version is no other view's)."""
-        work = self.work
-        assert claimed.record is not None
-        if differing(claimed.record.fingerprint, work.fingerprint):
-            return records.Claimed(records.Outcome.FOUND, record=claimed.record)
-        if timedelta(0) < conf.EXPIRED_WINDOW:
-            return records.Claimed(records.Outcome.EXPIRED, record=claimed.record)
-        return records.reclaim(self.using, claimed, principal=work.principal, key=work.key)
 
     def _locks(self) -> tuple[int, tuple[int, ...]]:
         work = self.work
@@ -399,38 +367,7 @@ class UnitOfWork:
             # stay either.
             transaction.set_rollback(True, using=using)
             return False
-        work = self.work
-        assert claimed.created_at is not None
-        ring = self._ring
-        body, encoding = bodies.encode_body(
-            using, result.body, conf.COMPRESS_MIN_BYTES, sealed=ring is not None
-        )
-        headers: list[list[str]] | None = result.headers
-        if ring is not None:
-            body, encoding = sealing.seal(
-                ring,
-                scope=work.principal,
-                key=work.key,
-                status=result.status,
-                headers=result.headers,
-                body=body,
-                encoding=encoding,
-            )
-            headers = None  # inside the envelope
-        finished = records.Finished(
-            principal=work.principal,
-            key=work.key,
-            method=work.method,
-            path=work.path,
-            fingerprint=work.fingerprint,
-            created_at=claimed.created_at,
-            expires_at=claimed.created_at + work.ttl,
-            code=result.status,
-            headers=headers,
-            body=body,
-            body_encoding=encoding,
-            version=work.version,
-        )
+        finished = record.finished(using, self.work, result, claimed, self._ring)
         try:
             records.store(using, finished, row_id=claimed.row_id, commit=outermost, riders=riding)
         except _LOST_STORE:
