@@ -220,14 +220,7 @@ class UnitOfWork:
         # A consumer's records outlive MAX_TTL (IDEMPOTENCY_CONSUMER_TTL).
         window = max(conf.MAX_TTL, work.ttl) + conf.EXPIRED_WINDOW
         if self.lookup_first:
-            with failing_closed():
-                found = records.lookup(
-                    self.using,
-                    principal=work.principal,
-                    key=work.key,
-                    window=window,
-                    version=work.version,
-                )
+            found = self._lookup(window)
             if found is not None:
                 stored = records.Claimed(records.Outcome.FOUND, record=found)
                 yield decide(stored, work, sender=self.sender, context=self.context, ring=ring)
@@ -282,14 +275,7 @@ class UnitOfWork:
             # A claim that does not wait finds the lock taken also while another duplicate
             # holds it for the moment its own claim takes to find the record: what is
             # committed is replayed, and only a key whose first request still runs is busy.
-            with failing_closed():
-                found = records.lookup(
-                    self.using,
-                    principal=work.principal,
-                    key=work.key,
-                    window=window,
-                    version=work.version,
-                )
+            found = self._lookup(window)
             if found is not None:
                 claimed = records.Claimed(records.Outcome.FOUND, record=found)
         if claimed.outcome is records.Outcome.BUSY and self._patience.may_wait(capped):
@@ -301,6 +287,15 @@ class UnitOfWork:
             claimed, work, sender=self.sender, context=self.context, waited=waited, ring=ring
         )
         return False
+
+    def _lookup(self, window: timedelta) -> records.Record | None:
+        """The key's stored record of this version, read without the lock."""
+        work = self.work
+        with failing_closed():
+            return records.lookup(
+                self.using, principal=work.principal, key=work.key, window=window,
+                version=work.version,
+            )  # fmt: skip
 
     def _locks(self) -> tuple[int, tuple[int, ...]]:
         work = self.work
