@@ -16,7 +16,7 @@ from ninja.utils import contribute_operation_callback
 from django_idempotency.conf import conf
 from django_idempotency.engine.errors import IdempotencyError
 from django_idempotency.engine.unit import failing_closed
-from django_idempotency.engine.work import Decision, Run
+from django_idempotency.engine.work import Run
 from django_idempotency.http.identity import MAX_KEY_LENGTH, has_body, unparseable_multipart
 from django_idempotency.http.options import Policy, ViewOptions, policy_for
 from django_idempotency.http.problems import (
@@ -26,7 +26,7 @@ from django_idempotency.http.problems import (
     status_for,
     unsupported_media_type,
 )
-from django_idempotency.http.request import RequestUnit
+from django_idempotency.http.request import Answer, RequestUnit
 
 Func = TypeVar("Func", bound=Callable[..., Any])
 
@@ -230,7 +230,7 @@ async def _aopen(claim: _Claim, request: HttpRequest) -> HttpResponse | None:
     return _decided(claim, decision)
 
 
-def _decided(claim: _Claim, decision: Decision) -> HttpResponse | None:
+def _decided(claim: _Claim, decision: Answer) -> HttpResponse | None:
     if isinstance(decision, Run):
         claim.claimed = True
         return None

@@ -21,7 +21,7 @@ from rest_framework.views import APIView
 from django_idempotency.conf import PrincipalFunc
 from django_idempotency.engine.errors import IdempotencyError
 from django_idempotency.engine.unit import failing_closed
-from django_idempotency.engine.work import Decision, Replay, Run, view_name
+from django_idempotency.engine.work import Replay, Run, view_name
 from django_idempotency.http.endpoints import written_model
 from django_idempotency.http.identity import has_body, unparseable_multipart
 from django_idempotency.http.options import (
@@ -32,7 +32,7 @@ from django_idempotency.http.options import (
     policy_for,
 )
 from django_idempotency.http.problems import PROBLEM_CONTENT_TYPE, problem_response
-from django_idempotency.http.request import RequestUnit
+from django_idempotency.http.request import Answer, RequestUnit
 
 
 class Answered(Exception):
@@ -150,7 +150,7 @@ class IdempotencyMixin:
 
         return claimed
 
-    def _hold(self, unit: RequestUnit, decision: Decision) -> None:
+    def _hold(self, unit: RequestUnit, decision: Answer) -> None:
         """After ``Run``, keep the unit for ``close()``; else leave with the answer."""
         if not isinstance(decision, Run):
             raise Answered(unit.respond(decision))

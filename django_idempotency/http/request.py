@@ -16,6 +16,7 @@ from django.db import router
 from django.http import HttpRequest, HttpResponse
 from django.http.response import HttpResponseBase
 from django.utils.cache import patch_vary_headers
+from django.utils.crypto import constant_time_compare
 
 from django_idempotency import signals
 from django_idempotency.conf import conf
@@ -41,6 +42,17 @@ from django_idempotency.http.problems import problem_response
 from django_idempotency.models import IdempotencyRecord
 
 logger = logging.getLogger("django_idempotency")
+# A request of the deployment probe's (``manage.py idempotency_probe --endpoint``): with the
+# probe token, a protected view's checks run (key, principal, the credentials' order, the
+# fingerprint) and the answer is 204 without a claim: the view never runs.
+PROBE_HEADER = "Idempotency-Probe"
+
+
+class Probed:
+    """The answer to a probe request that passed the view's checks."""
+
+
+Answer = Decision | Probed
 
 REPLAYED_HEADER = "Idempotent-Replayed"
 # Response headers worth replaying; conf.REPLAY_HEADERS adds to these. The caching ones
@@ -122,7 +134,7 @@ class RequestUnit:
         self._unit: UnitOfWork | None = None
         self._headers: dict[str, str] = {}
 
-    def open(self, *, principal_request: Any = None, media_type: str | None = None) -> Decision:
+    def open(self, *, principal_request: Any = None, media_type: str | None = None) -> Answer:
         """Claim the key, or say how to answer instead. ``principal_request`` is the
         request that carries the authenticated user (DRF's), ``media_type`` the
         negotiated one when the view can answer in several. A duplicate that may wait
@@ -131,7 +143,7 @@ class RequestUnit:
         ``Run`` with nothing claimed when the view's ``key_from`` found no key and the view
         does not require one: the request runs unprotected, as one without a key header."""
         unit = self._unit_or_refusal(principal_request, media_type)
-        if isinstance(unit, Refuse | Run):
+        if isinstance(unit, Refuse | Run | Probed):
             return unit
         try:
             decision = unit.open()
@@ -141,11 +153,11 @@ class RequestUnit:
 
     async def aopen(
         self, *, principal_request: Any = None, media_type: str | None = None
-    ) -> Decision:
+    ) -> Answer:
         """``open()`` for an async view: a duplicate that may wait sleeps on the event loop
         between claims, holding no thread and no database connection (under ASGI)."""
         unit = await sync_to_async(self._unit_or_refusal)(principal_request, media_type)
-        if isinstance(unit, Refuse | Run):
+        if isinstance(unit, Refuse | Run | Probed):
             return unit
         # Under WSGI the event loop runs for a server thread that waits for it.
         holds_thread = not isinstance(self.request, ASGIRequest)
@@ -157,7 +169,7 @@ class RequestUnit:
 
     def _unit_or_refusal(
         self, principal_request: Any, media_type: str | None
-    ) -> UnitOfWork | Refuse | Run:
+    ) -> UnitOfWork | Refuse | Run | Probed:
         try:
             unit = self._unit = self._prepare(principal_request or self.request, media_type)
         except IdempotencyError as error:
@@ -165,7 +177,15 @@ class RequestUnit:
             return self._refuse(error)
         if unit is None:
             return Run()
+        if self._probing():
+            self._unit = None  # nothing was claimed: nothing to close
+            return Probed()
         return unit
+
+    def _probing(self) -> bool:
+        token = conf.PROBE_TOKEN
+        given = self.request.headers.get(PROBE_HEADER)
+        return bool(token and given) and constant_time_compare(given or "", token or "")
 
     def _decided(self, decision: Decision) -> Decision:
         if isinstance(decision, Refuse):
@@ -292,8 +312,13 @@ class RequestUnit:
             )
         return response
 
-    def respond(self, decision: Replay | Refuse) -> HttpResponse:
-        """The response to send instead of running the view: the replay, or the refusal."""
+    def respond(self, decision: Replay | Refuse | Probed) -> HttpResponse:
+        """The response to send instead of running the view: the replay, the refusal, or a
+        probe's answer."""
+        if isinstance(decision, Probed):
+            response = HttpResponse(status=204)
+            response[PROBE_HEADER] = "passed"
+            return response
         if isinstance(decision, Replay):
             deflate = accepts_deflate(self.request.META.get("HTTP_ACCEPT_ENCODING", ""))
             return replay_response(decision, deflate, self._headers)

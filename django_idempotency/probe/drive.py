@@ -74,9 +74,17 @@ def _request(
 
 
 def probe(
-    urls: Sequence[str], token: str, *, duplicates: int = 16, timeout: float = 30.0
+    urls: Sequence[str],
+    token: str,
+    *,
+    duplicates: int = 16,
+    timeout: float = 30.0,
+    endpoints: Sequence[str] = (),
+    credentials: dict[str, str] | None = None,
 ) -> Report:
-    """Probe the app servers at ``urls`` (each the base URL the probe is mounted at)."""
+    """Probe the app servers at ``urls`` (each the base URL the probe is mounted at), and
+    the project's own protected ``endpoints`` (paths on the same servers) as a client with
+    ``credentials`` (headers)."""
     report = Report()
     bases = [url.rstrip("/") + "/" for url in urls]
     secrets = {}
@@ -108,7 +116,49 @@ def probe(
     elif secrets:
         report.add("all", Fact("one lock secret", "pass", next(iter(secrets.values()))))
     _duplicates(report, bases, token, duplicates, timeout)
+    for path in endpoints:
+        for base in bases:
+            report.add(base, _endpoint(base, path, token, credentials or {}, timeout))
     return report
+
+
+def _endpoint(
+    base: str, path: str, token: str, credentials: dict[str, str], timeout: float
+) -> Fact:
+    """One of the project's views, asked with the probe header: its checks run (the key,
+    the principal, the order of authentication and claim) and the view does not."""
+    parts = urllib.parse.urlsplit(base)
+    url = urllib.parse.urlunsplit((parts.scheme, parts.netloc, path, "", ""))
+    headers = {
+        **credentials,
+        "Idempotency-Key": f"probe-{uuid.uuid4()}",
+        "Idempotency-Probe": token,
+        "Content-Type": "application/json",
+        "Connection": "close",
+    }
+    request = urllib.request.Request(url, data=b"{}", headers=headers)
+    name = f"endpoint {path}"
+    try:
+        with urllib.request.urlopen(request, timeout=timeout) as response:
+            status, probed, body = response.status, response.headers.get("Idempotency-Probe"), b""
+    except urllib.error.HTTPError as error:
+        status, probed, body = error.code, None, error.read()
+    except OSError as exc:
+        return Fact(name, "fail", "no answer", str(exc))
+    if status == 204 and probed == "passed":
+        return Fact(name, "pass", "checks passed", "the key is claimed after authentication")
+    answer = Answer(status, False, body)
+    detail = answer.problem()
+    if "misconfigured" in detail:
+        detail += (
+            ": is @idempotent above the view's own authentication? Put it below "
+            "(docs/view-styles.md)"
+        )
+    elif status in (401, 403):
+        detail = "the credentials were refused: pass the headers of a real client (--header)"
+    elif status == 405:
+        detail = "the view refused the probe's POST"
+    return Fact(name, "fail", f"HTTP {status}", detail)
 
 
 def _duplicates(

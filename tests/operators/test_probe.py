@@ -11,7 +11,7 @@ import pytest
 from django.test import Client, override_settings
 from django.utils import timezone
 
-from django_idempotency.models import ProbeRow
+from django_idempotency.models import IdempotencyRecord, ProbeRow
 from django_idempotency.probe.facts import secret_fingerprint, server_facts
 
 RUN, REPORT = "/idempotency/probe/run/", "/idempotency/probe/report/"
@@ -158,3 +158,63 @@ def test_an_outbox_message_older_than_its_max_age_fails_the_backlog_fact(setting
 
     assert fact.verdict == "fail"
     assert "idempotency_relay" in fact.detail
+
+
+# The probe header on the project's own views: their checks run, the view does not.
+
+PROBED = {"Idempotency-Probe": TOKEN, "Idempotency-Key": "probe-k"}
+
+
+@pytest.mark.urls("tests.support.urls")
+def test_a_probe_request_to_a_view_runs_its_checks_not_the_view(
+    client: Client, make_token_user: Any
+) -> None:
+    from tests.support.views import CALLS
+
+    user = make_token_user()
+    before = CALLS[f"iban:{user.user.pk}"]
+
+    response = client.post(
+        "/iban/below-token-required/", {}, content_type="application/json",
+        headers={**PROBED, **user.headers},
+    )  # fmt: skip
+
+    assert response.status_code == 204
+    assert response.headers["Idempotency-Probe"] == "passed"
+    assert CALLS[f"iban:{user.user.pk}"] == before
+    assert not IdempotencyRecord.objects.exists()
+
+
+@pytest.mark.urls("tests.support.urls")
+def test_a_probe_request_to_a_view_that_claims_before_authentication_is_refused(
+    client: Client, make_token_user: Any
+) -> None:
+    user = make_token_user()
+
+    response = Client(raise_request_exception=False).post(
+        "/iban/above-token-required/", {}, content_type="application/json",
+        headers={**PROBED, **user.headers},
+    )  # fmt: skip
+
+    assert response.status_code == 500
+    assert response.json()["type"].endswith("misconfigured")
+    assert not IdempotencyRecord.objects.exists()
+
+
+@pytest.mark.urls("tests.support.urls")
+@pytest.mark.parametrize("token", ["wrong", None], ids=["wrong token", "no token setting"])
+def test_without_the_probe_token_the_header_changes_nothing(
+    client: Client, make_token_user: Any, settings: Any, token: str | None
+) -> None:
+    if token is None:
+        settings.IDEMPOTENCY_PROBE_TOKEN = None
+    user = make_token_user()
+    headers = {**PROBED, **user.headers, "Idempotency-Probe": token or TOKEN}
+
+    response = client.post(
+        "/iban/below-token-required/", {}, content_type="application/json", headers=headers
+    )
+
+    assert response.status_code == 200
+    assert "Idempotency-Probe" not in response.headers
+    assert IdempotencyRecord.objects.count() == 1

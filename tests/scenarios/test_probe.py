@@ -25,10 +25,12 @@ pytestmark = pytest.mark.django_db(transaction=True)
 Servers = Callable[..., contextlib.AbstractContextManager[GunicornServer]]
 
 
-def run_probe(env: dict[str, str], *urls: str, duplicates: int = 12) -> tuple[int, dict[str, Any]]:
+def run_probe(
+    env: dict[str, str], *urls: str, duplicates: int = 12, extra: tuple[str, ...] = ()
+) -> tuple[int, dict[str, Any]]:
     result = subprocess.run(
         [sys.executable, "manage.py", "idempotency_probe", *urls, "--json",
-         "--duplicates", str(duplicates), "--timeout", "60"],
+         "--duplicates", str(duplicates), "--timeout", "60", *extra],
         cwd=ROOT, env={**env, "IDEMPOTENCY_PROBE_TOKEN": TOKEN}, capture_output=True,
         text=True, timeout=300,
     )  # fmt: skip
@@ -144,6 +146,26 @@ def test_a_decorator_above_a_views_authentication_fails_the_system_checks(
     assert code == 1
     failed = {line["name"] for line in report["lines"] if line["verdict"] == "fail"}
     assert failed == {"system check django_idempotency.E014"}, report
+
+
+def test_a_plain_view_with_idempotent_above_its_authentication_fails_its_endpoint_line(
+    gunicorn_server: Servers, subprocess_env: dict[str, str], make_token_user: Any
+) -> None:
+    user = make_token_user()
+    views = {"DJANGO_SETTINGS_MODULE": "tests.support.views_settings"}
+    extra = (
+        "--endpoint", "/iban/above-token-required/",
+        "--endpoint", "/iban/below-token-required/",
+        "--header", f"Authorization: Token {user.token}",
+    )  # fmt: skip
+    with app_servers(gunicorn_server, views) as urls:
+        code, report = run_probe(subprocess_env, *urls, duplicates=4, extra=extra)
+
+    endpoints = {line["name"]: line for line in report["lines"] if line["name"].startswith("end")}
+    assert code == 1
+    above = endpoints["endpoint /iban/above-token-required/"]
+    assert above["verdict"] == "fail" and "misconfigured" in above["detail"], above
+    assert endpoints["endpoint /iban/below-token-required/"]["verdict"] == "pass"
 
 
 def test_without_the_token_the_probe_fails_at_once(
