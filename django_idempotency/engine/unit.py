@@ -117,6 +117,8 @@ class UnitOfWork:
         self._thrown: BaseException | None = None
         self._patience = Patience(wait)
         self._ring: sealing.Keyring | None = None
+        # The driver's connection the work ran on when it failed: whether it broke says why.
+        self._failed_on: Any = None
 
     @instrumentation.traced_open
     def open(self) -> Decision:
@@ -173,7 +175,6 @@ class UnitOfWork:
     @instrumentation.counted_fail
     def fail(self, exc: BaseException) -> None:
         """Roll back the claim and everything the work wrote (the work raised)."""
-        # The driver's connection the work ran on: whether it broke says why the work failed.
         self._failed_on = connections[self.using].connection
         self._finish(exc)
 
@@ -183,7 +184,7 @@ class UnitOfWork:
         the client is told to retry rather than shown a server error. None otherwise."""
         if not isinstance(exc, _LOST_STORE):
             return None
-        raw = getattr(self, "_failed_on", None)
+        raw = self._failed_on
         if raw is not None and not (getattr(raw, "broken", False) or getattr(raw, "closed", 0)):
             return None  # the view's own database error (a deadlock, a timeout): its 500
         return store_unavailable(

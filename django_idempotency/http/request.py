@@ -52,6 +52,12 @@ class Probed:
     """The answer to a probe request that passed the view's checks."""
 
 
+def is_probe_token(given: str | None) -> bool:
+    """Whether ``given`` is IDEMPOTENCY_PROBE_TOKEN (never, while that is unset)."""
+    token = conf.PROBE_TOKEN
+    return bool(token and given) and constant_time_compare(given or "", token or "")
+
+
 Answer = Decision | Probed
 
 REPLAYED_HEADER = "Idempotent-Replayed"
@@ -183,9 +189,7 @@ class RequestUnit:
         return unit
 
     def _probing(self) -> bool:
-        token = conf.PROBE_TOKEN
-        given = self.request.headers.get(PROBE_HEADER)
-        return bool(token and given) and constant_time_compare(given or "", token or "")
+        return is_probe_token(self.request.headers.get(PROBE_HEADER))
 
     def _decided(self, decision: Decision) -> Decision:
         if isinstance(decision, Refuse):

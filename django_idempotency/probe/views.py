@@ -11,12 +11,12 @@ from typing import Any
 from django.db import router, transaction
 from django.http import HttpRequest, HttpResponse, JsonResponse
 from django.utils import timezone
-from django.utils.crypto import constant_time_compare
 from django.views.decorators.csrf import csrf_exempt
 from django.views.decorators.http import require_GET, require_POST
 
 from django_idempotency.conf import conf
 from django_idempotency.decorators import idempotent
+from django_idempotency.http.request import is_probe_token
 from django_idempotency.models import IdempotencyRecord, ProbeRow
 from django_idempotency.probe.facts import SERVER, server_facts
 
@@ -31,9 +31,8 @@ def records_database(request: HttpRequest | None = None) -> str:
 
 
 def _token_matches(request: HttpRequest) -> bool:
-    token = conf.PROBE_TOKEN
     scheme, _, given = request.headers.get("Authorization", "").partition(" ")
-    return token is not None and scheme == "Bearer" and constant_time_compare(given.strip(), token)
+    return scheme == "Bearer" and is_probe_token(given.strip())
 
 
 def _refused(request: HttpRequest) -> HttpResponse:
