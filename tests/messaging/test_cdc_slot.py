@@ -182,7 +182,7 @@ def test_dropping_an_expired_partition_takes_nothing_from_the_slot(
         before = emit_event("order", 5, "OrderPlaced", {"n": 5}, using="cdc")
 
     # Nothing read yet: yesterday's partition goes with a row the slot has not sent.
-    with override_settings(IDEMPOTENCY_CDC_RETENTION=timedelta(0)):
+    with override_settings(IDEMPOTENCY_CDC_RETENTION=timedelta.resolution):
         report = maintain("cdc", tables=[EVENTS])
     assert report.dropped == [EVENTS.partition_name(yesterday)]
     with on_cluster.connect() as conn:
