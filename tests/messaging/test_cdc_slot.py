@@ -22,12 +22,13 @@ from django_idempotency.messaging.cdc import EVENTS, TABLE, emit_event
 from django_idempotency.partitions.catalog import utc_today
 from django_idempotency.partitions.maintain import maintain
 from tests.support import pgoutput
-from tests.support.servers import PostgresCluster, logical_cluster
+from tests.support.servers import PostgresCluster, logical_cluster, postgres_bin
 
 PUBLICATION = "django_idempotency_events"
 SLOT = "debezium_like"
 # This work's own range of ports for private servers (sessions share the machine).
 PORTS = range(17200, 17300)
+
 
 def _port() -> int:
     for port in PORTS:
@@ -65,6 +66,10 @@ def _aliases(cluster: PostgresCluster, *aliases: str) -> Iterator[None]:
 @pytest.fixture(scope="module")
 def cluster(django_db_blocker: Any) -> Iterator[PostgresCluster]:
     """Migrated, with the package's publication (made by its command) and a pgoutput slot."""
+    try:
+        postgres_bin()
+    except LookupError as exc:
+        pytest.skip(f"cannot make a private cluster: {exc}")
     with (
         logical_cluster(_port()) as cluster,
         _aliases(cluster, "cdc", "cdc_other"),
