@@ -6,6 +6,8 @@ whose rows the slot has not read yet, takes no event from the slot and stops not
 from __future__ import annotations
 
 import contextlib
+import json
+import secrets
 import socket
 import uuid
 from collections.abc import Iterator
@@ -104,14 +106,14 @@ def event_ids(transactions: list[pgoutput.Transaction]) -> list[list[str | None]
     return [[insert.values["id"] for insert in t.inserts] for t in transactions]
 
 
-def insert_dated(cluster: PostgresCluster, created_at: datetime) -> str:
+def insert_dated(cluster: PostgresCluster, created_at: datetime, payload: str) -> str:
     """An event stamped ``created_at`` (emit_event stamps now), committed at once."""
     event_id = str(uuid.uuid4())
     with cluster.connect() as conn:
         conn.execute(
             f"INSERT INTO {TABLE} (id, created_at, aggregatetype, aggregateid, type, payload) "
-            "VALUES (%s, %s, 'order', '1', 'OrderArchived', '{}')",
-            [event_id, created_at],
+            "VALUES (%s, %s, 'order', '1', 'OrderArchived', %s)",
+            [event_id, created_at, payload],
         )
     return event_id
 
@@ -182,7 +184,9 @@ def test_dropping_an_expired_partition_takes_nothing_from_the_slot(
 ) -> None:
     read_slot(on_cluster)
     yesterday = utc_today() - timedelta(days=1)
-    old = insert_dated(on_cluster, datetime(*yesterday.timetuple()[:3], 12, tzinfo=UTC))
+    # Large and random: stored out of line (TOAST), in the partition's own TOAST table.
+    large = json.dumps({"blob": secrets.token_hex(64 * 1024)})
+    old = insert_dated(on_cluster, datetime(*yesterday.timetuple()[:3], 12, tzinfo=UTC), large)
     with transaction.atomic(using="cdc"):
         before = emit_event("order", 5, "OrderPlaced", {"n": 5}, using="cdc")
 
@@ -199,6 +203,7 @@ def test_dropping_an_expired_partition_takes_nothing_from_the_slot(
     got = read_slot(on_cluster)
 
     assert event_ids(got) == [[old], [before], [after]]
+    assert json.loads(got[0].inserts[0].values["payload"] or "") == json.loads(large)
     assert {i.relation.name for t in got for i in t.inserts} == {TABLE}
     # The slot goes on: the next event arrives on the next read.
     with transaction.atomic(using="cdc"):
