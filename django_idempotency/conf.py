@@ -284,6 +284,25 @@ class Settings:
         value: timedelta = _setting("IDEMPOTENCY_CONSUMER_WAIT", timedelta(seconds=10))
         return value
 
+    @property
+    def CDC_RETENTION(self) -> timedelta:
+        value: timedelta = _setting("IDEMPOTENCY_CDC_RETENTION", timedelta(days=7))
+        return value
+
+    @property
+    def CDC_PUBLICATION(self) -> str | None:
+        # None: no publication is expected, and its checks stay silent.
+        value: str | None = _setting("IDEMPOTENCY_CDC_PUBLICATION", None)
+        return value
+
+    @property
+    def CDC_CLOUDEVENTS(self) -> bool:
+        return bool(_setting("IDEMPOTENCY_CDC_CLOUDEVENTS", False))
+
+    @property
+    def CDC_CLOUDEVENTS_SOURCE(self) -> str:
+        return str(_setting("IDEMPOTENCY_CDC_CLOUDEVENTS_SOURCE", "/django-idempotency"))
+
 
 conf = Settings()
 
@@ -392,6 +411,10 @@ KINDS: dict[str, Kind] = {
     "PROBE_TOKEN": OPTIONAL_TEXT,
     "CONSUMER_TTL": DURATION,
     "CONSUMER_WAIT": DURATION,
+    "CDC_RETENTION": DURATION,
+    "CDC_PUBLICATION": OPTIONAL_TEXT,
+    "CDC_CLOUDEVENTS": BOOLEAN,
+    "CDC_CLOUDEVENTS_SOURCE": TEXT,
 }
 
 # The settings a request reads: a wrong type among them refuses the request (500

@@ -118,6 +118,37 @@ class OutboxMessage(models.Model):
         return f"{self.get_kind_display()} {self.name} [{self.id}]"
 
 
+class OutboxEvent(models.Model):
+    """An event for change data capture: written in the transaction that emits it, never
+    updated, read from the write-ahead log by Debezium's outbox event router.
+
+    The columns carry the names that router reads by default (``aggregatetype``,
+    ``aggregateid``, ``type``, ``payload``). On PostgreSQL the table is partitioned by
+    ``created_at`` and its real primary key is ``(id, created_at)``, as for the outbox.
+    """
+
+    # A UUIDv7 string, as the outbox's message ids: Debezium puts it in the "id" header.
+    id = models.UUIDField(_("event id"), primary_key=True)
+    created_at = models.DateTimeField(_("created at"))
+    # Debezium routes by it: the topic is outbox.event.<aggregate type> by default.
+    aggregate_type = models.CharField(
+        _("aggregate type"), max_length=255, db_column="aggregatetype"
+    )
+    # The Kafka message key: events of one aggregate stay in order on one partition.
+    aggregate_id = models.CharField(_("aggregate id"), max_length=255, db_column="aggregateid")
+    event_type = models.CharField(_("event type"), max_length=255, db_column="type")
+    # Null: a tombstone for the aggregate's key, if the router is told to emit one.
+    payload = models.JSONField(_("payload"), null=True)
+
+    class Meta:
+        db_table = "django_idempotency_outbox_event"
+        verbose_name = _("outbox event (CDC)")
+        verbose_name_plural = _("outbox events (CDC)")
+
+    def __str__(self) -> str:
+        return f"{self.aggregate_type} {self.aggregate_id} {self.event_type} [{self.id}]"
+
+
 class ProbeRow(models.Model):
     """A write of the deployment probe's (``django_idempotency.probe``): one per execution of
     a probe key, in the records' transaction; rows older than ``IDEMPOTENCY_MAX_TTL`` go."""

@@ -1,12 +1,13 @@
-"""Read-only admins for the records and the outbox that stay fast on large partitioned tables:
-every query bounded (no full ``COUNT(*)``, no ``SELECT DISTINCT``, exact search, newest first
-from the primary key index). Importing the package registers both."""
+"""Read-only admins for the records, the outbox and the CDC events that stay fast on large
+partitioned tables: every query bounded (no full ``COUNT(*)``, no ``SELECT DISTINCT``, exact
+search, newest first from the primary key index). Importing the package registers them."""
 
 from django_idempotency.admin.base import (
     DetailDeferringChangeList,
     EstimatedCountPaginator,
     ReadOnlyLargeTableAdmin,
 )
+from django_idempotency.admin.events import OutboxEventAdmin
 from django_idempotency.admin.outbox import OutboxMessageAdmin
 from django_idempotency.admin.records import IdempotencyRecordAdmin, usernames
 
@@ -14,6 +15,7 @@ __all__ = [
     "DetailDeferringChangeList",
     "EstimatedCountPaginator",
     "IdempotencyRecordAdmin",
+    "OutboxEventAdmin",
     "OutboxMessageAdmin",
     "ReadOnlyLargeTableAdmin",
     "usernames",

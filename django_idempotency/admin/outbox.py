@@ -3,7 +3,6 @@ counted and requeued; nothing deleted, since the outbox is append-only."""
 
 from __future__ import annotations
 
-import uuid
 from datetime import timedelta
 from typing import Any
 
@@ -16,7 +15,7 @@ from django.utils import timezone
 from django.utils.translation import gettext
 from django.utils.translation import gettext_lazy as _
 
-from django_idempotency.admin.base import ReadOnlyLargeTableAdmin, time_column
+from django_idempotency.admin.base import ReadOnlyLargeTableAdmin, exact_id_search, time_column
 from django_idempotency.messaging import leases
 from django_idempotency.models import OutboxMessage
 
@@ -158,14 +157,7 @@ class OutboxMessageAdmin(ReadOnlyLargeTableAdmin[OutboxMessage]):
     def get_search_results(
         self, request: HttpRequest, queryset: QuerySet[OutboxMessage], search_term: str
     ) -> tuple[QuerySet[OutboxMessage], bool]:
-        term = search_term.strip()
-        if not term:
-            return queryset, False
-        try:
-            message_id = uuid.UUID(term)
-        except ValueError:  # no message has it; the nil UUID is nobody's (none() has no plan)
-            message_id = uuid.UUID(int=0)
-        return queryset.filter(id=message_id), False
+        return exact_id_search(queryset, search_term), False
 
     # redrive_at is when the relay will look for the consumer's record: a time to come.
     @admin.display(description=_("consumer's record to be checked at"))

@@ -2,6 +2,7 @@
 ``E1xx``/``W1xx`` for the partitioned tables; one module per concern. Importing the package
 registers them all."""
 
+from django_idempotency.checks.cdc import check_cdc
 from django_idempotency.checks.databases import check_databases, check_isolation
 from django_idempotency.checks.messaging import (
     check_consumers,
@@ -16,6 +17,7 @@ from django_idempotency.checks.views import check_records_follow_writes, check_v
 
 __all__ = [
     "check_beat",
+    "check_cdc",
     "check_consumers",
     "check_databases",
     "check_destinations",

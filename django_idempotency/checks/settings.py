@@ -34,6 +34,7 @@ DURATIONS = (
     ("CONSUMER_TTL", timedelta.resolution),
     ("CONSUMER_WAIT", timedelta(0)),
     ("OUTBOX_RETENTION", timedelta.resolution),
+    ("CDC_RETENTION", timedelta.resolution),
     ("OUTBOX_POLL_INTERVAL", timedelta.resolution),
     ("OUTBOX_LEASE", timedelta.resolution),
     ("OUTBOX_MAX_AGE", timedelta.resolution),

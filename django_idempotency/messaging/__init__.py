@@ -1,8 +1,10 @@
 """The exactly-once chain beside the request side: ``outbox`` writes, ``relay`` publishes
-(``leases``, ``publishing``, ``redrive``), ``consumers`` run once, ``downstream`` keys."""
+(``leases``, ``publishing``, ``redrive``), ``consumers`` run once, ``downstream`` keys;
+``cdc`` writes events that leave by change data capture (``publication`` is its setup)."""
 
 from __future__ import annotations
 
+from django_idempotency.messaging.cdc import emit_event
 from django_idempotency.messaging.downstream import OutsideUnitOfWork, derive_key
 from django_idempotency.messaging.outbox import (
     NotInTransaction,
@@ -17,6 +19,7 @@ __all__ = [
     "OutboxError",
     "OutsideUnitOfWork",
     "derive_key",
+    "emit_event",
     "enqueue_event",
     "enqueue_task",
 ]

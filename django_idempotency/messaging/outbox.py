@@ -13,7 +13,7 @@ from typing import Any, Protocol
 
 from django.db import connections, router
 from django.db.backends.base.base import BaseDatabaseWrapper
-from django.db.models import Q
+from django.db.models import Model, Q
 
 from django_idempotency.conf import conf
 from django_idempotency.models import OutboxMessage
@@ -78,19 +78,25 @@ def task_name(kind: int, name: str) -> str:
     return conf.OUTBOX_EVENT_TASK if kind == OutboxMessage.Kind.EVENT else name
 
 
-def _database(using: str | None) -> str:
-    alias = using or router.db_for_write(OutboxMessage)
+def in_transaction(
+    using: str | None,
+    model: type[Model] = OutboxMessage,
+    calls: str = "enqueue_task() / enqueue_event()",
+) -> str:
+    """The database ``model``'s row goes to, which must be in a transaction: else
+    ``NotInTransaction``, naming ``calls`` (the functions that write it)."""
+    alias = using or router.db_for_write(model)
     if not connections[alias].in_atomic_block:
         raise NotInTransaction(
             f"The outbox writes its row in the current transaction on database {alias!r}, and "
-            "there is none: call enqueue_task() / enqueue_event() inside transaction.atomic() "
+            f"there is none: call {calls} inside transaction.atomic() "
             "(a protected view or an exactly-once task already is), so that the message is "
             "published if and only if your writes commit."
         )
     return alias
 
 
-def _dumps(value: object, what: str) -> str:
+def dumps(value: object, what: str) -> str:
     try:
         return json.dumps(value, separators=(",", ":"), allow_nan=False)
     except (TypeError, ValueError) as exc:
@@ -125,10 +131,10 @@ def _insert(
         created_at,
         int(kind),
         name,
-        _dumps(args, "task's args"),
-        _dumps(kwargs, "task's kwargs"),
-        None if payload is None else _dumps(payload, "event's payload"),
-        _dumps(options, "publish options"),
+        dumps(args, "task's args"),
+        dumps(kwargs, "task's kwargs"),
+        None if payload is None else dumps(payload, "event's payload"),
+        dumps(options, "publish options"),
     ]
     sql = INSERT if conf.OUTBOX_NOTIFY else INSERT_ONLY
     # In a protected view or an exactly-once task, the row travels with the record's store.
@@ -195,7 +201,7 @@ def enqueue_task(
         options["queue"] = queue
     if countdown is not None:
         options["countdown"] = float(countdown)
-    alias = _database(using)
+    alias = in_transaction(using)
     return _insert(alias, OutboxMessage.Kind.TASK, name, list(args), kwargs or {}, None, options)
 
 
@@ -205,5 +211,5 @@ def enqueue_event(topic: str, payload: dict[str, Any], *, using: str | None = No
     It is published as a call of the Celery task named by ``IDEMPOTENCY_OUTBOX_EVENT_TASK``
     with the arguments ``(topic, payload)`` and the message id as task id.
     """
-    alias = _database(using)
+    alias = in_transaction(using)
     return _insert(alias, OutboxMessage.Kind.EVENT, topic, [], {}, payload, {})

@@ -93,6 +93,7 @@ RECORDS = PartitionedTable(
 TABLES: tuple[str, ...] = (
     "django_idempotency.partitions.tables.RECORDS",
     "django_idempotency.messaging.outbox.OUTBOX",
+    "django_idempotency.messaging.cdc.EVENTS",
 )
 
 

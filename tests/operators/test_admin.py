@@ -1,5 +1,6 @@
 """The records admin: read-only pages, exact search, cheap filters, escaped bodies, and a
-permissioned delete that frees the key; the outbox admin: read-only, append-only."""
+permissioned delete that frees the key; the outbox and CDC events admins: read-only,
+append-only."""
 
 from __future__ import annotations
 
@@ -20,8 +21,9 @@ from django.utils.html import escape
 
 from django_idempotency.admin import EstimatedCountPaginator
 from django_idempotency.http.endpoints import idempotent_endpoints
+from django_idempotency.messaging.cdc import emit_event
 from django_idempotency.messaging.outbox import enqueue_event, enqueue_task
-from django_idempotency.models import IdempotencyRecord, OutboxMessage
+from django_idempotency.models import IdempotencyRecord, OutboxEvent, OutboxMessage
 from django_idempotency.partitions.catalog import day_bounds, utc_today
 from django_idempotency.partitions.tables import RECORDS
 from tests.factories import IdempotencyRecordFactory, new_key
@@ -543,3 +545,42 @@ def test_outbox_admin_adds_changes_and_deletes_nothing(superuser_client):
     assert superuser_client.post(detail, {"name": "changed"}).status_code == 403
     assert superuser_client.post(delete, {"post": "yes"}).status_code == 403
     assert OutboxMessage.objects.filter(pk=message, name="tests.noop").exists()
+
+
+# The CDC events' admin.
+
+EVENTS_CHANGELIST = reverse("admin:django_idempotency_outboxevent_changelist")
+
+
+def test_events_admin_lists_newest_first_without_payloads_and_finds_an_exact_id(
+    superuser_client,
+):
+    with transaction.atomic():
+        older = uuid.UUID(emit_event("order", 1, "OrderPlaced", {"note": "x" * 100}))
+        newer = uuid.UUID(emit_event("order", 1, "OrderPaid", {"note": "y"}))
+
+    with CaptureQueriesContext(connection) as queries:
+        response = superuser_client.get(EVENTS_CHANGELIST)
+
+    assert response.status_code == 200
+    assert listed(response) == [newer, older]
+    page = next(q["sql"].upper() for q in queries if "ORDER BY" in q["sql"].upper())
+    assert '"PAYLOAD"' not in page
+    assert listed(superuser_client.get(EVENTS_CHANGELIST, {"q": f" {older} "})) == [older]
+    assert listed(superuser_client.get(EVENTS_CHANGELIST, {"q": "no-such-id"})) == []
+    assert listed(superuser_client.get(EVENTS_CHANGELIST, {"created": "1h"})) == [newer, older]
+
+
+def test_events_admin_adds_changes_and_deletes_nothing(superuser_client):
+    with transaction.atomic():
+        event = emit_event("order", 1, "OrderPlaced", {"total": 5})
+    detail = reverse("admin:django_idempotency_outboxevent_change", args=[event])
+    delete = reverse("admin:django_idempotency_outboxevent_delete", args=[event])
+
+    shown = superuser_client.get(detail)
+    assert shown.status_code == 200 and "OrderPlaced" in shown.content.decode()
+    add = reverse("admin:django_idempotency_outboxevent_add")
+    assert superuser_client.get(add).status_code == 403
+    assert superuser_client.post(detail, {"event_type": "changed"}).status_code == 403
+    assert superuser_client.post(delete, {"post": "yes"}).status_code == 403
+    assert OutboxEvent.objects.filter(pk=event, event_type="OrderPlaced").exists()

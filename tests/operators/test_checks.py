@@ -193,6 +193,9 @@ def test_check_ids_are_unique() -> None:
         "django_idempotency.W102",
         "django_idempotency.W103",
         "django_idempotency.W120",
+        "django_idempotency.W130",
+        "django_idempotency.W131",
+        "django_idempotency.W132",
     }
 
 

@@ -511,37 +511,68 @@ class PostgresCluster:
         return "\n".join(text.splitlines()[-lines:])
 
 
+# Throw-away clusters: durability buys nothing and costs seconds.
+FAST_CONF = "fsync = off\nsynchronous_commit = off\nfull_page_writes = off\n"
+
+
 @contextlib.contextmanager
-def primary_and_replica() -> Iterator[tuple[PostgresCluster, PostgresCluster]]:
-    """A private primary (``wal_level = replica``) and a streaming replica made from it with
-    ``pg_basebackup -R``, each on its own free port; both removed afterwards."""
+def private_clusters(*ports: int | None) -> Iterator[list[PostgresCluster]]:
+    """As many unstarted private clusters as ports given (None: a free one), in one
+    temporary directory, stopped and removed afterwards."""
     bin_dir = postgres_bin()
     user = system_user_for(None)
     # Short paths: the unix socket lives next to the data directory.
     root = Path(tempfile.mkdtemp(prefix="idem-pg-"))
     if user is not None:
         shutil.chown(root, user)
-    primary = PostgresCluster(bin_dir, root / "primary", free_port(), user)
-    replica = PostgresCluster(bin_dir, root / "replica", free_port(), user)
+    clusters = [
+        PostgresCluster(bin_dir, root / f"pg{n}", port or free_port(), user)
+        for n, port in enumerate(ports)
+    ]
     try:
-        primary.run("initdb", "-D", str(primary.pgdata), "-U", "postgres", "-A", "trust",
-                    "--no-sync", "-E", "UTF8", "--locale=C")  # fmt: skip
-        with (primary.pgdata / "postgresql.conf").open("a") as conf:
-            conf.write(
-                "wal_level = replica\nmax_wal_senders = 4\nhot_standby = on\n"
-                # Throw-away clusters: durability buys nothing and costs seconds.
-                "fsync = off\nsynchronous_commit = off\nfull_page_writes = off\n"
-            )
+        yield clusters
+    finally:
+        for cluster in reversed(clusters):
+            cluster.stop()
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def initdb(cluster: PostgresCluster, conf: str) -> None:
+    """Make ``cluster``'s data directory, with ``conf`` appended to its postgresql.conf
+    (after ``FAST_CONF``, which it may override)."""
+    cluster.run("initdb", "-D", str(cluster.pgdata), "-U", "postgres", "-A", "trust",
+                "--no-sync", "-E", "UTF8", "--locale=C")  # fmt: skip
+    with (cluster.pgdata / "postgresql.conf").open("a") as file:
+        file.write(FAST_CONF + conf)
+
+
+@contextlib.contextmanager
+def logical_cluster(port: int | None = None) -> Iterator[PostgresCluster]:
+    """A private running cluster with ``wal_level = logical``; removed afterwards."""
+    with private_clusters(port) as (cluster,):
+        # Commits flushed at once (cheap with fsync off): a slot decodes only flushed WAL,
+        # and a test reads it right after its commits.
+        initdb(
+            cluster,
+            "wal_level = logical\nmax_replication_slots = 4\nmax_wal_senders = 4\n"
+            "synchronous_commit = on\n",
+        )
+        cluster.start()
+        yield cluster
+
+
+@contextlib.contextmanager
+def primary_and_replica() -> Iterator[tuple[PostgresCluster, PostgresCluster]]:
+    """A private primary (``wal_level = replica``) and a streaming replica made from it with
+    ``pg_basebackup -R``, each on its own free port; both removed afterwards."""
+    with private_clusters(None, None) as (primary, replica):
+        initdb(primary, "wal_level = replica\nmax_wal_senders = 4\nhot_standby = on\n")
         primary.start()
         replica.run("pg_basebackup", "-h", "127.0.0.1", "-p", str(primary.port), "-U",
                     "postgres", "-D", str(replica.pgdata), "-R", "-X", "stream",
                     "-c", "fast", "--no-sync")  # fmt: skip
         replica.start()
         yield primary, replica
-    finally:
-        replica.stop()
-        primary.stop()
-        shutil.rmtree(root, ignore_errors=True)
 
 
 def migrate(env: Mapping[str, str], *args: str) -> None:
