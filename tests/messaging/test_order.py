@@ -8,23 +8,33 @@ import threading
 import uuid
 from collections.abc import Callable
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import pytest
 from celery import Celery
 from django.db import DEFAULT_DB_ALIAS, connection, connections, transaction
+from django.http import HttpRequest, JsonResponse
+from django.test import Client
+from django.urls import path
 from django.utils import timezone
+from django.views.decorators.csrf import csrf_exempt
 
+from django_idempotency.decorators import idempotent
 from django_idempotency.messaging import leases
 from django_idempotency.messaging.outbox import OutboxError, enqueue_event, enqueue_task
 from django_idempotency.messaging.relay import PublishFailed, Relay
 from django_idempotency.models import OutboxMessage
 from tests.conftest import unmeasured
 from tests.messaging import test_relay
-from tests.messaging.test_relay import bare_app, relay_process, wait_started
+from tests.messaging.test_relay import bare_app, relay_process, run_on_sqlite, wait_started
 from tests.support.chain_processes import RedisServer, wait_for
 
-pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.timeout(180)]
+pytestmark = [
+    pytest.mark.urls("tests.messaging.test_order"),
+    pytest.mark.django_db(transaction=True),
+    pytest.mark.timeout(180),
+]
 
 USING = DEFAULT_DB_ALIAS
 # The relay processes' environment, as the relay's own tests make it.
@@ -34,6 +44,18 @@ NAME = "tests.order.record"
 
 def enqueue(key: str | None, n: int = 0) -> str:
     return enqueue_task(NAME, (key, n), ordering_key=key)
+
+
+@csrf_exempt
+@idempotent(allow_anonymous=True)
+def ship(request: HttpRequest) -> JsonResponse:
+    # Rows enqueued in a protected view travel with the stored response, keys and all.
+    key = request.GET["order"]
+    ids = [enqueue(key, 1), enqueue_event("order.shipped", {"order": key}), enqueue(key, 2)]
+    return JsonResponse({"ids": ids}, status=201)
+
+
+urlpatterns = [path("ship/", ship)]
 
 
 def claim_all(owner: str = "relay") -> list[str]:
@@ -173,6 +195,22 @@ def test_a_failed_or_dead_message_blocks_its_key_until_requeued_and_no_other_key
     assert claim_all() == [after_it]
 
 
+def test_a_protected_views_keyed_messages_keep_their_order_and_other_requests_theirs() -> None:
+    client = Client()
+    shipped = [
+        client.post(f"/ship/?order={order}", headers={"Idempotency-Key": str(uuid.uuid4())})
+        for order in ("order:7", "order:8", "order:7")
+    ]
+    assert [r.status_code for r in shipped] == [201, 201, 201]
+    first, other, second = (r.json()["ids"] for r in shipped)
+    # The head of each key, and every event (they have none).
+    assert claim_all() == [first[0], first[1], other[0], other[1], second[1]]
+    assert claim_all() == [first[2], other[2]]
+    assert claim_all() == [second[0]]
+    assert claim_all() == [second[2]]
+    assert claim_all() == []
+
+
 def test_events_and_tasks_share_a_key_and_the_order_between_them() -> None:
     with transaction.atomic():
         event = enqueue_event("order.paid", {"order": 5}, ordering_key="order:5")
@@ -185,6 +223,35 @@ def test_an_ordering_key_that_is_not_a_short_string_is_refused_naming_the_fix(ke
     with transaction.atomic(), pytest.raises(OutboxError, match="non-empty str of at most 255"):
         enqueue_task(NAME, ordering_key=key)
     assert not OutboxMessage.objects.exists()
+
+
+SQLITE_SCRIPT = """
+import json, django
+django.setup()
+from datetime import timedelta
+from pathlib import Path
+from django.core.management import call_command
+from django.db import transaction
+from django_idempotency.messaging import leases
+from django_idempotency.messaging.outbox import enqueue_task
+
+call_command("migrate", verbosity=0)
+with transaction.atomic():
+    ids = [enqueue_task("t", (n,), ordering_key=k) for n, k in enumerate("aab")]
+    ids.append(enqueue_task("t", (3,)))
+claims = []
+for _ in range(3):
+    batch = leases.claim("default", owner="r", limit=10)
+    leases.mark("default", batch, batch.messages, owner="r", check=(), after=timedelta(0))
+    claims.append([m.id for m in batch.messages])
+print(json.dumps({"ids": ids, "claims": claims}))
+"""
+
+
+def test_on_sqlite_a_key_keeps_its_order_too(tmp_path: Path) -> None:
+    result = run_on_sqlite(tmp_path, SQLITE_SCRIPT, "memory://")
+    a1, a2, b, free = result["ids"]
+    assert result["claims"] == [[a1, b, free], [a2], []]
 
 
 # Against a broker ----------------------------------------------------------------------
