@@ -124,8 +124,9 @@ class Broker:
         eta = None if countdown is None else message.created_at + timedelta(seconds=countdown)
         queue = message.options.get("queue")
         with publishing(message.id, name, message.options, self.destination) as headers:
-            sender.send(name, args, kwargs, task_id=message.id, queue=queue, eta=eta,
-                        headers=headers)  # fmt: skip
+            sender.send(
+                name, args, kwargs, task_id=message.id, queue=queue, eta=eta, headers=headers
+            )
 
 
 def argument_repr(

@@ -131,6 +131,20 @@ def test_with_tracing_off_in_the_relay_the_stored_context_goes_out_as_it_is(
     assert not [s for s in collect().spans if s.name == tracing.PUBLISH_SPAN]
 
 
+def test_a_task_with_a_countdown_carries_the_context_too(
+    collect: Any, app: Celery, private_redis: RedisServer
+) -> None:
+    # Sent through app.send_task() (an eta), not the relay's own fast path.
+    tracer = trace.get_tracer("tests.trace")
+    with tracer.start_as_current_span("POST /later/"), transaction.atomic():
+        enqueue_task(TASK, (3,), countdown=60)
+    Relay(app=app).drain()
+    (headers,) = private_redis.queued()
+    (publish,) = collect().named(tracing.PUBLISH_SPAN)
+    assert headers["eta"] is not None
+    assert carried(headers) == (publish.context.trace_id, publish.context.span_id)
+
+
 def test_a_message_enqueued_outside_any_span_carries_no_context_and_no_header(
     collect: Any, app: Celery, private_redis: RedisServer
 ) -> None:
