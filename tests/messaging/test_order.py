@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 from celery import Celery
+from django.contrib import admin
 from django.db import DEFAULT_DB_ALIAS, connection, connections, transaction
 from django.http import HttpRequest, JsonResponse
 from django.test import Client
@@ -55,7 +56,7 @@ def ship(request: HttpRequest) -> JsonResponse:
     return JsonResponse({"ids": ids}, status=201)
 
 
-urlpatterns = [path("ship/", ship)]
+urlpatterns = [path("ship/", ship), path("admin/", admin.site.urls)]
 
 
 def claim_all(owner: str = "relay") -> list[str]:
@@ -216,6 +217,17 @@ def test_events_and_tasks_share_a_key_and_the_order_between_them() -> None:
         event = enqueue_event("order.paid", {"order": 5}, ordering_key="order:5")
         task = enqueue("order:5")
     assert [claim_all(), claim_all()] == [[event], [task]]
+
+
+def test_the_admin_shows_a_messages_key_and_place(admin_client: Client) -> None:
+    with transaction.atomic():
+        enqueue("order:9", 1)
+        message_id = enqueue("order:9", 2)
+    place = OutboxMessage.objects.get(pk=message_id).ordering_seq
+    page = admin_client.get(f"/admin/django_idempotency/outboxmessage/{message_id}/change/")
+    text = page.content.decode()
+    assert page.status_code == 200 and "order:9" in text
+    assert "Place in its key&#x27;s order" in text and f">{place}<" in text
 
 
 @pytest.mark.parametrize("key", ["", "x" * 256, 42, b"order:1"])
