@@ -119,6 +119,44 @@ def test_one_trace_shows_the_request_the_relay_publish_and_the_exactly_once_task
     assert consume.attributes[tracing.MESSAGE_ID] == message_id
 
 
+def ancestry(span: ReadableSpan, spans: list[ReadableSpan]) -> list[str]:
+    """The names of ``span``'s parents, nearest first, as far as ``spans`` hold them."""
+    by_id = {s.context.span_id: s for s in spans}
+    names: list[str] = []
+    found = by_id.get(parent_of(span) or 0)
+    while found is not None:
+        names.append(found.name)
+        found = by_id.get(parent_of(found) or 0)
+    return names
+
+
+def test_under_celerys_own_instrumentation_its_task_span_continues_the_trace(
+    collect: Any, app: Celery
+) -> None:
+    instrumentation = pytest.importorskip("opentelemetry.instrumentation.celery")
+    instrumentor = instrumentation.CeleryInstrumentor()
+    instrumentor.instrument()
+    try:
+        tracer = trace.get_tracer("tests.trace")
+        with tracer.start_as_current_span("POST /charge/", kind=SpanKind.SERVER) as request:
+            response = Client().post("/charge/", headers={"Idempotency-Key": str(uuid.uuid4())})
+        message_id = response.json()["task_id"]
+        assert Relay(app=app).drain() == 1
+        with start_worker(app, pool="solo", perform_ping_check=False, shutdown_timeout=30):
+            wait_for(lambda: [message_id] == SETTLED)
+        wait_for(lambda: any(s.name == f"run/{TASK}" for s in SPANS.get_finished_spans()))
+    finally:
+        instrumentor.uninstrument()
+    spans = collect().spans
+    (task_claim,) = [s for s in spans if s.name == CLAIM_SPAN and s.attributes[KIND] == "task"]
+    # The instrumentation's task span, and no consume span of the package's own beside it.
+    chain = ancestry(task_claim, spans)
+    assert chain[0] == f"run/{TASK}" and tracing.CONSUME_SPAN not in chain
+    assert chain[-2:] == [tracing.PUBLISH_SPAN, "POST /charge/"]
+    trace_id = request.get_span_context().trace_id
+    assert task_claim.context.trace_id == trace_id
+
+
 def test_with_tracing_off_in_the_relay_the_stored_context_goes_out_as_it_is(
     collect: Any, app: Celery, private_redis: RedisServer, monkeypatch: pytest.MonkeyPatch
 ) -> None:
