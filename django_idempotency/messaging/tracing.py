@@ -15,7 +15,7 @@ from django_idempotency.engine.instrumentation import ENABLED, SCOPE, listening
 if ENABLED:
     from opentelemetry import context, propagate, trace
     from opentelemetry.propagators.textmap import Getter
-    from opentelemetry.trace import SpanKind
+    from opentelemetry.trace import SpanKind, Status, StatusCode
 
 # The key of the message's ``options`` document that holds its carrier.
 TRACE_OPTION = "trace"
@@ -92,9 +92,17 @@ def _publish_span(
     token = context.attach(current)
     try:
         yield headers
+    except BaseException as exc:
+        _failed(span, exc)
+        raise
     finally:
         context.detach(token)
         span.end()
+
+
+def _failed(span: Any, exc: BaseException) -> None:
+    # The exception's type only, as on the claim's span: an error's text can quote a key.
+    span.set_status(Status(StatusCode.ERROR, type(exc).__name__))
 
 
 if ENABLED:
@@ -125,8 +133,23 @@ def consuming(request: Any, task_name: str) -> contextlib.AbstractContextManager
     OpenTelemetry instrumentation made one, from the same headers)."""
     if not _tracing() or trace.get_current_span().get_span_context().is_valid:
         return _NO_SPAN
+    return _consume_span(request, task_name)
+
+
+@contextlib.contextmanager
+def _consume_span(request: Any, task_name: str) -> Iterator[None]:
     parent = propagate.extract(request, getter=_REQUEST_GETTER)
     attributes = {MESSAGE_ID: str(request.id), DESTINATION: task_name, OPERATION: "process"}
-    return trace.get_tracer(SCOPE).start_as_current_span(
-        CONSUME_SPAN, context=parent, kind=SpanKind.CONSUMER, attributes=attributes
-    )
+    with trace.get_tracer(SCOPE).start_as_current_span(
+        CONSUME_SPAN,
+        context=parent,
+        kind=SpanKind.CONSUMER,
+        attributes=attributes,
+        record_exception=False,
+        set_status_on_exception=False,
+    ) as span:
+        try:
+            yield
+        except BaseException as exc:
+            _failed(span, exc)
+            raise

@@ -24,7 +24,7 @@ from django.urls import path
 from django.views.decorators.csrf import csrf_exempt
 from opentelemetry import propagate, trace
 from opentelemetry.sdk.trace import ReadableSpan
-from opentelemetry.trace import SpanKind
+from opentelemetry.trace import SpanKind, StatusCode
 
 from django_idempotency.decorators import idempotent
 from django_idempotency.engine.instrumentation import CLAIM_SPAN, KIND
@@ -32,7 +32,7 @@ from django_idempotency.messaging import tracing
 from django_idempotency.messaging.consumers import ExactlyOnceTask
 from django_idempotency.messaging.destinations import NATS
 from django_idempotency.messaging.outbox import enqueue_event, enqueue_task
-from django_idempotency.messaging.relay import Relay
+from django_idempotency.messaging.relay import PublishFailed, Relay
 from django_idempotency.models import OutboxMessage
 from tests.conftest import ROOT
 from tests.messaging.test_relay import bare_app
@@ -47,6 +47,8 @@ pytestmark = [
 ]
 
 TASK = "tests.trace.settle"
+FAILING = "tests.trace.fail"
+SECRET = "key-4f1c-never-exported"
 SETTLED: list[str] = []
 
 
@@ -88,6 +90,10 @@ def app(private_redis: RedisServer) -> Celery:
     def settle(self: Any, charge: int) -> int:
         SETTLED.append(str(self.request.id))
         return charge
+
+    @app.task(name=FAILING, base=ExactlyOnceTask, bind=True, shared=False)
+    def fail(self: Any, charge: int) -> int:
+        raise ValueError(f"card {SECRET} declined")
 
     return app
 
@@ -202,6 +208,26 @@ def test_an_eager_call_with_trace_headers_continues_the_trace(collect: Any, app:
     (consume,) = collect().named(tracing.CONSUME_SPAN)
     assert consume.context.trace_id == 0x0AF7651916CD43DD8448EB211C80319C
     assert parent_of(consume) == 0xB7AD6B7169203331
+
+
+def refuse_with_a_secret(name: str, args: Any, kwargs: Any, options: Any, **extra: Any) -> None:
+    raise ValueError(f"no route for {SECRET}")
+
+
+def test_failed_publishes_and_consumers_say_the_errors_type_only(collect: Any, app: Celery) -> None:
+    parent = {"traceparent": "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"}
+    app.tasks[FAILING].apply((5,), task_id=str(uuid.uuid4()), headers=parent)
+    with trace.get_tracer("tests.trace").start_as_current_span("POST /x/"), transaction.atomic():
+        enqueue_task(TASK, (1,))
+    app.conf.task_routes = (refuse_with_a_secret,)
+    with pytest.raises(PublishFailed):
+        Relay(app=app).drain()
+    got = collect()
+    (consume,) = got.named(tracing.CONSUME_SPAN)
+    (publish,) = got.named(tracing.PUBLISH_SPAN)
+    assert consume.status.status_code == publish.status.status_code == StatusCode.ERROR
+    assert consume.status.description == publish.status.description == "ValueError"
+    assert not [value for value in got.every_value() if SECRET in value]
 
 
 def test_a_consumer_under_a_span_already_current_makes_no_span_of_its_own(
