@@ -88,6 +88,11 @@ class OutboxMessage(models.Model):
     # Set when it failed IDEMPOTENCY_OUTBOX_MAX_ATTEMPTS times: never tried again, never
     # dropped, until an operator requeues it (manage.py idempotency_outbox requeue).
     dead_at = models.DateTimeField(_("dead letter since"), null=True)
+    # Messages with the same key are published one after the other, in the order of their
+    # places, which follow commit order (messaging/outbox.py); null: no order kept.
+    # Null rather than "": the claim and its partial index tell keyed rows by IS NOT NULL.
+    ordering_key = models.CharField(_("ordering key"), max_length=255, null=True)  # noqa: DJ001
+    ordering_seq = models.BigIntegerField(_("place in its key's order"), null=True)
 
     class Meta:
         db_table = "django_idempotency_outbox"
@@ -109,6 +114,12 @@ class OutboxMessage(models.Model):
                 fields=["dead_at"],
                 name="idempotency_outbox_dead",
                 condition=models.Q(dead_at__isnull=False),
+            ),
+            # The claim's lookup of an earlier unpublished message of the same key.
+            models.Index(
+                fields=["ordering_key", "ordering_seq"],
+                name="idempotency_outbox_order",
+                condition=models.Q(ordering_key__isnull=False, published_at__isnull=True),
             ),
         ]
         verbose_name = _("outbox message")

@@ -112,6 +112,8 @@ class OutboxMessageAdmin(ReadOnlyLargeTableAdmin[OutboxMessage]):
         ),
         (_("Lease"), {"fields": ("lease_owner", "lease_until", "fence")}),
         (_("Redrive"), {"fields": ("consumer_check_due", "redrives")}),
+        # A message waits for every earlier one of its key (a dead one too) to be published.
+        (_("Order"), {"fields": ("ordering_key", "ordering_seq")}),
     )
     readonly_fields = (
         "id",
@@ -131,6 +133,8 @@ class OutboxMessageAdmin(ReadOnlyLargeTableAdmin[OutboxMessage]):
         "fence",
         "consumer_check_due",
         "redrives",
+        "ordering_key",
+        "ordering_seq",
     )
 
     # The one bulk action: dead letters back to be published, under the same ids.

@@ -23,6 +23,7 @@ from django_idempotency.engine.errors import (
 )
 from django_idempotency.engine.unit import UnitOfWork
 from django_idempotency.engine.work import Refuse, Replay, Result, Work
+from django_idempotency.messaging.tracing import consuming
 from django_idempotency.models import IdempotencyRecord
 
 logger = logging.getLogger("django_idempotency.consumers")
@@ -68,7 +69,8 @@ class ExactlyOnceTask(Task[Any, Any]):
         # Called as a plain function (no message): nothing to deduplicate on.
         if request.called_directly or not request.id:
             return super().__call__(*args, **kwargs)
-        return consume(self, str(request.id), args, kwargs)
+        with consuming(request, self.name):
+            return consume(self, str(request.id), args, kwargs)
 
 
 def consumer_principal(task: Task[Any, Any]) -> str:

@@ -11,7 +11,7 @@ from datetime import datetime, timedelta
 from typing import Any
 
 from django.db import connections, transaction
-from django.db.models import Case, DateTimeField, F, Min, Q, Value, When
+from django.db.models import Case, DateTimeField, Exists, F, Min, OuterRef, Q, Value, When
 from django.db.models.functions import Now
 from django.utils import timezone
 
@@ -27,9 +27,18 @@ MAX_DOUBLINGS = 6
 
 CLAIM = f"""
 WITH batch AS (
-    SELECT id, created_at FROM {TABLE}
+    SELECT id, created_at FROM {TABLE} AS pending
      WHERE published_at IS NULL AND dead_at IS NULL
        AND (lease_until IS NULL OR lease_until < now())
+       -- A keyed message goes only once every earlier one of its key is published: one of
+       -- a key per claim, whichever relay claims. An earlier one is committed whenever this
+       -- one is (places follow commit order), so no snapshot misses it. A row without a key
+       -- stops at the first test.
+       AND (pending.ordering_key IS NULL OR NOT EXISTS (
+            SELECT 1 FROM {TABLE} AS earlier
+             WHERE earlier.ordering_key = pending.ordering_key
+               AND earlier.ordering_seq < pending.ordering_seq
+               AND earlier.published_at IS NULL))
      -- The id breaks ties of one millisecond, so that a batch boundary never takes a later
      -- message of that millisecond before an earlier one.
      ORDER BY created_at, id
@@ -43,12 +52,12 @@ WITH batch AS (
       FROM batch, next_fence
      WHERE o.id = batch.id AND o.created_at = batch.created_at
     RETURNING o.id, o.created_at, o.kind, o.name, o.args, o.kwargs, o.payload, o.options, o.fence,
-              o.redrives
+              o.redrives, o.ordering_key
 )
 -- In the order written (UPDATE ... RETURNING has none; ids are time-ordered, compared as
 -- uuids, not as the text returned); the JSON columns as one document, decoded once a row.
 SELECT id::text, created_at, kind, name, jsonb_build_array(args, kwargs, payload, options)::text,
-       fence, redrives
+       fence, redrives, ordering_key
   FROM claimed
  ORDER BY claimed.created_at, claimed.id
 """
@@ -100,6 +109,8 @@ class Message:
     options: dict[str, Any]
     # How often the redrive put it back to be published again.
     redrives: int = 0
+    # Published only after every earlier message with this key (None: no order kept).
+    ordering_key: str | None = None
 
 
 @dataclass(frozen=True)
@@ -148,7 +159,8 @@ def claim(using: str, *, owner: str, limit: int) -> Batch:
         return Batch(0, ())
     # The database hands jsonb over as text (Django's choice): one document per row.
     messages = tuple(
-        Message(r[0], r[1], r[2], r[3], *_documents(r[4]), redrives=r[6]) for r in rows
+        Message(r[0], r[1], r[2], r[3], *_documents(r[4]), redrives=r[6], ordering_key=r[7])
+        for r in rows
     )
     return Batch(int(rows[0][5]), messages)
 
@@ -157,8 +169,14 @@ def _claim_portable(using: str, owner: str, limit: int) -> Batch:
     # Without SKIP LOCKED and sequences (SQLite, a development fallback): the database
     # serialises writers, and a fence above every claimed row's still moves every row on.
     now = timezone.now()
+    earlier = OutboxMessage.objects.using(using).filter(
+        ordering_key=OuterRef("ordering_key"),
+        ordering_seq__lt=OuterRef("ordering_seq"),
+        published_at__isnull=True,
+    )
     pending = OutboxMessage.objects.using(using).filter(
         Q(lease_until__isnull=True) | Q(lease_until__lt=now),
+        Q(ordering_key__isnull=True) | ~Exists(earlier),
         published_at__isnull=True,
         dead_at__isnull=True,
     )
@@ -182,6 +200,7 @@ def _claim_portable(using: str, owner: str, limit: int) -> Batch:
                 r.payload,
                 r.options,
                 r.redrives,
+                r.ordering_key,
             )
             for r in rows
         ),

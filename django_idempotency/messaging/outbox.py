@@ -13,9 +13,10 @@ from typing import Any, Protocol
 
 from django.db import connections, router
 from django.db.backends.base.base import BaseDatabaseWrapper
-from django.db.models import Model, Q
+from django.db.models import Max, Model, Q
 
 from django_idempotency.conf import conf
+from django_idempotency.messaging.tracing import TRACE_OPTION, enqueue_context
 from django_idempotency.models import OutboxMessage
 from django_idempotency.partitions.tables import PartitionedTable
 from django_idempotency.storage.riders import ride
@@ -33,6 +34,29 @@ INSERT = f"""
 WITH message AS ({INSERT_ONLY} RETURNING 1)
 SELECT pg_notify('{CHANNEL}', '') FROM message
 """
+
+ORDER_SEQUENCE = "django_idempotency_outbox_order"
+# The first half of the key's advisory lock (pg_advisory_xact_lock(int, int)): a class of
+# the package's own, apart from the application's locks.
+ORDER_LOCK_CLASS = 0x1D3A
+# A keyed message takes its place only once it holds its key's lock, which it keeps until its
+# transaction ends: a later transaction on the key waits for this one to commit (or roll
+# back) before it takes a place, so places follow commit order. nextval() is evaluated after
+# the lock's row is produced, and is not transactional, so no snapshot or clock is involved.
+KEY_LOCK = f"key_lock AS (SELECT pg_advisory_xact_lock({ORDER_LOCK_CLASS}, hashtext(%s)))"
+KEYED_ROW = f"""
+INSERT INTO {TABLE} (id, created_at, kind, name, args, kwargs, payload, options, ordering_key,
+                     ordering_seq)
+SELECT %s, %s, %s, %s, %s::jsonb, %s::jsonb, %s::jsonb, %s::jsonb, %s,
+       nextval('{ORDER_SEQUENCE}')
+  FROM key_lock
+"""
+KEYED_INSERT_ONLY = f"WITH {KEY_LOCK} {KEYED_ROW}"
+KEYED_INSERT = f"""
+WITH {KEY_LOCK}, message AS ({KEYED_ROW} RETURNING 1)
+SELECT pg_notify('{CHANNEL}', '') FROM message
+"""
+MAX_ORDERING_KEY = 255
 
 
 # keep_partition() counts this many unpublished rows at most.
@@ -103,6 +127,18 @@ def dumps(value: object, what: str) -> str:
         raise OutboxError(f"The {what} cannot be stored as JSON: {exc}") from exc
 
 
+def _ordering_key(key: object) -> str | None:
+    if key is None:
+        return None
+    if not isinstance(key, str) or not key or len(key) > MAX_ORDERING_KEY:
+        raise OutboxError(
+            f"An ordering key is a non-empty str of at most {MAX_ORDERING_KEY} characters, "
+            f"not {key!r}: name the entity whose messages must keep their order, such as "
+            '"order:1234".'
+        )
+    return key
+
+
 def _insert(
     alias: str,
     kind: OutboxMessage.Kind,
@@ -111,10 +147,19 @@ def _insert(
     kwargs: object,
     payload: object,
     options: dict[str, Any],
+    ordering_key: str | None = None,
 ) -> str:
+    carrier = enqueue_context()
+    if carrier is not None:
+        options[TRACE_OPTION] = carrier
     message_id, created_at = new_message_id()
     connection = connections[alias]
     if connection.vendor != "postgresql":
+        place = None
+        if ordering_key is not None:
+            # The database serialises writers (SQLite): the next place is the highest + 1.
+            highest = OutboxMessage.objects.using(alias).aggregate(seq=Max("ordering_seq"))
+            place = (highest["seq"] or 0) + 1
         OutboxMessage.objects.using(alias).create(
             id=message_id,
             created_at=created_at,
@@ -124,6 +169,8 @@ def _insert(
             kwargs=kwargs,
             payload=payload,
             options=options,
+            ordering_key=ordering_key,
+            ordering_seq=place,
         )
         return str(message_id)
     row: list[Any] = [
@@ -136,8 +183,13 @@ def _insert(
         None if payload is None else dumps(payload, "event's payload"),
         dumps(options, "publish options"),
     ]
-    sql = INSERT if conf.OUTBOX_NOTIFY else INSERT_ONLY
-    # In a protected view or an exactly-once task, the row travels with the record's store.
+    if ordering_key is None:
+        sql = INSERT if conf.OUTBOX_NOTIFY else INSERT_ONLY
+    else:
+        sql = KEYED_INSERT if conf.OUTBOX_NOTIFY else KEYED_INSERT_ONLY
+        row = [ordering_key, *row, ordering_key]
+    # In a protected view or an exactly-once task, the row travels with the record's store
+    # (a keyed row then takes its key's lock there, just before the commit).
     if not ride(alias, sql, row):
         with connection.cursor() as cursor:
             cursor.execute(sql, row)
@@ -188,12 +240,15 @@ def enqueue_task(
     *,
     queue: str | None = None,
     countdown: float | None = None,
+    ordering_key: str | None = None,
     using: str | None = None,
 ) -> str:
     """Put a Celery task call in the outbox, in the current transaction; return its message id.
 
     The message id (a UUIDv7 string) is the task id the worker sees, on every publish attempt.
     Arguments must be JSON. ``countdown`` counts from the enqueue, not from the publish.
+    Messages with the same ``ordering_key`` are published in the order their transactions
+    committed, each only once the one before is published (``docs/outbox.md``).
     """
     name = task_or_name if isinstance(task_or_name, str) else task_or_name.name
     options: dict[str, Any] = {}
@@ -201,15 +256,26 @@ def enqueue_task(
         options["queue"] = queue
     if countdown is not None:
         options["countdown"] = float(countdown)
+    key = _ordering_key(ordering_key)
     alias = in_transaction(using)
-    return _insert(alias, OutboxMessage.Kind.TASK, name, list(args), kwargs or {}, None, options)
+    return _insert(
+        alias, OutboxMessage.Kind.TASK, name, list(args), kwargs or {}, None, options, key
+    )
 
 
-def enqueue_event(topic: str, payload: dict[str, Any], *, using: str | None = None) -> str:
+def enqueue_event(
+    topic: str,
+    payload: dict[str, Any],
+    *,
+    ordering_key: str | None = None,
+    using: str | None = None,
+) -> str:
     """Put an event in the outbox, in the current transaction; return its message id.
 
     It is published as a call of the Celery task named by ``IDEMPOTENCY_OUTBOX_EVENT_TASK``
-    with the arguments ``(topic, payload)`` and the message id as task id.
+    with the arguments ``(topic, payload)`` and the message id as task id (or to the
+    destination its route names). ``ordering_key`` as for ``enqueue_task()``.
     """
+    key = _ordering_key(ordering_key)
     alias = in_transaction(using)
-    return _insert(alias, OutboxMessage.Kind.EVENT, topic, [], {}, payload, {})
+    return _insert(alias, OutboxMessage.Kind.EVENT, topic, [], {}, payload, {}, key)

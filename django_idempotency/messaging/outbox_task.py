@@ -13,7 +13,7 @@ from django_idempotency.engine.unit import current_unit
 from django_idempotency.messaging.outbox import OutboxError, enqueue_task
 
 # What the outbox keeps of a call's options; countdown and eta become its countdown.
-OUTBOX_OPTIONS = frozenset({"queue", "countdown", "eta"})
+OUTBOX_OPTIONS = frozenset({"queue", "countdown", "eta", "ordering_key"})
 
 
 class OutboxTask(Task[Any, Any]):
@@ -32,6 +32,8 @@ class OutboxTask(Task[Any, Any]):
         **options: Any,
     ) -> AsyncResult[Any]:
         unit = current_unit.get()
+        # The outbox's own option: a call sent at once goes out in call order, as before.
+        ordering_key = options.pop("ordering_key", None)
         if unit is None:
             return super().apply_async(tuple(args) if args is not None else None, kwargs, **options)
         unknown = sorted(set(options) - OUTBOX_OPTIONS)
@@ -47,6 +49,7 @@ class OutboxTask(Task[Any, Any]):
             kwargs,
             queue=options.get("queue"),
             countdown=_countdown(options.get("countdown"), options.get("eta")),
+            ordering_key=ordering_key,
             using=unit.using,
         )
         return self.AsyncResult(message_id)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
@@ -22,6 +23,7 @@ from kombu.exceptions import OperationalError
 from django_idempotency.conf import conf
 from django_idempotency.messaging.leases import Message
 from django_idempotency.messaging.outbox import task_name
+from django_idempotency.messaging.tracing import publishing
 from django_idempotency.models import OutboxMessage
 
 
@@ -74,9 +76,11 @@ class Broker:
     """One connection and producer to the app's broker, kept between passes and replaced
     after an error."""
 
-    def __init__(self, app: Any) -> None:
+    def __init__(self, app: Any, destination: str = "default") -> None:
         require_publisher_confirms(app)
         self.app = app
+        # The destination's name in IDEMPOTENCY_OUTBOX_DESTINATIONS, for the publish span.
+        self.destination = destination
         self._connection: Any = None
         self._producer: Any = None
 
@@ -119,7 +123,10 @@ class Broker:
         # From the enqueue, not from now: a relay that was late does not delay it further.
         eta = None if countdown is None else message.created_at + timedelta(seconds=countdown)
         queue = message.options.get("queue")
-        sender.send(name, args, kwargs, task_id=message.id, queue=queue, eta=eta)
+        with publishing(message.id, name, message.options, self.destination) as headers:
+            sender.send(
+                name, args, kwargs, task_id=message.id, queue=queue, eta=eta, headers=headers
+            )
 
 
 def argument_repr(
@@ -195,16 +202,20 @@ class TaskSender:
         task_id: str,
         queue: str | None = None,
         eta: datetime | None = None,
+        headers: Mapping[str, str] | None = None,
     ) -> None:
+        """``headers``: more message headers (a trace context), read as the task request's
+        attributes."""
         task_type, task_options = self._task(name)
         if eta is not None or self.in_task or "expires" in task_options:
             self.app.send_task(
                 name, args=args, kwargs=kwargs, task_id=task_id, producer=self.producer,
                 queue=queue, eta=eta, retry=False, add_to_parent=False,
+                headers=dict(headers) if headers else None,
             )  # fmt: skip
             return
         try:
-            self._send(name, args, kwargs, task_id, queue, task_type, task_options)
+            self._send(name, args, kwargs, task_id, queue, task_type, task_options, headers)
         except Exception:
             # Turned into kombu's errors as send_task() turns them, by the same context
             # manager, entered only then: around every message it costs microseconds.
@@ -220,6 +231,7 @@ class TaskSender:
         queue: str | None,
         task_type: Any,
         task_options: dict[str, Any],
+        headers: Mapping[str, str] | None = None,
     ) -> None:
         route = self._routes.get((name, queue))
         if route is None:
@@ -244,7 +256,10 @@ class TaskSender:
             origin=self.origin,
             **route.options,
         )
-        self.send_message(self.producer, name, message, retry=False, **route.options)
+        options = route.options
+        if headers:
+            options = {**options, "headers": {**options.get("headers", {}), **headers}}
+        self.send_message(self.producer, name, message, retry=False, **options)
 
     def _task(self, name: str) -> tuple[Any, dict[str, Any]]:
         """The task registered under ``name`` (or None) and its options, as send_task()

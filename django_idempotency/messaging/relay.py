@@ -46,6 +46,8 @@ class PassResult:
     failed: int = 0
     error: str = ""
     ids: list[str] = field(default_factory=list)
+    # Whether a message with an ordering key went out: the next of its key may now go.
+    keyed: bool = False
 
 
 def default_owner() -> str:
@@ -136,6 +138,7 @@ class Relay:
             result.published = len(sent)
             result.marked = self.mark(batch, sent)
             result.ids = [m.id for m in sent]
+            result.keyed = any(m.ordering_key is not None for m in sent)
         if result.marked < result.published:
             logger.warning(
                 "Relay %s lost its lease on %d of %d published outbox rows before marking "
@@ -162,13 +165,14 @@ class Relay:
         return result
 
     def drain(self) -> int:
-        """Run passes until a pass claims less than a full batch or fails; return how many
-        rows were published."""
+        """Run passes until a pass claims less than a full batch (and published no keyed
+        message, whose successor a claim takes only now) or fails; return how many rows were
+        published."""
         total = 0
         while not self.stopping.is_set():
             result = self.run_pass()
             total += result.published
-            if result.failed or result.claimed < self.batch_size:
+            if result.failed or (result.claimed < self.batch_size and not result.keyed):
                 if result.failed:
                     raise PublishFailed(result.error)
                 break

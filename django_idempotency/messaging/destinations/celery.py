@@ -26,7 +26,7 @@ class CeleryDestination:
         self.name = name
         path = options.get("app")
         self.app = import_string(path) if path else (app if app is not None else celery_app())
-        self.broker = Broker(self.app)
+        self.broker = Broker(self.app, name)
 
     @staticmethod
     def validate(name: str, options: Mapping[str, Any]) -> None:

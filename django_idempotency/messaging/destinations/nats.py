@@ -20,6 +20,7 @@ from django.core.exceptions import ImproperlyConfigured
 
 from django_idempotency.messaging.destinations import Publication
 from django_idempotency.messaging.leases import Message
+from django_idempotency.messaging.tracing import publishing
 from django_idempotency.models import OutboxMessage
 
 T = TypeVar("T")
@@ -220,15 +221,14 @@ class NatsDestination:
                 futures.append(future)
                 # In order, each written before the next; the acknowledgements come back
                 # while the rest is sent.
-                headers = {MSG_ID: message.id}
-                if self.stream is not None:
-                    headers[EXPECTED_STREAM] = self.stream
-                await client.publish(
-                    self.subject_of(message),
-                    body(message),
-                    reply=f"{self._inbox}.{token}",
-                    headers=headers,
-                )
+                subject = self.subject_of(message)
+                with publishing(message.id, subject, message.options, self.name) as traced:
+                    headers = {**traced, MSG_ID: message.id}
+                    if self.stream is not None:
+                        headers[EXPECTED_STREAM] = self.stream
+                    await client.publish(
+                        subject, body(message), reply=f"{self._inbox}.{token}", headers=headers
+                    )
         except Exception as exc:  # the connection went: the rest is not sent
             futures[-1].set_exception(exc)
             unsent = [exc] * (len(messages) - len(futures))

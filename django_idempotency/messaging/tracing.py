@@ -1,0 +1,155 @@
+"""Trace context carried by outbox messages (W3C ``traceparent``/``tracestate``, through
+OpenTelemetry's propagator): taken from the enqueuing span, sent in each destination's headers
+under the relay's publish span, and restored around an exactly-once consumer. Without
+opentelemetry, or with no tracer provider set, nothing is stored and nothing is done."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Mapping
+from types import MappingProxyType
+from typing import Any
+
+from django_idempotency.engine.instrumentation import ENABLED, SCOPE, listening
+
+if ENABLED:
+    from opentelemetry import context, propagate, trace
+    from opentelemetry.propagators.textmap import Getter
+    from opentelemetry.trace import SpanKind, Status, StatusCode
+
+# The key of the message's ``options`` document that holds its carrier.
+TRACE_OPTION = "trace"
+PUBLISH_SPAN = "idempotency.outbox.publish"
+CONSUME_SPAN = "idempotency.consume"
+# Attribute keys (OpenTelemetry's messaging conventions).
+MESSAGE_ID = "messaging.message.id"
+DESTINATION = "messaging.destination.name"
+OPERATION = "messaging.operation.type"
+OUTBOX_DESTINATION = "idempotency.destination"  # the relay's destination, by its setting's name
+
+
+def _tracing() -> bool:
+    """Whether spans are recorded: opentelemetry installed, a provider set."""
+    return ENABLED and listening()
+
+
+def enqueue_context() -> dict[str, str] | None:
+    """The current span's context as headers to store with a message; None when no span is
+    recording (tracing off, or enqueued outside any traced request)."""
+    if not _tracing():
+        return None
+    if not trace.get_current_span().get_span_context().is_valid:
+        return None
+    carrier: dict[str, str] = {}
+    propagate.inject(carrier)
+    return carrier or None
+
+
+def stored_context(options: Mapping[str, Any]) -> dict[str, str] | None:
+    carrier = options.get(TRACE_OPTION)
+    return carrier if isinstance(carrier, dict) and carrier else None
+
+
+# What a message without trace context is published with: no headers, no span.
+_UNTRACED: contextlib.nullcontext[Mapping[str, str]] = contextlib.nullcontext(MappingProxyType({}))
+
+
+def publishing(
+    message_id: str, name: str, options: Mapping[str, Any], destination: str
+) -> contextlib.AbstractContextManager[Mapping[str, str]]:
+    """Around the publish of one message: the headers to send it with (none when it has no
+    trace context, at the cost of a dict lookup). With tracing on in the relay, the publish
+    is a span, child of the enqueuing span, current while the block runs (so that a client's
+    own instrumentation nests under it) and the one the headers carry; with it off, the
+    stored headers go as they are, and the consumer is the enqueuing span's child."""
+    carrier = stored_context(options)
+    if carrier is None:
+        return _UNTRACED
+    if not _tracing():
+        return contextlib.nullcontext(carrier)
+    return _publish_span(carrier, message_id, name, destination)
+
+
+@contextlib.contextmanager
+def _publish_span(
+    carrier: dict[str, str], message_id: str, name: str, destination: str
+) -> Iterator[Mapping[str, str]]:
+    attributes = {
+        MESSAGE_ID: message_id,
+        DESTINATION: name,
+        OPERATION: "send",
+        OUTBOX_DESTINATION: destination,
+    }
+    span = trace.get_tracer(SCOPE).start_span(
+        PUBLISH_SPAN,
+        context=propagate.extract(carrier),
+        kind=SpanKind.PRODUCER,
+        attributes=attributes,
+    )
+    current = trace.set_span_in_context(span)
+    headers: dict[str, str] = {}
+    propagate.inject(headers, context=current)
+    token = context.attach(current)
+    try:
+        yield headers
+    except BaseException as exc:
+        _failed(span, exc)
+        raise
+    finally:
+        context.detach(token)
+        span.end()
+
+
+def _failed(span: Any, exc: BaseException) -> None:
+    # The exception's type only, as on the claim's span: an error's text can quote a key.
+    span.set_status(Status(StatusCode.ERROR, type(exc).__name__))
+
+
+if ENABLED:
+
+    class _RequestGetter(Getter[Any]):
+        """Reads a Celery task's request: a message header is an attribute of it (a worker),
+        or an entry of its ``headers`` (an eager call)."""
+
+        def get(self, carrier: Any, key: str) -> list[str] | None:
+            value = getattr(carrier, key, None)
+            if value is None:
+                headers = getattr(carrier, "headers", None)
+                value = headers.get(key) if isinstance(headers, dict) else None
+            return [value] if isinstance(value, str) else None
+
+        def keys(self, carrier: Any) -> list[str]:
+            return []
+
+    _REQUEST_GETTER = _RequestGetter()
+
+
+_NO_SPAN: contextlib.nullcontext[None] = contextlib.nullcontext()
+
+
+def consuming(request: Any, task_name: str) -> contextlib.AbstractContextManager[object]:
+    """Around an exactly-once consumer's run: the ``idempotency.consume`` span, child of the
+    trace context its message carried, unless a span is current already (Celery's own
+    OpenTelemetry instrumentation made one, from the same headers)."""
+    if not _tracing() or trace.get_current_span().get_span_context().is_valid:
+        return _NO_SPAN
+    return _consume_span(request, task_name)
+
+
+@contextlib.contextmanager
+def _consume_span(request: Any, task_name: str) -> Iterator[None]:
+    parent = propagate.extract(request, getter=_REQUEST_GETTER)
+    attributes = {MESSAGE_ID: str(request.id), DESTINATION: task_name, OPERATION: "process"}
+    with trace.get_tracer(SCOPE).start_as_current_span(
+        CONSUME_SPAN,
+        context=parent,
+        kind=SpanKind.CONSUMER,
+        attributes=attributes,
+        record_exception=False,
+        set_status_on_exception=False,
+    ) as span:
+        try:
+            yield
+        except BaseException as exc:
+            _failed(span, exc)
+            raise

@@ -1,0 +1,309 @@
+"""Trace context through the outbox: the enqueuing request's W3C context is stored with the
+message, the relay publishes under a span of that trace and sends it in the destination's
+headers (Celery message headers, NATS headers), and an exactly-once consumer's span continues
+it, so that one trace shows request -> relay publish -> task. With no tracer provider set,
+nothing is stored. The worker is a real Celery worker (in a thread) on a private Redis."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from celery import Celery
+from celery.contrib.testing.worker import start_worker
+from django.db import transaction
+from django.http import HttpRequest, JsonResponse
+from django.test import Client, override_settings
+from django.urls import path
+from django.views.decorators.csrf import csrf_exempt
+from opentelemetry import propagate, trace
+from opentelemetry.sdk.trace import ReadableSpan
+from opentelemetry.trace import SpanKind, StatusCode
+
+from django_idempotency.decorators import idempotent
+from django_idempotency.engine.instrumentation import CLAIM_SPAN, KIND
+from django_idempotency.messaging import tracing
+from django_idempotency.messaging.consumers import ExactlyOnceTask
+from django_idempotency.messaging.destinations import NATS
+from django_idempotency.messaging.outbox import enqueue_event, enqueue_task
+from django_idempotency.messaging.relay import PublishFailed, Relay
+from django_idempotency.models import OutboxMessage
+from tests.conftest import ROOT
+from tests.messaging.test_relay import bare_app
+from tests.support.chain_processes import RedisServer, wait_for
+from tests.support.nats_server import NATS_SERVER, NatsServer
+from tests.support.otel import SPANS, collect_fixture, sdk_fixture  # noqa: F401  (fixtures)
+
+pytestmark = [
+    pytest.mark.urls("tests.messaging.test_trace_context"),
+    pytest.mark.django_db(transaction=True),
+    pytest.mark.timeout(120),
+]
+
+TASK = "tests.trace.settle"
+FAILING = "tests.trace.fail"
+SECRET = "key-4f1c-never-exported"
+SETTLED: list[str] = []
+
+
+@csrf_exempt
+@idempotent(allow_anonymous=True)
+def charge(request: HttpRequest) -> JsonResponse:
+    return JsonResponse({"task_id": enqueue_task(TASK, (42,))}, status=201)
+
+
+urlpatterns = [path("charge/", charge)]
+
+
+def request_span(client: Client) -> tuple[ReadableSpan | Any, str]:
+    """POST /charge/ under a server span (standing for the web framework's instrumentation);
+    the span and the message id the view enqueued."""
+    tracer = trace.get_tracer("tests.trace")
+    with tracer.start_as_current_span("POST /charge/", kind=SpanKind.SERVER) as span:
+        response = client.post("/charge/", headers={"Idempotency-Key": str(uuid.uuid4())})
+    assert response.status_code == 201, response.content
+    return span, response.json()["task_id"]
+
+
+def carried(headers: dict[str, str]) -> tuple[int, int]:
+    """The trace and span id that W3C headers name."""
+    found = trace.get_current_span(propagate.extract(headers)).get_span_context()
+    return found.trace_id, found.span_id
+
+
+def parent_of(span: ReadableSpan) -> int | None:
+    return span.parent.span_id if span.parent is not None else None
+
+
+@pytest.fixture
+def app(private_redis: RedisServer) -> Celery:
+    SETTLED.clear()
+    app = bare_app(private_redis.url, "trace-tests")
+
+    @app.task(name=TASK, base=ExactlyOnceTask, bind=True, shared=False)
+    def settle(self: Any, charge: int) -> int:
+        SETTLED.append(str(self.request.id))
+        return charge
+
+    @app.task(name=FAILING, base=ExactlyOnceTask, bind=True, shared=False)
+    def fail(self: Any, charge: int) -> int:
+        raise ValueError(f"card {SECRET} declined")
+
+    return app
+
+
+def test_one_trace_shows_the_request_the_relay_publish_and_the_exactly_once_task(
+    collect: Any, app: Celery, django_db_blocker: Any
+) -> None:
+    request, message_id = request_span(Client())
+    stored = OutboxMessage.objects.get().options[tracing.TRACE_OPTION]
+    context = request.get_span_context()
+    assert carried(stored) == (context.trace_id, context.span_id)
+
+    assert Relay(app=app).drain() == 1
+    with start_worker(app, pool="solo", perform_ping_check=False, shutdown_timeout=30):
+        wait_for(lambda: [message_id] == SETTLED)
+    # The worker's thread ends its span once the task has returned.
+    wait_for(lambda: any(s.name == tracing.CONSUME_SPAN for s in SPANS.get_finished_spans()))
+    spans = collect().spans
+    (publish,) = [s for s in spans if s.name == tracing.PUBLISH_SPAN]
+    (consume,) = [s for s in spans if s.name == tracing.CONSUME_SPAN]
+    (task_claim,) = [
+        s for s in spans if s.name == CLAIM_SPAN and s.attributes[KIND] == "task"
+    ]  # fmt: skip
+    assert {s.context.trace_id for s in (publish, consume, task_claim)} == {context.trace_id}
+    assert parent_of(publish) == context.span_id and publish.kind == SpanKind.PRODUCER
+    assert parent_of(consume) == publish.context.span_id and consume.kind == SpanKind.CONSUMER
+    assert parent_of(task_claim) == consume.context.span_id
+    assert publish.attributes[tracing.MESSAGE_ID] == message_id
+    assert consume.attributes[tracing.MESSAGE_ID] == message_id
+
+
+def ancestry(span: ReadableSpan, spans: list[ReadableSpan]) -> list[str]:
+    """The names of ``span``'s parents, nearest first, as far as ``spans`` hold them."""
+    by_id = {s.context.span_id: s for s in spans}
+    names: list[str] = []
+    found = by_id.get(parent_of(span) or 0)
+    while found is not None:
+        names.append(found.name)
+        found = by_id.get(parent_of(found) or 0)
+    return names
+
+
+def test_under_celerys_own_instrumentation_its_task_span_continues_the_trace(
+    collect: Any, app: Celery
+) -> None:
+    instrumentation = pytest.importorskip("opentelemetry.instrumentation.celery")
+    instrumentor = instrumentation.CeleryInstrumentor()
+    instrumentor.instrument()
+    try:
+        tracer = trace.get_tracer("tests.trace")
+        with tracer.start_as_current_span("POST /charge/", kind=SpanKind.SERVER) as request:
+            response = Client().post("/charge/", headers={"Idempotency-Key": str(uuid.uuid4())})
+        message_id = response.json()["task_id"]
+        assert Relay(app=app).drain() == 1
+        with start_worker(app, pool="solo", perform_ping_check=False, shutdown_timeout=30):
+            wait_for(lambda: [message_id] == SETTLED)
+        wait_for(lambda: any(s.name == f"run/{TASK}" for s in SPANS.get_finished_spans()))
+    finally:
+        instrumentor.uninstrument()
+    spans = collect().spans
+    (task_claim,) = [s for s in spans if s.name == CLAIM_SPAN and s.attributes[KIND] == "task"]
+    # The instrumentation's task span, and no consume span of the package's own beside it.
+    chain = ancestry(task_claim, spans)
+    assert chain[0] == f"run/{TASK}" and tracing.CONSUME_SPAN not in chain
+    assert chain[-2:] == [tracing.PUBLISH_SPAN, "POST /charge/"]
+    trace_id = request.get_span_context().trace_id
+    assert task_claim.context.trace_id == trace_id
+
+
+def test_with_tracing_off_in_the_relay_the_stored_context_goes_out_as_it_is(
+    collect: Any, app: Celery, private_redis: RedisServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    request_span(Client())
+    stored = OutboxMessage.objects.get().options[tracing.TRACE_OPTION]
+    monkeypatch.setattr(tracing, "listening", lambda: False)
+    Relay(app=app).drain()
+    (headers,) = private_redis.queued()
+    assert headers["traceparent"] == stored["traceparent"]
+    assert not [s for s in collect().spans if s.name == tracing.PUBLISH_SPAN]
+
+
+def test_a_task_with_a_countdown_carries_the_context_too(
+    collect: Any, app: Celery, private_redis: RedisServer
+) -> None:
+    # Sent through app.send_task() (an eta), not the relay's own fast path.
+    tracer = trace.get_tracer("tests.trace")
+    with tracer.start_as_current_span("POST /later/"), transaction.atomic():
+        enqueue_task(TASK, (3,), countdown=60)
+    Relay(app=app).drain()
+    (headers,) = private_redis.queued()
+    (publish,) = collect().named(tracing.PUBLISH_SPAN)
+    assert headers["eta"] is not None
+    assert carried(headers) == (publish.context.trace_id, publish.context.span_id)
+
+
+def test_a_message_enqueued_outside_any_span_carries_no_context_and_no_header(
+    collect: Any, app: Celery, private_redis: RedisServer
+) -> None:
+    with transaction.atomic():
+        enqueue_task(TASK, (1,))
+    assert tracing.TRACE_OPTION not in OutboxMessage.objects.get().options
+    Relay(app=app).drain()
+    (headers,) = private_redis.queued()
+    assert "traceparent" not in headers
+    assert not [s for s in collect().spans if s.name == tracing.PUBLISH_SPAN]
+
+
+def test_an_eager_call_with_trace_headers_continues_the_trace(collect: Any, app: Celery) -> None:
+    settle = app.tasks[TASK]
+    parent = {"traceparent": "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"}
+    settle.apply((5,), task_id=str(uuid.uuid4()), headers=parent)
+    (consume,) = collect().named(tracing.CONSUME_SPAN)
+    assert consume.context.trace_id == 0x0AF7651916CD43DD8448EB211C80319C
+    assert parent_of(consume) == 0xB7AD6B7169203331
+
+
+def refuse_with_a_secret(name: str, args: Any, kwargs: Any, options: Any, **extra: Any) -> None:
+    raise ValueError(f"no route for {SECRET}")
+
+
+def test_failed_publishes_and_consumers_say_the_errors_type_only(collect: Any, app: Celery) -> None:
+    parent = {"traceparent": "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"}
+    app.tasks[FAILING].apply((5,), task_id=str(uuid.uuid4()), headers=parent)
+    with trace.get_tracer("tests.trace").start_as_current_span("POST /x/"), transaction.atomic():
+        enqueue_task(TASK, (1,))
+    app.conf.task_routes = (refuse_with_a_secret,)
+    with pytest.raises(PublishFailed):
+        Relay(app=app).drain()
+    got = collect()
+    (consume,) = got.named(tracing.CONSUME_SPAN)
+    (publish,) = got.named(tracing.PUBLISH_SPAN)
+    assert consume.status.status_code == publish.status.status_code == StatusCode.ERROR
+    assert consume.status.description == publish.status.description == "ValueError"
+    assert not [value for value in got.every_value() if SECRET in value]
+
+
+def test_a_consumer_under_a_span_already_current_makes_no_span_of_its_own(
+    collect: Any, app: Celery
+) -> None:
+    # As under Celery's own OpenTelemetry instrumentation, whose task span is current.
+    with trace.get_tracer("tests.trace").start_as_current_span("run/tests.trace.settle") as run:
+        app.tasks[TASK].apply((6,), task_id=str(uuid.uuid4()))
+    spans = collect().spans
+    assert not [s for s in spans if s.name == tracing.CONSUME_SPAN]
+    (claim,) = [s for s in spans if s.name == CLAIM_SPAN]
+    assert parent_of(claim) == run.get_span_context().span_id
+
+
+# NATS -----------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def nats_server(tmp_path: Path) -> Iterator[NatsServer]:
+    if NATS_SERVER is None:
+        pytest.skip("needs nats-server (Debian: nats-server)")
+    server = NatsServer.on_free_port(tmp_path)
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+def test_nats_messages_carry_the_publish_spans_context_in_their_headers(
+    collect: Any, nats_server: NatsServer
+) -> None:
+    nats_server.add_stream()
+    tracer = trace.get_tracer("tests.trace")
+    with tracer.start_as_current_span("POST /capture/") as request, transaction.atomic():
+        event = enqueue_event("payments.captured", {"charge": 7})
+    options = {"servers": [nats_server.url], "subject": "outbox.{name}", "ack_timeout": 2}
+    with override_settings(
+        IDEMPOTENCY_OUTBOX_DESTINATIONS={"default": {"BACKEND": NATS, "OPTIONS": options}},
+    ):
+        relay = Relay()
+        try:
+            assert relay.drain() == 1
+        finally:
+            relay.destinations.close()
+    (publish,) = collect().named(tracing.PUBLISH_SPAN)
+    assert parent_of(publish) == request.get_span_context().span_id
+    assert publish.attributes[tracing.OUTBOX_DESTINATION] == "default"
+    assert publish.attributes[tracing.DESTINATION] == "outbox.payments.captured"
+    headers = nats_server.message(1).headers
+    assert headers["Nats-Msg-Id"] == event
+    assert carried(headers) == (request.get_span_context().trace_id, publish.context.span_id)
+
+
+# Tracing off ----------------------------------------------------------------------------
+
+NO_PROVIDER = """
+import json, django
+django.setup()
+from django.db import transaction
+from opentelemetry import context, propagate
+from django_idempotency.messaging.outbox import enqueue_task
+from django_idempotency.models import OutboxMessage
+# A valid remote parent is current, but no tracer provider is set: nothing is stored.
+parent = {"traceparent": "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"}
+token = context.attach(propagate.extract(parent))
+with transaction.atomic():
+    message_id = enqueue_task("tests.trace.settle", (1,))
+print(json.dumps(OutboxMessage.objects.get(pk=message_id).options))
+"""
+
+
+def test_with_no_tracer_provider_nothing_is_stored(subprocess_env: dict[str, str]) -> None:
+    done = subprocess.run(
+        [sys.executable, "-c", NO_PROVIDER], cwd=ROOT, env=subprocess_env,
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout.strip().splitlines()[-1]) == {}
