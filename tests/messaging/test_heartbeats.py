@@ -20,7 +20,8 @@ from django.core.management.base import CommandError
 from django.db import transaction
 from django.utils import timezone
 
-from django_idempotency.messaging import heartbeats, relay as relay_module
+from django_idempotency.messaging import heartbeats
+from django_idempotency.messaging import relay as relay_module
 from django_idempotency.messaging.heartbeats import Heartbeat
 from django_idempotency.messaging.outbox import enqueue_task
 from django_idempotency.messaging.relay import Relay
@@ -160,3 +161,29 @@ def test_age_and_alive_read_the_last_beat(settings: Any) -> None:
     assert heartbeats.age(row, now - timedelta(seconds=1)) == 0  # clocks a little apart
     assert heartbeats.alive(row, now + heartbeats.STALE_AFTER)
     assert not heartbeats.alive(row, now + heartbeats.STALE_AFTER + timedelta(seconds=1))
+
+
+@pytest.mark.django_db
+def test_the_old_backlog_check_says_whether_a_relay_beats(settings: Any) -> None:
+    from django.db import connection
+
+    from django_idempotency.checks import check_outbox_backlog
+
+    settings.IDEMPOTENCY_OUTBOX_MAX_AGE = timedelta(minutes=5)
+    enqueue(1)
+    with connection.cursor() as cursor:
+        cursor.execute(
+            "UPDATE django_idempotency_outbox SET created_at = now() - interval '10 minutes'"
+        )
+    (warning,) = check_outbox_backlog(None, databases=["default"])
+    assert warning.id == "django_idempotency.W120"
+    assert "no relay has beaten in the last 30 s (none runs, or it hangs)." in warning.msg
+    now = timezone.now()
+    RelayHeartbeat.objects.create(
+        owner="web-1:7:aa", host="web-1", pid=7, started_at=now, beat_at=now,
+        last_error="OperationalError: refused",
+    )  # fmt: skip
+    (warning,) = check_outbox_backlog(None, databases=["default"])
+    assert "relay web-1:7:aa on web-1 runs (last beat " in warning.msg
+    assert " s ago) but does not keep up, or cannot reach its destination" in warning.msg
+    assert "(its last error: OperationalError: refused)." in warning.msg
