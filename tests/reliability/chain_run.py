@@ -2,7 +2,8 @@
 the fake processor and post to the ledger through the outbox, with the chain's own faults.
 
 1. setup: a fresh database, migrated, with token users.
-2. the chain: the processor, a private redis-server, relays and Celery workers.
+2. the chain: the processor, the destination's private broker (a redis-server, a RabbitMQ
+   node), relays and its consumers (Celery workers).
 3. faulted traffic, per server shape: SDK clients sending charges (some of whose ledger tasks
    kill their worker mid-task or after their commit, or outlast the visibility timeout)
    while gunicorn workers, relays and Celery workers are killed, the broker and PostgreSQL
@@ -24,20 +25,18 @@ from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
-import psycopg
-import redis
-
 from tests.conftest import GunicornServer
 from tests.reliability import chain_checks, checks
 from tests.reliability.app import serve
 from tests.reliability.chain import RELAY, WORKER, Chain, ChainFaults, run_chain
+from tests.reliability.chain_destinations import DESTINATIONS
 from tests.reliability.chain_relay import DIED
 from tests.reliability.faults import Injector
 from tests.reliability.postgres import Database
 from tests.reliability.profiles import ChainShape
 from tests.reliability.report import Check, Report
 from tests.reliability.run import Runner
-from tests.support.chain_processes import CHAIN_SETTINGS, processor_captures, processor_stats
+from tests.support.chain_processes import processor_captures, processor_stats
 
 # What the chain's logs say, counted for the report.
 LOGGED = {
@@ -59,6 +58,7 @@ class ChainRunner(Runner):
         super().__init__(*args, **kwargs)
         assert self.profile.chain is not None
         self.shape: ChainShape = self.profile.chain
+        self.destination = DESTINATIONS[self.shape.destination]
         self.directory = Path(tempfile.mkdtemp(prefix="idem-chain-"))
         self.chain: Chain | None = None
         self.state: chain_checks.ChainState | None = None
@@ -92,7 +92,7 @@ class ChainRunner(Runner):
                     first = "the chain and " if index == 0 else ""
                     with self.phase(f"start {first}{shape.describe()}"):
                         server = server_stack.enter_context(serve(
-                            database, shape, self.logs, settings=CHAIN_SETTINGS,
+                            database, shape, self.logs, settings=self.destination.settings,
                             env=self.chain.env,
                         ))  # fmt: skip
                         self.chain.wait_ready()
@@ -130,7 +130,9 @@ class ChainRunner(Runner):
         while time.monotonic() < deadline:
             try:
                 state = (self.backlog(database), *chain.broker.in_flight())
-            except (psycopg.Error, redis.RedisError):  # still coming back
+            # The database or the broker still coming back (each broker's client raises its
+            # own errors).
+            except Exception:
                 state = (-1, -1, -1)
             now = time.monotonic()
             if state != (0, 0, 0):
@@ -197,7 +199,7 @@ class ChainRunner(Runner):
         return {
             **super().environment(database, traffic_seconds),
             "servers": "; ".join(s.describe() for s in self.profile.shapes)
-            + f" (gunicorn --preload, {CHAIN_SETTINGS}, PAYMENTS_FAULTS_ENABLED=1)",
+            + f" (gunicorn --preload, {self.destination.settings}, PAYMENTS_FAULTS_ENABLED=1)",
             "chain": self.shape.describe(),
         }
 

@@ -45,9 +45,11 @@ class RetryPolicy:
 @dataclass(frozen=True)
 class ChainShape:
     """The side-effect chain beside the app servers (the chain profiles): the fake card
-    processor, a private redis-server, relays and prefork Celery workers, and the faults
-    made to them."""
+    processor, the destination's private broker and consumers (``chain_destinations.py``:
+    Celery on a redis-server by default), relays, and the faults made to them."""
 
+    # A name of chain_destinations.DESTINATIONS.
+    destination: str = "celery-redis"
     relays: int = 2
     workers: int = 2
     concurrency: int = 2
@@ -68,10 +70,13 @@ class ChainShape:
     drain_timeout: float = 180.0
 
     def describe(self) -> str:
+        from tests.reliability.chain_destinations import DESTINATIONS
+
         return (
-            f"{self.relays} relays (manage.py idempotency_relay), {self.workers} Celery "
-            f"workers (prefork, {self.concurrency} children each), a private redis-server "
-            "(visibility timeout 2 s), the fake card processor"
+            f"{self.relays} relays (manage.py idempotency_relay); destination "
+            f"{self.destination}: {DESTINATIONS[self.destination].description}, "
+            f"{self.workers} consumer processes of {self.concurrency} children each; the fake "
+            "card processor"
         )
 
 

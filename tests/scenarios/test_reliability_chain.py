@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.reliability.broker_log import replay
+from tests.reliability.broker_log import BrokerLog, replay
 from tests.reliability.chain_checks import (
     GIVEN_BACK,
     ChainState,
@@ -141,6 +141,7 @@ def sound() -> ChainState:
         ledger={70: (7, MESSAGE)},
         results={MESSAGE: 70},
         deliveries=[Delivery(MESSAGE, "tag-1", False)],
+        broker=BrokerLog(kept=True),
     )
 
 
@@ -246,6 +247,27 @@ def test_a_lost_message_another_publish_delivered_is_recovered() -> None:
     assert violations(state) == []
     assert figures(state)["dropped messages no worker received (lost)"] == 1
     assert figures(state)["lost messages delivered again by another publish"] == 1
+
+
+def test_a_dead_letter_is_a_violation_none_is_caused_on_purpose() -> None:
+    state = sound()
+    state.outbox[MESSAGE] = (7, False)
+    state.dead.add(MESSAGE)
+    assert violations(state) == [(OTHER, "outbox row dead-lettered")]
+    assert figures(state)["outbox dead letters"] == 1
+
+
+def test_without_a_broker_log_its_figures_are_left_out_not_zero() -> None:
+    # RabbitMQ keeps no log to replay: what the deliveries show is still counted.
+    state = sound()
+    state.broker = BrokerLog()
+    state.deliveries += [Delivery(MESSAGE, "1", True)]
+    counted = figures(state)
+    assert "publishes the broker accepted" not in counted
+    assert "dropped messages no worker received (lost)" not in counted
+    assert counted["deliveries flagged redelivered"] == 1
+    assert counted["outbox rows delivered more than once"] == 1
+    assert violations(state) == []
 
 
 def test_a_row_marked_published_and_never_delivered_is_reported() -> None:
