@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import json
 import random
+import secrets
 import signal
 import subprocess
 import sys
@@ -174,6 +175,8 @@ def run_chain(
                 **django_env(database, settings=destination.settings),
                 "CELERY_BROKER_URL": broker.url,
                 "PAYMENTS_PROCESSOR_URL": processor_url,
+                # What the processor signs its webhooks with (chain_run.py tells it).
+                "PAYMENTS_WEBHOOK_SECRET": secrets.token_hex(16),
                 DELIVERIES: str(deliveries),
             }
             slots = (

@@ -59,6 +59,8 @@ class ChainState:
     redriven: dict[str, int] = field(default_factory=dict)
     # outbox message ids of the dead letters (none is caused on purpose)
     dead: set[str] = field(default_factory=set)
+    # charge id -> settlements by the processor's webhook; None: the run settles nothing
+    settlements: Counter[int] | None = None
 
 
 def collect(
@@ -66,6 +68,8 @@ def collect(
     captures: list[dict[str, Any]],
     deliveries: list[Delivery],
     broker: BrokerLog,
+    *,
+    settled: bool = False,
 ) -> ChainState:
     with database.connect() as conn:
         rows = conn.execute("SELECT id, amount FROM payments_charge")
@@ -88,6 +92,14 @@ def collect(
                 "SELECT id, charge_id, message_id FROM payments_ledgerentry"
             )
         }
+        settlements = (
+            Counter(
+                int(charge)
+                for (charge,) in conn.execute("SELECT charge_id FROM payments_settlement")
+            )
+            if settled
+            else None
+        )
         results = {
             str(key): stored_json(body, encoding).get("entry")
             for key, body, encoding in conn.execute(
@@ -98,8 +110,9 @@ def collect(
         }
     captured = Counter(int(c["amount"]) for c in captures)
     return ChainState(
-        charges, captured, outbox, ledger, results, deliveries, broker, redriven, dead
-    )
+        charges, captured, outbox, ledger, results, deliveries, broker, redriven, dead,
+        settlements,
+    )  # fmt: skip
 
 
 def check_chain(state: ChainState) -> Findings:
@@ -112,6 +125,8 @@ def check_chain(state: ChainState) -> Findings:
         _exactly_one(findings, outbox_rows[charge], "outbox row", label)
         # Even for a message the broker dropped: the relay's redrive publishes it again.
         _exactly_one(findings, ledger_rows[charge], "ledger row", label)
+        if state.settlements is not None:
+            _exactly_one(findings, state.settlements[charge], "settlement", label)
     committed = set(state.charges.values())
     for amount, count in sorted(state.captures.items()):
         if amount not in committed:
@@ -179,6 +194,8 @@ def figures(state: ChainState) -> dict[str, int]:
         "outbox rows published": sum(published for _, published in state.outbox.values()),
         "outbox dead letters": len(state.dead),
     }
+    if state.settlements is not None:
+        counts["settlements"] = sum(state.settlements.values())
     if state.broker.kept:  # what the broker's log says (Redis' append-only file)
         counts |= {
             "publishes the broker accepted": sum(published.values()),

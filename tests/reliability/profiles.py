@@ -68,6 +68,9 @@ class ChainShape:
     broker_down_seconds: tuple[float, float] = (0.2, 1.5)
     # The recovery waits this long at most for the outbox and the queue to empty.
     drain_timeout: float = 180.0
+    # The processor settles each capture by its signed webhook (delivered until answered 2xx,
+    # then once more), and every committed charge must be settled exactly once.
+    settle: bool = False
 
     def describe(self) -> str:
         from tests.reliability.chain_destinations import DESTINATIONS
@@ -77,6 +80,7 @@ class ChainShape:
             f"{self.destination}: {DESTINATIONS[self.destination].description}, "
             f"{self.workers} consumer processes of {self.concurrency} children each; the fake "
             "card processor"
+            + (", settling each capture by its signed webhook, delivered twice" * self.settle)
         )
 
 
@@ -266,7 +270,7 @@ PROFILES = {
         name="chain",
         traffic_seconds=240.0,
         shapes=(ServerShape(workers=3),),
-        chain=ChainShape(),
+        chain=ChainShape(settle=True),
         **CHAIN_TRAFFIC,
         clients=8,
         fault_every=(2.0, 5.0),

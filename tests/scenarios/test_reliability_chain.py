@@ -257,6 +257,16 @@ def test_a_dead_letter_is_a_violation_none_is_caused_on_purpose() -> None:
     assert figures(state)["outbox dead letters"] == 1
 
 
+def test_where_the_processor_settles_each_charge_is_settled_exactly_once() -> None:
+    state = sound()
+    state.settlements = Counter({7: 1})
+    assert violations(state) == [] and figures(state)["settlements"] == 1
+    state.settlements[7] = 2
+    assert violations(state) == [(DUPLICATE, "more than one settlement")]
+    state.settlements.clear()
+    assert violations(state) == [(OTHER, "no settlement")]
+
+
 def test_without_a_broker_log_its_figures_are_left_out_not_zero() -> None:
     # RabbitMQ keeps no log to replay: what the deliveries show is still counted.
     state = sound()
