@@ -319,3 +319,30 @@ def test_the_broker_log_replay_finds_a_message_taken_and_never_recorded(tmp_path
     assert log.dropped == {"t2": "m2"}
     assert log.given_back == 1
     assert (log.publishes("m1"), log.publishes("m2"), log.publishes("m3")) == (1, 1, 0)
+
+
+# The command line ----------------------------------------------------------------------
+
+
+def test_destination_is_for_chain_profiles_and_each_one_is_described(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    from tests.reliability.__main__ import main
+    from tests.reliability.chain_destinations import DESTINATIONS
+    from tests.reliability.profiles import ChainShape
+
+    with pytest.raises(SystemExit) as refused:
+        main(["--profile", "short", "--destination", "celery-rabbitmq"])
+    assert refused.value.code == 2
+    assert "--destination is for a chain profile (chain, chain-short), not short" in (
+        capsys.readouterr().err
+    )
+    assert {"celery-redis", "celery-rabbitmq"} <= set(DESTINATIONS)
+    assert PROFILES["chain-short"].chain == ChainShape(
+        fault_every=(0.3, 0.7), broker_down_seconds=(0.2, 0.6), drain_timeout=90.0
+    )  # the suite's own: Celery on Redis, no settlements
+    described = ChainShape(destination="celery-rabbitmq", settle=True).describe()
+    assert (
+        "destination celery-rabbitmq: Celery workers (prefork) on a private RabbitMQ" in described
+    )
+    assert "settling each capture by its signed webhook" in described
