@@ -180,10 +180,7 @@ def _broker(chain: Chain, env: Mapping[str, str]) -> str:
     chain.directory = tempfile.mkdtemp(prefix="demo-redis-")
     redis = ["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "",
              "--appendonly", "no", "--dir", chain.directory]  # fmt: skip
-    chain.add(
-        "broker (redis-server)",
-        lambda: subprocess.Popen(redis, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL),
-    )
+    chain.add("broker (redis-server)", _spawner(redis, env, subprocess.DEVNULL))
     return f"redis://127.0.0.1:{port}/0"
 
 
