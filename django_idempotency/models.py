@@ -160,6 +160,29 @@ class OutboxEvent(models.Model):
         return f"{self.aggregate_type} {self.aggregate_id} {self.event_type} [{self.id}]"
 
 
+class RelayHeartbeat(models.Model):
+    """A running relay's last sign of life: one row per relay, beaten every few seconds
+    (``messaging/heartbeats.py``), removed when the relay stops cleanly. A row that stops
+    beating is a relay that died (its pid is gone) or hangs."""
+
+    owner = models.CharField(_("relay"), max_length=64, primary_key=True)
+    host = models.CharField(_("host"), max_length=255)
+    pid = models.IntegerField(_("process id"))
+    started_at = models.DateTimeField(_("started at"))
+    beat_at = models.DateTimeField(_("last beat at"), db_index=True)
+    published = models.BigIntegerField(_("messages published"), default=0)
+    failed = models.BigIntegerField(_("failed publishes"), default=0)
+    last_error = models.TextField(_("last error"), default="", blank=True)
+
+    class Meta:
+        db_table = "django_idempotency_relay_heartbeat"
+        verbose_name = _("relay heartbeat")
+        verbose_name_plural = _("relay heartbeats")
+
+    def __str__(self) -> str:
+        return f"relay {self.owner}"
+
+
 class ProbeRow(models.Model):
     """A write of the deployment probe's (``django_idempotency.probe``): one per execution of
     a probe key, in the records' transaction; rows older than ``IDEMPOTENCY_MAX_TTL`` go."""

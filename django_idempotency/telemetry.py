@@ -91,6 +91,7 @@ __all__ = [
     "RECORDS_MODEL",
     "REDELIVERED",
     "REFUSED",
+    "RELAY_HEARTBEAT_AGE",
     "RELAY_LAG",
     "REPLAYED",
     "REPLAYS",
@@ -126,6 +127,7 @@ PARTITION_HEADROOM = "idempotency.partitions.headroom"
 OUTBOX_BACKLOG = "idempotency.outbox.backlog"
 OUTBOX_OLDEST_AGE = "idempotency.outbox.oldest_age"
 OUTBOX_DEAD = "idempotency.outbox.dead"
+RELAY_HEARTBEAT_AGE = "idempotency.relay.heartbeat_age"
 
 # Attribute keys.
 DATABASE = "idempotency.database"  # a database alias
@@ -212,6 +214,12 @@ def connect() -> None:
             [_observe_oldest_age],
             "s",
             "Age of the oldest unpublished outbox message; 0 when there is none.",
+        )
+        meter.create_observable_gauge(
+            RELAY_HEARTBEAT_AGE,
+            [_observe_heartbeat_age],
+            "s",
+            "Seconds since the freshest relay heartbeat; absent when no relay has a row.",
         )
 
 
@@ -358,3 +366,22 @@ def _observe_oldest_age(options: CallbackOptions) -> Iterable[Observation]:
 def _observe_dead(options: CallbackOptions) -> Iterable[Observation]:
     readings = _cached(OUTBOX_BACKLOG, _backlog)
     return _observe([(dead, {DATABASE: alias}) for _count, _age, dead, alias in readings])
+
+
+def _heartbeat_ages() -> list[tuple[float, dict[str, str]]]:
+    from django_idempotency.messaging import heartbeats
+
+    found = []
+    for alias in _aliases(OUTBOX_MODEL):
+
+        def read(connection: Any, alias: str = alias) -> list[tuple[float, dict[str, str]]]:
+            freshest = heartbeats.freshest(alias)
+            return [] if freshest is None else [(heartbeats.age(freshest), {DATABASE: alias})]
+
+        found += _on(alias, read)
+    return found
+
+
+def _observe_heartbeat_age(options: CallbackOptions) -> Iterable[Observation]:
+    # Not cached: one row read by its index, and an age must be now's, not a minute old.
+    return _observe(_heartbeat_ages())

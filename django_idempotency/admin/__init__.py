@@ -1,6 +1,7 @@
 """Read-only admins for the records, the outbox and the CDC events that stay fast on large
 partitioned tables: every query bounded (no full ``COUNT(*)``, no ``SELECT DISTINCT``, exact
-search, newest first from the primary key index). Importing the package registers them."""
+search, newest first from the primary key index); and the relays' heartbeats. Importing the
+package registers them."""
 
 from django_idempotency.admin.base import (
     DetailDeferringChangeList,
@@ -10,6 +11,7 @@ from django_idempotency.admin.base import (
 from django_idempotency.admin.events import OutboxEventAdmin
 from django_idempotency.admin.outbox import OutboxMessageAdmin
 from django_idempotency.admin.records import IdempotencyRecordAdmin, usernames
+from django_idempotency.admin.relays import RelayHeartbeatAdmin
 
 __all__ = [
     "DetailDeferringChangeList",
@@ -18,5 +20,6 @@ __all__ = [
     "OutboxEventAdmin",
     "OutboxMessageAdmin",
     "ReadOnlyLargeTableAdmin",
+    "RelayHeartbeatAdmin",
     "usernames",
 ]

@@ -18,7 +18,7 @@ from django.utils import timezone
 
 from django_idempotency.checks.base import as_written, ours
 from django_idempotency.conf import conf, wrong_type
-from django_idempotency.messaging import leases
+from django_idempotency.messaging import heartbeats, leases
 from django_idempotency.models import OutboxMessage
 
 # Dead letters are counted up to this many.
@@ -61,8 +61,7 @@ def check_outbox_backlog(
                 CheckWarning(
                     f"The oldest unpublished outbox message on database {alias!r} was written "
                     f"at {oldest.isoformat()}, more than IDEMPOTENCY_OUTBOX_MAX_AGE "
-                    f"({conf.OUTBOX_MAX_AGE}) ago: no relay is running, or it cannot reach "
-                    "the broker.",
+                    f"({conf.OUTBOX_MAX_AGE}) ago: {relays_state(alias)}",
                     hint="Run `manage.py idempotency_relay` (one or more, as long-running "
                     "processes) and read its log; rows that fail to publish show their last "
                     "error in the admin.",
@@ -70,6 +69,22 @@ def check_outbox_backlog(
                 )
             )
     return messages
+
+
+def relays_state(alias: str) -> str:
+    """What the relays' heartbeats say of why a backlog is old."""
+    freshest = heartbeats.freshest(alias)
+    if freshest is None or not heartbeats.alive(freshest):
+        return (
+            f"no relay has beaten in the last {heartbeats.STALE_AFTER.total_seconds():.0f} s "
+            "(none runs, or it hangs)."
+        )
+    error = f" (its last error: {freshest.last_error})" if freshest.last_error else ""
+    return (
+        f"relay {freshest.owner} on {freshest.host} runs (last beat "
+        f"{heartbeats.age(freshest):.0f} s ago) but does not keep up, or cannot reach its "
+        f"destination{error}."
+    )
 
 
 @register()

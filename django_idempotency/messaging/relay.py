@@ -22,6 +22,7 @@ from django_idempotency import signals
 from django_idempotency.conf import conf
 from django_idempotency.messaging import leases
 from django_idempotency.messaging.destinations import Destination, Destinations, Publication
+from django_idempotency.messaging.heartbeats import BEAT_EVERY, Heartbeat
 from django_idempotency.messaging.leases import Batch, Message
 from django_idempotency.messaging.outbox import CHANNEL
 from django_idempotency.messaging.redrive import Redrive
@@ -74,6 +75,7 @@ class Relay:
         self.owner = owner or default_owner()
         self.redrive = Redrive(self.app, self.using)
         self.stopping = threading.Event()
+        self.heartbeat = Heartbeat(self.using, self.owner, timezone.now())
         self._listener: Any = None
         self._backlog_checked = self._backlog_logged = self._redrive_checked = -math.inf
 
@@ -162,6 +164,7 @@ class Relay:
         self.release(batch, tuple(m for m in batch.messages if m.id not in done_ids))
         if result.ids:
             signals.outbox_published.send_robust(Relay, ids=result.ids, using=self.using)
+        self.heartbeat.count(published=result.marked, failed=result.failed, error=result.error)
         return result
 
     def drain(self) -> int:
@@ -266,21 +269,31 @@ class Relay:
             "; ".join(f"{d.name}: " * named + d.describe() for d in self.destinations),
         )
         self.redrive.import_tasks()
+        beating = False
         try:
             while not self.stopping.is_set():
                 try:
+                    if not beating:
+                        self.heartbeat.start()
+                        beating = True
                     # Listen before draining: a commit made during the drain still wakes us.
                     self.listen()
                     total += self.drain()
                     if self.redrive_if_due():
                         total += self.drain()
                     self.warn_if_backlog_is_old()
+                    self.heartbeat.beat()
                 # Anything: the broker or the database gone (psycopg's own errors come from the
                 # listener, which Django does not wrap), a bug in a receiver. Keep going.
                 except Exception as exc:
                     self._recover(exc)
                     if once:  # a one-off run (cron, a deploy step) reports and exits
                         raise
+                    # Alive if failing (its last error says why); no beat if the database
+                    # is what failed.
+                    if beating:
+                        with contextlib.suppress(Exception):
+                            self.heartbeat.beat()
                     self.stopping.wait(pause)
                     pause = min(pause * 2, conf.OUTBOX_POLL_INTERVAL.total_seconds())
                     continue
@@ -291,10 +304,14 @@ class Relay:
                 if self.redrive.after is not None:
                     # No commit announces that a redrive check is due.
                     poll = min(poll, self.redrive.check_every)
-                self.wait(poll)
+                # Idle, it still beats.
+                self.wait(min(poll, BEAT_EVERY))
         finally:
             self.close_listener()
             self.destinations.close()
+            if beating:  # a clean stop: its row goes (a database gone keeps it, stale)
+                with contextlib.suppress(Exception):
+                    self.heartbeat.stop()
         logger.info("Relay %s stopped; it published %d messages.", self.owner, total)
         return total
 

@@ -16,6 +16,7 @@ from typing import Any
 
 from django.conf import settings
 from django.http import HttpRequest, HttpResponse, JsonResponse
+from django.utils import timezone
 from django.views.decorators.csrf import csrf_exempt
 from django.views.decorators.http import require_POST
 from rest_framework.permissions import AllowAny
@@ -26,7 +27,7 @@ from rest_framework.views import APIView
 from django_idempotency.decorators import idempotent
 from django_idempotency.messaging.downstream import derive_key
 from django_idempotency.messaging.outbox import enqueue_task
-from django_idempotency.models import OutboxMessage
+from django_idempotency.models import OutboxMessage, RelayHeartbeat
 from testproject import processor
 from testproject.payments.models import Capture, Charge, LedgerEntry, Payment, Settlement
 from testproject.payments.serializers import ChainCountSerializer
@@ -156,7 +157,7 @@ def processor_stats() -> dict[str, Any] | None:
 
 class ChainCountView(APIView):
     """The whole chain at a glance: charges, captures at the processor, ledger rows,
-    settlements and the outbox backlog."""
+    settlements, the outbox backlog and dead letters, and the relay that beat last."""
 
     authentication_classes: list[type[Any]] = []
     permission_classes = [AllowAny]
@@ -165,6 +166,7 @@ class ChainCountView(APIView):
 
     def get(self, request: Request) -> Response:
         stats = processor_stats()
+        relay = RelayHeartbeat.objects.order_by("-beat_at").first()
         return Response(
             {
                 "charges": Charge.objects.count(),
@@ -172,5 +174,10 @@ class ChainCountView(APIView):
                 "ledger_rows": LedgerEntry.objects.count(),
                 "settlements": Settlement.objects.count(),
                 "outbox_backlog": OutboxMessage.objects.filter(published_at__isnull=True).count(),
+                "dead_letters": OutboxMessage.objects.filter(dead_at__isnull=False).count(),
+                "relay_owner": None if relay is None else relay.owner,
+                "relay_heartbeat_age": None
+                if relay is None
+                else round(max(0.0, (timezone.now() - relay.beat_at).total_seconds()), 1),
             }
         )

@@ -96,3 +96,13 @@ class ChainCountSerializer(serializers.Serializer[dict[str, Any]]):
     ledger_rows = serializers.IntegerField()
     settlements = serializers.IntegerField()
     outbox_backlog = serializers.IntegerField(help_text="Outbox messages not yet published.")
+    dead_letters = serializers.IntegerField(
+        help_text="Outbox messages that failed to publish too often, waiting to be requeued."
+    )
+    relay_owner = serializers.CharField(
+        allow_null=True, help_text="The relay that beat last; null if no relay has beaten."
+    )
+    relay_heartbeat_age = serializers.FloatField(
+        allow_null=True,
+        help_text="Seconds since that relay's last heartbeat (it beats every 5 s while it runs).",
+    )

@@ -23,7 +23,7 @@ from django_idempotency.admin import EstimatedCountPaginator
 from django_idempotency.http.endpoints import idempotent_endpoints
 from django_idempotency.messaging.cdc import emit_event
 from django_idempotency.messaging.outbox import enqueue_event, enqueue_task
-from django_idempotency.models import IdempotencyRecord, OutboxEvent, OutboxMessage
+from django_idempotency.models import IdempotencyRecord, OutboxEvent, OutboxMessage, RelayHeartbeat
 from django_idempotency.partitions.catalog import day_bounds, utc_today
 from django_idempotency.partitions.tables import RECORDS
 from tests.factories import IdempotencyRecordFactory, new_key
@@ -584,3 +584,33 @@ def test_events_admin_adds_changes_and_deletes_nothing(superuser_client):
     assert superuser_client.post(detail, {"event_type": "changed"}).status_code == 403
     assert superuser_client.post(delete, {"post": "yes"}).status_code == 403
     assert OutboxEvent.objects.filter(pk=event, event_type="OrderPlaced").exists()
+
+
+# The relays' heartbeats.
+
+
+def test_relay_heartbeats_are_listed_freshest_first_with_their_age_and_change_nothing(
+    superuser_client,
+):
+    now = timezone.now()
+    RelayHeartbeat.objects.create(
+        owner="web-2:8:bb", host="web-2", pid=8, started_at=now - timedelta(hours=1),
+        beat_at=now - timedelta(minutes=5),
+    )  # fmt: skip
+    RelayHeartbeat.objects.create(
+        owner="web-1:7:aa", host="web-1", pid=7, started_at=now, beat_at=now, published=5
+    )
+    changelist = reverse("admin:django_idempotency_relayheartbeat_changelist")
+    response = superuser_client.get(changelist)
+    assert response.status_code == 200
+    assert listed(response) == ["web-1:7:aa", "web-2:8:bb"]
+    page = response.content.decode()
+    # Only the one that has not beaten for five minutes is stale.
+    assert page.count(" s ago: stale, the relay died or hangs") == 1
+    assert response.context["action_form"] is None
+    detail = reverse("admin:django_idempotency_relayheartbeat_change", args=["web-1:7:aa"])
+    assert superuser_client.get(detail).status_code == 200
+    assert superuser_client.post(detail, {"pid": 9}).status_code == 403
+    delete = reverse("admin:django_idempotency_relayheartbeat_delete", args=["web-1:7:aa"])
+    assert superuser_client.post(delete, {"post": "yes"}).status_code == 403
+    assert RelayHeartbeat.objects.get(owner="web-1:7:aa").pid == 7

@@ -109,6 +109,27 @@ def test_dead_letters_are_a_gauge_of_their_own_and_leave_the_backlog(collect: An
     assert got.gauge(telemetry.OUTBOX_BACKLOG, database="default") == [1]
 
 
+@pytest.mark.django_db
+def test_the_relay_heartbeat_age_is_read_at_each_scrape_and_absent_without_a_relay(
+    collect: Any,
+) -> None:
+    from django.utils import timezone
+
+    from django_idempotency.models import RelayHeartbeat
+
+    assert collect().gauge(telemetry.RELAY_HEARTBEAT_AGE, database="default") == []
+    now = timezone.now()
+    for owner, seconds in (("fresh", 12), ("older", 300)):
+        beat = now - timedelta(seconds=seconds)
+        RelayHeartbeat.objects.create(owner=owner, host="h", pid=1, started_at=beat, beat_at=beat)
+    (age,) = collect().gauge(telemetry.RELAY_HEARTBEAT_AGE, database="default")
+    assert 12 <= age < 60  # the freshest relay's
+    # Not cached like the backlog: a relay that beats again is seen at once.
+    RelayHeartbeat.objects.filter(owner="fresh").update(beat_at=timezone.now())
+    (again,) = collect().gauge(telemetry.RELAY_HEARTBEAT_AGE, database="default")
+    assert again < 12
+
+
 @pytest.mark.django_db(transaction=True)
 def test_relay_lag_is_recorded_per_published_message(collect: Any) -> None:
     pytest.importorskip("celery")

@@ -1,13 +1,17 @@
-"""``python -m tests.reliability --profile short|long|pgbouncer|chain|chain-short``"""
+"""``python -m tests.reliability --profile short|long|pgbouncer|chain|chain-short``; a chain
+profile with ``--destination celery-redis|celery-rabbitmq``."""
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import shutil
 import sys
 import tempfile
 import time
 from pathlib import Path
 
+from tests.reliability.chain_destinations import DESTINATIONS
 from tests.reliability.postgres import explicit_server_url
 from tests.reliability.profiles import PROFILES
 from tests.reliability.run import run
@@ -28,19 +32,35 @@ def main(argv: list[str]) -> int:
         help="A PostgreSQL server to create the run's database on; it is never restarted "
         "(default: DATABASE_URL if set, else a private embedded cluster).",
     )
+    parser.add_argument(
+        "--destination",
+        choices=sorted(DESTINATIONS),
+        help="Where a chain profile's relays publish and what consumes it (default: celery-redis).",
+    )
     parser.add_argument("--seed", type=int, help="Seed of the clients' and faults' choices.")
     parser.add_argument(
         "--minutes", type=float, help="Minutes of faulted traffic, instead of the profile's."
     )
     args = parser.parse_args(argv)
+    profile = PROFILES[args.profile]
+    name = args.profile
+    if args.destination:
+        if profile.chain is None:
+            parser.error(f"--destination is for a chain profile (chain, chain-short), not {name}")
+        destination = DESTINATIONS[args.destination]
+        if not (shutil.which(destination.requires) or Path(destination.requires).exists()):
+            parser.error(f"--destination {args.destination} needs {destination.requires}")
+        chain = dataclasses.replace(profile.chain, destination=args.destination)
+        profile = dataclasses.replace(profile, chain=chain)
+        name = f"{name}-{args.destination}"
     report = run(
-        PROFILES[args.profile],
+        profile,
         server_url=args.database_url,
         seed=args.seed,
         traffic_seconds=args.minutes * 60 if args.minutes else None,
     )
     path = args.report or Path(tempfile.gettempdir()) / (
-        f"idempotency-reliability-{args.profile}-{time.strftime('%Y%m%d-%H%M%S')}.md"
+        f"idempotency-reliability-{name}-{time.strftime('%Y%m%d-%H%M%S')}.md"
     )
     markdown, data = report.write(path)
     print(report.to_markdown())

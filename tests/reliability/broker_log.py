@@ -23,6 +23,8 @@ from tests.support.chain_processes import QUEUE, UNACKED
 
 @dataclass
 class BrokerLog:
+    # False for a broker with no log to replay (RabbitMQ): the figures below are unknown.
+    kept: bool = False
     # delivery tag -> task id (the outbox message id), for every message pushed
     tags: dict[str, str] = field(default_factory=dict)
     # pushes of a tag already seen: messages given back to the queue
@@ -37,7 +39,7 @@ class BrokerLog:
 
 def replay(directory: Path) -> BrokerLog:
     """Replay the append-only files in ``directory`` (redis' ``appendonlydir``)."""
-    log = BrokerLog()
+    log = BrokerLog(kept=True)
     queue: deque[str] = deque()  # delivery tags, left to right as Redis keeps the list
     popped: dict[str, str] = {}  # tag -> task id, popped and not yet recorded
     for command in _commands(directory):

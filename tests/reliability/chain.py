@@ -1,8 +1,9 @@
 """The side-effect chain as a chain profile runs it, and the faults made to it from outside.
 
-Beside gunicorn: the fake card processor, a private redis-server, relays and prefork Celery
-workers. A supervisor starts a killed relay or worker again, as systemd or Kubernetes would.
-``ChainFaults`` kills them with ``kill -9`` (a Celery worker with its pool, or one pool
+Beside gunicorn: the fake card processor, the destination's private broker (a redis-server,
+a RabbitMQ node: ``chain_destinations.py``), relays and the destination's consumers (prefork
+Celery workers). A supervisor starts a killed relay or worker again, as systemd or Kubernetes
+would. ``ChainFaults`` kills them with ``kill -9`` (a Celery worker with its pool, or one pool
 child), arms a relay to die between its publish and its mark, and restarts the broker with
 ``kill -9``; PostgreSQL's restarts are ``ServerFaults``' (faults.py).
 """
@@ -12,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import json
 import random
+import secrets
 import signal
 import subprocess
 import sys
@@ -25,25 +27,20 @@ import psutil
 
 from tests.conftest import ROOT, die_with_parent, unmeasured
 from tests.reliability.app import django_env
-from tests.reliability.broker_log import BrokerLog, replay
+from tests.reliability.broker_log import BrokerLog
 from tests.reliability.chain_checks import Delivery
+from tests.reliability.chain_destinations import DESTINATIONS, Broker, ChainDestination
 from tests.reliability.chain_worker import DELIVERIES
 from tests.reliability.faults import Fault, Injector
 from tests.reliability.postgres import Database
 from tests.reliability.profiles import ChainShape
-from tests.support.chain_processes import (
-    CHAIN_SETTINGS,
-    CeleryWorker,
-    RedisServer,
-    kill_group,
-    run_processor,
-    wait_for,
-)
+from tests.support.chain_processes import kill_group, run_processor, wait_for
 
 BROKER, RELAY, WORKER = "broker", "relay", "celery worker"
-# Logged by each kind once it can take faults: the relay has its SIGUSR1 handler by then.
-# The broker is ready once it answers, which its start waits for.
-READY = {RELAY: " started on database ", WORKER: " ready."}
+# Logged by a relay once it can take faults: it has its SIGUSR1 handler by then. A worker is
+# ready once it logs its destination's consumer_ready; the broker once it answers, which its
+# start waits for.
+RELAY_READY = " started on database "
 
 
 @dataclass
@@ -53,6 +50,8 @@ class Slot:
     kind: str
     log: Path
     start: Callable[[Path], subprocess.Popen[bytes]]
+    # What its log says once it can take faults ("": as soon as it runs).
+    ready_line: str = ""
     process: subprocess.Popen[bytes] | None = None
     starts: int = 0
     # Where the current incarnation's part of the log begins.
@@ -71,11 +70,11 @@ class Slot:
     def ready(self) -> bool:
         if not self.alive():
             return False
-        if self.kind not in READY:
+        if not self.ready_line:
             return True
         with self.log.open("rb") as log:
             log.seek(self.offset)
-            return READY[self.kind].encode() in log.read()
+            return self.ready_line.encode() in log.read()
 
 
 class Supervisor(threading.Thread):
@@ -136,14 +135,14 @@ class Chain:
     """The chain's running processes, and what gunicorn needs to use them."""
 
     env: dict[str, str]
-    broker: RedisServer
+    broker: Broker
     processor_url: str
     supervisor: Supervisor
     deliveries: Path
     logs: list[str] = field(default_factory=list)
 
     def broker_log(self) -> BrokerLog:
-        return replay(self.broker.directory / "appendonlydir")
+        return self.broker.replay()
 
     def wait_ready(self) -> None:
         self.supervisor.wait_ready(timeout=120)
@@ -165,35 +164,35 @@ def run_chain(
 ) -> Iterator[Chain]:
     """Start the processor, then the broker, the relays and the workers in the background
     (``Chain.wait_ready``); stop them at the end and append their logs to ``logs``."""
-    # Started, and started again after each kill, by the supervisor. Its append-only file
-    # is never rewritten: broker_log.py replays it.
-    broker = RedisServer.on_free_port(
-        directory / "redis", options=("--auto-aof-rewrite-percentage", "0")
-    )
-    broker.directory.mkdir()
+    destination = DESTINATIONS[shape.destination]
+    # Started, and started again after each kill, by the supervisor.
+    broker = destination.broker(directory)
     deliveries = directory / "deliveries"
     deliveries.mkdir()
     try:
         with run_processor() as processor_url:
             env = {
-                **django_env(database, settings=CHAIN_SETTINGS),
+                **django_env(database, settings=destination.settings),
                 "CELERY_BROKER_URL": broker.url,
                 "PAYMENTS_PROCESSOR_URL": processor_url,
+                # What the processor signs its webhooks with (chain_run.py tells it).
+                "PAYMENTS_WEBHOOK_SECRET": secrets.token_hex(16),
                 DELIVERIES: str(deliveries),
             }
             slots = (
-                [Slot(BROKER, broker.directory / "redis.log", lambda _: _broker(broker))]
+                [Slot(BROKER, broker.log, lambda _: _broker(broker))]
                 + [
-                    Slot(RELAY, directory / f"relay-{n}.log", lambda log: _relay(env, log))
+                    Slot(RELAY, directory / f"relay-{n}.log", lambda log: _relay(env, log),
+                         RELAY_READY)
                     for n in range(shape.relays)
                 ]
                 + [
-                    Slot(
-                        WORKER, directory / f"worker-{n}.log", lambda log: _worker(env, log, shape)
-                    )
+                    Slot(WORKER, directory / f"worker-{n}.log",
+                         lambda log: _worker(destination, env, log, shape),
+                         destination.consumer_ready)
                     for n in range(shape.workers)
                 ]
-            )
+            )  # fmt: skip
             supervisor = Supervisor(slots)
             supervisor.start()
             try:
@@ -202,10 +201,10 @@ def run_chain(
                 supervisor.stop()
                 logs += supervisor.logs()
     finally:
-        broker.stop()
+        broker.shutdown()
 
 
-def _broker(broker: RedisServer) -> subprocess.Popen[bytes]:
+def _broker(broker: Broker) -> subprocess.Popen[bytes]:
     broker.start()
     assert broker.process is not None
     return broker.process
@@ -221,12 +220,10 @@ def _relay(env: dict[str, str], log: Path) -> subprocess.Popen[bytes]:
         )  # fmt: skip
 
 
-def _worker(env: dict[str, str], log: Path, shape: ChainShape) -> subprocess.Popen[bytes]:
-    worker = CeleryWorker(
-        env, app="tests.reliability.chain_worker", concurrency=shape.concurrency, log=log,
-        ready_timeout=None,
-    )  # fmt: skip
-    return worker.process
+def _worker(
+    destination: ChainDestination, env: dict[str, str], log: Path, shape: ChainShape
+) -> subprocess.Popen[bytes]:
+    return destination.consumer(env, log, shape.concurrency)
 
 
 # The process each kind of chain fault is made to.
@@ -280,6 +277,6 @@ class ChainFaults(Injector):
             supervisor.kill(victim, down)
             wait_for(lambda: victim.ready(), timeout=30, every=0.05)
             took = time.monotonic() - started
-            return Fault(kind, started, f"SIGKILL redis-server, back after {took:.1f}s")
+            return Fault(kind, started, f"SIGKILL the broker, back after {took:.1f}s")
         pid = supervisor.kill(victim)
         return Fault(kind, started, f"SIGKILL {victim.kind} {pid} and its children")

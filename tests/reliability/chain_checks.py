@@ -57,6 +57,10 @@ class ChainState:
     broker: BrokerLog = field(default_factory=BrokerLog)
     # outbox message id -> how often the relay's redrive put it back to be published again
     redriven: dict[str, int] = field(default_factory=dict)
+    # outbox message ids of the dead letters (none is caused on purpose)
+    dead: set[str] = field(default_factory=set)
+    # charge id -> settlements by the processor's webhook; None: the run settles nothing
+    settlements: Counter[int] | None = None
 
 
 def collect(
@@ -64,25 +68,38 @@ def collect(
     captures: list[dict[str, Any]],
     deliveries: list[Delivery],
     broker: BrokerLog,
+    *,
+    settled: bool = False,
 ) -> ChainState:
     with database.connect() as conn:
         rows = conn.execute("SELECT id, amount FROM payments_charge")
         charges = {int(charge): int(amount) for charge, amount in rows}
         rows = list(
             conn.execute(
-                "SELECT id, args, published_at IS NOT NULL, redrives FROM django_idempotency_outbox"
+                "SELECT id, args, published_at IS NOT NULL, redrives, dead_at IS NOT NULL "
+                "FROM django_idempotency_outbox"
             )
         )
         outbox = {
-            str(m): (args[0] if args else None, bool(published)) for m, args, published, _ in rows
+            str(m): (args[0] if args else None, bool(published))
+            for m, args, published, _, _ in rows
         }
-        redriven = {str(message): int(again) for message, _, _, again in rows if again}
+        redriven = {str(message): int(again) for message, _, _, again, _ in rows if again}
+        dead = {str(message) for message, _, _, _, dead in rows if dead}
         ledger = {
             int(entry): (int(charge), str(message))
             for entry, charge, message in conn.execute(
                 "SELECT id, charge_id, message_id FROM payments_ledgerentry"
             )
         }
+        settlements = (
+            Counter(
+                int(charge)
+                for (charge,) in conn.execute("SELECT charge_id FROM payments_settlement")
+            )
+            if settled
+            else None
+        )
         results = {
             str(key): stored_json(body, encoding).get("entry")
             for key, body, encoding in conn.execute(
@@ -92,7 +109,10 @@ def collect(
             )
         }
     captured = Counter(int(c["amount"]) for c in captures)
-    return ChainState(charges, captured, outbox, ledger, results, deliveries, broker, redriven)
+    return ChainState(
+        charges, captured, outbox, ledger, results, deliveries, broker, redriven, dead,
+        settlements,
+    )  # fmt: skip
 
 
 def check_chain(state: ChainState) -> Findings:
@@ -105,6 +125,8 @@ def check_chain(state: ChainState) -> Findings:
         _exactly_one(findings, outbox_rows[charge], "outbox row", label)
         # Even for a message the broker dropped: the relay's redrive publishes it again.
         _exactly_one(findings, ledger_rows[charge], "ledger row", label)
+        if state.settlements is not None:
+            _exactly_one(findings, state.settlements[charge], "settlement", label)
     committed = set(state.charges.values())
     for amount, count in sorted(state.captures.items()):
         if amount not in committed:
@@ -113,7 +135,9 @@ def check_chain(state: ChainState) -> Findings:
     delivered = {d.id for d in state.deliveries}
     dropped = set(state.broker.dropped.values())
     for message, (charge, published) in sorted(state.outbox.items()):
-        if not published:
+        if message in state.dead:
+            findings.add(OTHER, "outbox row dead-lettered", f"message {message}")
+        elif not published:
             findings.add(OTHER, "outbox row never published", f"message {message}")
         elif message not in delivered and message not in dropped:
             findings.add(OTHER, "published outbox row never delivered", f"message {message}")
@@ -162,19 +186,32 @@ def figures(state: ChainState) -> dict[str, int]:
     """The chain's counts for the report."""
     published = Counter(state.broker.tags.values())
     dropped_unseen = lost(state)
-    return {
+    counts = {
         "charges committed": len(state.charges),
         "captures at the processor": sum(state.captures.values()),
         "ledger rows": len(state.ledger),
         "outbox rows": len(state.outbox),
         "outbox rows published": sum(published for _, published in state.outbox.values()),
-        "publishes the broker accepted": sum(published.values()),
-        "outbox rows published more than once": sum(n > 1 for n in published.values()),
-        GIVEN_BACK: state.broker.given_back,
-        "messages the broker dropped after a worker took them": len(state.broker.dropped),
-        "dropped messages no worker received (lost)": len(set(dropped_unseen.values())),
-        "lost messages delivered again by another publish": len(recovered(state, dropped_unseen)),
+        "outbox dead letters": len(state.dead),
+    }
+    if state.settlements is not None:
+        counts["settlements"] = sum(state.settlements.values())
+    if state.broker.kept:  # what the broker's log says (Redis' append-only file)
+        counts |= {
+            "publishes the broker accepted": sum(published.values()),
+            "outbox rows published more than once": sum(n > 1 for n in published.values()),
+            GIVEN_BACK: state.broker.given_back,
+            "messages the broker dropped after a worker took them": len(state.broker.dropped),
+            "dropped messages no worker received (lost)": len(set(dropped_unseen.values())),
+            "lost messages delivered again by another publish": len(
+                recovered(state, dropped_unseen)
+            ),
+        }
+    return counts | {
         "outbox rows the redrive published again": len(state.redriven),
         "deliveries to workers": len(state.deliveries),
         "deliveries flagged redelivered": sum(d.redelivered for d in state.deliveries),
+        "outbox rows delivered more than once": sum(
+            n > 1 for n in Counter(d.id for d in state.deliveries).values()
+        ),
     }

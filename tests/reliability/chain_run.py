@@ -2,7 +2,8 @@
 the fake processor and post to the ledger through the outbox, with the chain's own faults.
 
 1. setup: a fresh database, migrated, with token users.
-2. the chain: the processor, a private redis-server, relays and Celery workers.
+2. the chain: the processor, the destination's private broker (a redis-server, a RabbitMQ
+   node), relays and its consumers (Celery workers).
 3. faulted traffic, per server shape: SDK clients sending charges (some of whose ledger tasks
    kill their worker mid-task or after their commit, or outlast the visibility timeout)
    while gunicorn workers, relays and Celery workers are killed, the broker and PostgreSQL
@@ -24,20 +25,20 @@ from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
-import psycopg
-import redis
+import requests
 
 from tests.conftest import GunicornServer
 from tests.reliability import chain_checks, checks
 from tests.reliability.app import serve
 from tests.reliability.chain import RELAY, WORKER, Chain, ChainFaults, run_chain
+from tests.reliability.chain_destinations import DESTINATIONS
 from tests.reliability.chain_relay import DIED
 from tests.reliability.faults import Injector
 from tests.reliability.postgres import Database
 from tests.reliability.profiles import ChainShape
 from tests.reliability.report import Check, Report
 from tests.reliability.run import Runner
-from tests.support.chain_processes import CHAIN_SETTINGS, processor_captures, processor_stats
+from tests.support.chain_processes import processor_captures, processor_stats
 
 # What the chain's logs say, counted for the report.
 LOGGED = {
@@ -59,6 +60,7 @@ class ChainRunner(Runner):
         super().__init__(*args, **kwargs)
         assert self.profile.chain is not None
         self.shape: ChainShape = self.profile.chain
+        self.destination = DESTINATIONS[self.shape.destination]
         self.directory = Path(tempfile.mkdtemp(prefix="idem-chain-"))
         self.chain: Chain | None = None
         self.state: chain_checks.ChainState | None = None
@@ -92,10 +94,12 @@ class ChainRunner(Runner):
                     first = "the chain and " if index == 0 else ""
                     with self.phase(f"start {first}{shape.describe()}"):
                         server = server_stack.enter_context(serve(
-                            database, shape, self.logs, settings=CHAIN_SETTINGS,
+                            database, shape, self.logs, settings=self.destination.settings,
                             env=self.chain.env,
                         ))  # fmt: skip
                         self.chain.wait_ready()
+                        if self.shape.settle:
+                            self.settle_to(server)
                     with self.phase(f"faulted traffic, {shape.describe()}"):
                         seconds = traffic_seconds / len(shapes)
                         self.faulted_traffic(server, database, shape, seconds)
@@ -108,10 +112,24 @@ class ChainRunner(Runner):
                     processor_captures(self.chain.processor_url),
                     self.chain.read_deliveries(),
                     self.chain.broker_log(),
+                    settled=self.shape.settle,
                 )
                 self.processor = processor_stats(self.chain.processor_url)
                 supervisor = self.chain.supervisor
                 self.restarts = {kind: supervisor.restarts(kind) for kind in (RELAY, WORKER)}
+
+    def settle_to(self, server: GunicornServer) -> None:
+        """Have the processor settle its captures at ``server``'s webhook (deliveries still
+        being tried go there too)."""
+        assert self.chain is not None
+        requests.post(
+            f"{self.chain.processor_url}/v1/webhook",
+            json={
+                "url": f"{server.url}/api/webhooks/processor/",
+                "secret": self.chain.env["PAYMENTS_WEBHOOK_SECRET"],
+            },
+            timeout=10,
+        ).raise_for_status()
 
     def injectors(self, server: GunicornServer, database: Database) -> list[Injector]:
         assert self.chain is not None
@@ -122,30 +140,35 @@ class ChainRunner(Runner):
     def drain(self, database: Database, chain: Chain) -> None:
         """Wait until every outbox row is published and consumed, and nothing is queued or
         held by a worker (a message a killed worker held stays in kombu's unacknowledged set
-        until Redis gives it back; one the broker dropped waits for the relay's redrive)."""
+        until Redis gives it back; one the broker dropped waits for the relay's redrive); and,
+        where the processor settles, every committed charge is settled."""
         settle, started = 1.0, time.monotonic()
         deadline = started + self.shape.drain_timeout
         quiet_since: float | None = None
-        state = (-1, -1, -1)
+        state = (-1, -1, -1, -1)
         while time.monotonic() < deadline:
             try:
-                state = (self.backlog(database), *chain.broker.in_flight())
-            except (psycopg.Error, redis.RedisError):  # still coming back
-                state = (-1, -1, -1)
+                unsettled = self.unsettled(database) if self.shape.settle else 0
+                state = (self.backlog(database), *chain.broker.in_flight(), unsettled)
+            # The database or the broker still coming back (each broker's client raises its
+            # own errors).
+            except Exception:
+                state = (-1, -1, -1, -1)
             now = time.monotonic()
-            if state != (0, 0, 0):
+            if state != (0, 0, 0, 0):
                 quiet_since = None
             elif quiet_since is None:
                 quiet_since = now
             elif now - quiet_since >= settle:
                 break
             time.sleep(0.25)
-        drained = state == (0, 0, 0)
+        drained = state == (0, 0, 0, 0)
         self.checks.append(Check(
             "after recovery, the outbox is drained and the queue empty",
             drained,
             f"after {time.monotonic() - started:.0f}s: {state[0]} outbox rows unpublished, "
-            f"{state[1]} messages queued, {state[2]} delivered and not acknowledged",
+            f"{state[1]} messages queued, {state[2]} delivered and not acknowledged, "
+            f"{state[3]} committed charges not settled",
         ))  # fmt: skip
 
     def backlog(self, database: Database) -> int:
@@ -157,6 +180,15 @@ class ChainRunner(Runner):
                 "OR NOT EXISTS (SELECT FROM django_idempotency_record r "
                 "WHERE r.key = o.id::text AND r.method = %s)",
                 [checks.TASK_METHOD],
+            ).fetchone()
+        return int(row[0]) if row else -1
+
+    def unsettled(self, database: Database) -> int:
+        """Committed charges the processor's webhook has not settled yet."""
+        with database.connect() as conn:
+            row = conn.execute(
+                "SELECT count(*) FROM payments_charge c WHERE NOT EXISTS "
+                "(SELECT FROM payments_settlement s WHERE s.charge_id = c.id)"
             ).fetchone()
         return int(row[0]) if row else -1
 
@@ -197,7 +229,7 @@ class ChainRunner(Runner):
         return {
             **super().environment(database, traffic_seconds),
             "servers": "; ".join(s.describe() for s in self.profile.shapes)
-            + f" (gunicorn --preload, {CHAIN_SETTINGS}, PAYMENTS_FAULTS_ENABLED=1)",
+            + f" (gunicorn --preload, {self.destination.settings}, PAYMENTS_FAULTS_ENABLED=1)",
             "chain": self.shape.describe(),
         }
 
@@ -215,6 +247,18 @@ class ChainRunner(Runner):
             "charges answered 2xx (logical requests)": answered,
             **chain_checks.figures(self.state),
             "capture requests at the processor": self.processor.get("requests", 0),
+            **(
+                {
+                    "webhook deliveries sent by the processor": self.processor.get(
+                        "webhook_deliveries", 0
+                    ),
+                    "webhook deliveries answered 2xx": self.processor.get(
+                        "webhooks_acknowledged", 0
+                    ),
+                }
+                if self.shape.settle
+                else {}
+            ),
             "captures answered by the processor as a replay (same downstream key)": (
                 self.processor.get("replays", 0)
             ),

@@ -21,6 +21,10 @@ from tests.reliability.traffic import DRF_ENDPOINTS
 
 TABLES = {"/api/refunds/": "payments_refund"}
 DEFAULT_TABLE = "payments_charge"
+# The processor's webhook (chain profiles that settle) is no client's: its stored successes
+# name their settlement row.
+WEBHOOK_PATH = "/api/webhooks/processor/"
+STORED_ROWS = {WEBHOOK_PATH: ("payments_settlement", "settlement")}
 # The contract's "never Set-Cookie or authentication headers", written out independently.
 SENSITIVE_HEADERS = frozenset(
     {
@@ -263,7 +267,7 @@ def check_records(database: Database, exchanges: Sequence[Exchange] = ()) -> Fin
         findings.checked["stored header names"] = len(names)
         # A stored success must describe a committed row: no record outlives its effect.
         ids: dict[str, set[int]] = {}
-        for table in {DEFAULT_TABLE, *TABLES.values()}:
+        for table in {DEFAULT_TABLE, *TABLES.values(), *(t for t, _ in STORED_ROWS.values())}:
             ids[table] = {i for (i,) in conn.execute(f"SELECT id FROM {table}")}
         # Requests' records only: an exactly-once task's result names its own rows
         # (chain_checks.py checks those).
@@ -273,9 +277,10 @@ def check_records(database: Database, exchanges: Sequence[Exchange] = ()) -> Fin
             [TASK_METHOD],
         ).fetchall()
     for path, body, encoding in stored:
-        row_id = stored_json(body, encoding).get("id")
+        table, key = STORED_ROWS.get(path, (table_for(path), "id"))
+        row_id = stored_json(body, encoding).get(key)
         findings.checked["stored successes"] += 1
-        if row_id not in ids[table_for(path)]:
+        if row_id not in ids[table]:
             findings.add(OTHER, NO_COMMIT, f"stored success without its row: {path} id {row_id}")
     return findings
 

@@ -45,9 +45,11 @@ class RetryPolicy:
 @dataclass(frozen=True)
 class ChainShape:
     """The side-effect chain beside the app servers (the chain profiles): the fake card
-    processor, a private redis-server, relays and prefork Celery workers, and the faults
-    made to them."""
+    processor, the destination's private broker and consumers (``chain_destinations.py``:
+    Celery on a redis-server by default), relays, and the faults made to them."""
 
+    # A name of chain_destinations.DESTINATIONS.
+    destination: str = "celery-redis"
     relays: int = 2
     workers: int = 2
     concurrency: int = 2
@@ -66,12 +68,19 @@ class ChainShape:
     broker_down_seconds: tuple[float, float] = (0.2, 1.5)
     # The recovery waits this long at most for the outbox and the queue to empty.
     drain_timeout: float = 180.0
+    # The processor settles each capture by its signed webhook (delivered until answered 2xx,
+    # then once more), and every committed charge must be settled exactly once.
+    settle: bool = False
 
     def describe(self) -> str:
+        from tests.reliability.chain_destinations import DESTINATIONS
+
         return (
-            f"{self.relays} relays (manage.py idempotency_relay), {self.workers} Celery "
-            f"workers (prefork, {self.concurrency} children each), a private redis-server "
-            "(visibility timeout 2 s), the fake card processor"
+            f"{self.relays} relays (manage.py idempotency_relay); destination "
+            f"{self.destination}: {DESTINATIONS[self.destination].description}, "
+            f"{self.workers} consumer processes of {self.concurrency} children each; the fake "
+            "card processor"
+            + (", settling each capture by its signed webhook, delivered twice" * self.settle)
         )
 
 
@@ -261,7 +270,7 @@ PROFILES = {
         name="chain",
         traffic_seconds=240.0,
         shapes=(ServerShape(workers=3),),
-        chain=ChainShape(),
+        chain=ChainShape(settle=True),
         **CHAIN_TRAFFIC,
         clients=8,
         fault_every=(2.0, 5.0),

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.reliability.broker_log import replay
+from tests.reliability.broker_log import BrokerLog, replay
 from tests.reliability.chain_checks import (
     GIVEN_BACK,
     ChainState,
@@ -141,6 +141,7 @@ def sound() -> ChainState:
         ledger={70: (7, MESSAGE)},
         results={MESSAGE: 70},
         deliveries=[Delivery(MESSAGE, "tag-1", False)],
+        broker=BrokerLog(kept=True),
     )
 
 
@@ -248,6 +249,37 @@ def test_a_lost_message_another_publish_delivered_is_recovered() -> None:
     assert figures(state)["lost messages delivered again by another publish"] == 1
 
 
+def test_a_dead_letter_is_a_violation_none_is_caused_on_purpose() -> None:
+    state = sound()
+    state.outbox[MESSAGE] = (7, False)
+    state.dead.add(MESSAGE)
+    assert violations(state) == [(OTHER, "outbox row dead-lettered")]
+    assert figures(state)["outbox dead letters"] == 1
+
+
+def test_where_the_processor_settles_each_charge_is_settled_exactly_once() -> None:
+    state = sound()
+    state.settlements = Counter({7: 1})
+    assert violations(state) == [] and figures(state)["settlements"] == 1
+    state.settlements[7] = 2
+    assert violations(state) == [(DUPLICATE, "more than one settlement")]
+    state.settlements.clear()
+    assert violations(state) == [(OTHER, "no settlement")]
+
+
+def test_without_a_broker_log_its_figures_are_left_out_not_zero() -> None:
+    # RabbitMQ keeps no log to replay: what the deliveries show is still counted.
+    state = sound()
+    state.broker = BrokerLog()
+    state.deliveries += [Delivery(MESSAGE, "1", True)]
+    counted = figures(state)
+    assert "publishes the broker accepted" not in counted
+    assert "dropped messages no worker received (lost)" not in counted
+    assert counted["deliveries flagged redelivered"] == 1
+    assert counted["outbox rows delivered more than once"] == 1
+    assert violations(state) == []
+
+
 def test_a_row_marked_published_and_never_delivered_is_reported() -> None:
     # Say, a relay that marked a row it never published: nothing shows it in the broker.
     state = sound()
@@ -287,3 +319,30 @@ def test_the_broker_log_replay_finds_a_message_taken_and_never_recorded(tmp_path
     assert log.dropped == {"t2": "m2"}
     assert log.given_back == 1
     assert (log.publishes("m1"), log.publishes("m2"), log.publishes("m3")) == (1, 1, 0)
+
+
+# The command line ----------------------------------------------------------------------
+
+
+def test_destination_is_for_chain_profiles_and_each_one_is_described(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    from tests.reliability.__main__ import main
+    from tests.reliability.chain_destinations import DESTINATIONS
+    from tests.reliability.profiles import ChainShape
+
+    with pytest.raises(SystemExit) as refused:
+        main(["--profile", "short", "--destination", "celery-rabbitmq"])
+    assert refused.value.code == 2
+    assert "--destination is for a chain profile (chain, chain-short), not short" in (
+        capsys.readouterr().err
+    )
+    assert {"celery-redis", "celery-rabbitmq"} <= set(DESTINATIONS)
+    assert PROFILES["chain-short"].chain == ChainShape(
+        fault_every=(0.3, 0.7), broker_down_seconds=(0.2, 0.6), drain_timeout=90.0
+    )  # the suite's own: Celery on Redis, no settlements
+    described = ChainShape(destination="celery-rabbitmq", settle=True).describe()
+    assert (
+        "destination celery-rabbitmq: Celery workers (prefork) on a private RabbitMQ" in described
+    )
+    assert "settling each capture by its signed webhook" in described

@@ -154,7 +154,9 @@ class Command(BaseCommand):
             self.show_partitions()
             # The processor, a broker, a Celery worker and the relay, for the chain.
             chain = demo_chain.start(
-                quiet=options["smoke"], webhook_url=f"{base_url}/api/webhooks/processor/"
+                quiet=options["smoke"],
+                webhook_url=f"{base_url}/api/webhooks/processor/",
+                say=self.say,
             )
             os.environ.update(chain.env)
             self.stdout.write(chain.note)
@@ -179,10 +181,16 @@ class Command(BaseCommand):
         except KeyboardInterrupt:
             pass
         finally:
+            chain.unsupervise()
             if server.poll() is None:
                 server.terminate()
                 server.wait(timeout=60)
             chain.stop()
+
+    def say(self, line: str) -> None:
+        # From the chain's supervisor thread: one line at once, shown at once.
+        self.stdout.write(self.style.WARNING(line))
+        self.stdout.flush()
 
     def listen(self, port: int) -> socket.socket:
         listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
@@ -214,10 +222,7 @@ class Command(BaseCommand):
     ) -> subprocess.Popen[bytes]:
         # DATABASE_URL is in the environment by now (the settings set it when they start the
         # embedded server), so every worker uses the database that was just migrated.
-        env = {
-            **os.environ,
-            "PAYMENTS_FAULTS_ENABLED": os.environ.get("PAYMENTS_FAULTS_ENABLED", "1"),
-        }
+        env = {**os.environ, **demo_chain.fault_env()}
         host, port = listener.getsockname()
         command = [
             sys.executable,
@@ -255,7 +260,8 @@ class Command(BaseCommand):
         for call in calls:
             self.stdout.write(f"\n# {call.title}\n{call.curl(base_url)}")
         self.stdout.write(
-            "\n# The chain: captures at the processor, ledger rows, outbox backlog\n"
+            "\n# The chain: captures at the processor, ledger rows, outbox backlog and dead "
+            "letters, the relay's last heartbeat\n"
             f"curl -i {base_url}/api/charges/chain/"
         )
         self.stdout.write("\nCtrl-C stops the server.\n")
@@ -295,12 +301,13 @@ class Command(BaseCommand):
             counts = demo_chain.wait_for_chain(base_url, ledger + 1, settled + 1)
             self.stdout.write(
                 "\n# The chain: captures at the processor, ledger rows, settlements by the "
-                "processor's webhook, outbox backlog\n"
+                "processor's webhook, outbox backlog and dead letters, the relay's last heartbeat\n"
                 f"curl -i {base_url}/api/charges/chain/\n  {json.dumps(counts)}"
             )
             checks["the processor did not capture exactly once"] = counts["captures"] == 1
             checks["not exactly one ledger row was posted"] = counts["ledger_rows"] == ledger + 1
             checks["the charge was not settled exactly once"] = counts["settlements"] == settled + 1
+            checks["the chain reported no relay heartbeat"] = counts["relay_owner"] is not None
         problems = [problem for problem, passed in checks.items() if not passed]
         if problems:
             raise CommandError("Smoke test failed: " + "; ".join(problems))
