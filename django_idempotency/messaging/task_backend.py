@@ -7,7 +7,6 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any, TypeVar
 
-from django.core import checks
 from django.core.exceptions import ImproperlyConfigured
 from django.utils import timezone
 from django.utils.module_loading import import_string
@@ -76,7 +75,8 @@ class OutboxBackend(BaseTaskBackend):
             return None
 
     def problems(self) -> Iterator[str]:
-        """What is wrong with this backend's OPTIONS, each naming the fix."""
+        """What is wrong with this backend's OPTIONS, each naming the fix (the check
+        ``django_idempotency.E130``, in ``checks/messaging.py``)."""
         where = f'TASKS[{self.alias!r}]["OPTIONS"]'
         unknown = set(self.options) - OPTIONS
         if unknown:
@@ -116,17 +116,6 @@ class OutboxBackend(BaseTaskBackend):
                 f"TASKS[{self.alias!r}] sends its tasks, has BACKEND {backend!r}; it must "
                 f"be {TASKS_DESTINATION!r} (or a subclass)."
             )
-
-    def check(self, **kwargs: Any) -> list[checks.CheckMessage]:
-        return [
-            checks.Error(
-                problem,
-                hint="See docs/outbox.md, Django's Tasks framework.",
-                obj=f"TASKS[{self.alias!r}]",
-                id="django_idempotency.E130",
-            )
-            for problem in self.problems()
-        ]
 
     def validate_task(self, task: Task[..., Any]) -> None:
         # What the real backend refuses (an unknown queue, a deferral it cannot do) is
