@@ -76,6 +76,14 @@ def deliver(
     )
 
 
-DELIVER: Task[..., Any] = _Deliver(func=deliver, takes_context=True)
+# Every field given: Django 6.0's Task has no defaults. The destination sets each message's.
+DELIVER: Task[..., Any] = _Deliver(
+    func=deliver,
+    priority=0,
+    backend="default",
+    queue_name="default",
+    run_after=None,
+    takes_context=True,
+)
 # What the backends import by its path (the function's): a Task, as they require.
 deliver = DELIVER  # type: ignore[assignment]
