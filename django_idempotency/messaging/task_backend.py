@@ -13,6 +13,7 @@ from django.utils.module_loading import import_string
 from typing_extensions import ParamSpec
 
 from django_idempotency.conf import conf
+from django_idempotency.messaging.destinations import TASKS as TASKS_DESTINATION
 from django_idempotency.messaging.outbox import _database, _insert
 from django_idempotency.messaging.tasks_framework import (
     BaseTaskBackend,
@@ -29,7 +30,6 @@ R = TypeVar("R")
 # The outbox destination its messages go to, unless OPTIONS["destination"] names another.
 DEFAULT_DESTINATION = "tasks"
 OPTIONS = frozenset({"backend", "destination", "using"})
-TASKS_DESTINATION = "django_idempotency.messaging.destinations.tasks.TasksDestination"
 
 
 class OutboxBackend(BaseTaskBackend):
@@ -47,18 +47,18 @@ class OutboxBackend(BaseTaskBackend):
         self.destination: str = self.options.get("destination", DEFAULT_DESTINATION)
         self.using: str | None = self.options.get("using")
 
-    # The real backend's features are this backend's.
+    # The real backend's features are this backend's (none while it is misconfigured).
     @property
     def supports_defer(self) -> bool:  # type: ignore[override]
-        return self._real_or_none() is not None and self.real.supports_defer
+        return self._feature("supports_defer")
 
     @property
     def supports_priority(self) -> bool:  # type: ignore[override]
-        return self._real_or_none() is not None and self.real.supports_priority
+        return self._feature("supports_priority")
 
     @property
     def supports_async_task(self) -> bool:  # type: ignore[override]
-        return self._real_or_none() is not None and self.real.supports_async_task
+        return self._feature("supports_async_task")
 
     @property
     def real(self) -> BaseTaskBackend:
@@ -68,11 +68,11 @@ class OutboxBackend(BaseTaskBackend):
             raise ImproperlyConfigured(problem)
         return task_backends[str(self.real_alias)]
 
-    def _real_or_none(self) -> BaseTaskBackend | None:
+    def _feature(self, name: str) -> bool:
         try:
-            return self.real
+            return bool(getattr(self.real, name))
         except ImproperlyConfigured:
-            return None
+            return False
 
     def problems(self) -> Iterator[str]:
         """What is wrong with this backend's OPTIONS, each naming the fix (the check
