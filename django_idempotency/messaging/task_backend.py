@@ -14,7 +14,7 @@ from typing_extensions import ParamSpec
 
 from django_idempotency.conf import conf
 from django_idempotency.messaging.destinations import TASKS as TASKS_DESTINATION
-from django_idempotency.messaging.outbox import _database, _insert
+from django_idempotency.messaging.outbox import NotInTransaction, _database, _insert
 from django_idempotency.messaging.tasks_framework import (
     BaseTaskBackend,
     Task,
@@ -129,7 +129,15 @@ class OutboxBackend(BaseTaskBackend):
         outside ``transaction.atomic()``); its TaskResult's id is the message id."""
         self.validate_task(task)
         real = str(self.real_alias)
-        alias = _database(self.using)
+        try:
+            alias = _database(self.using)
+        except NotInTransaction as exc:
+            raise NotInTransaction(
+                f"{task.module_path}.enqueue() goes through the outbox (TASKS[{self.alias!r}]), "
+                "which writes the task in the current transaction, and there is none: call it "
+                "inside transaction.atomic() (a protected view or an exactly-once task already "
+                f"is), or enqueue it on {real!r} directly where no transaction is wanted."
+            ) from exc
         now = timezone.now()
         options: dict[str, Any] = {
             "destination": self.destination,
