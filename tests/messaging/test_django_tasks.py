@@ -23,6 +23,7 @@ import pytest
 pytest.importorskip("django_tasks_rq")
 from django.core.exceptions import ImproperlyConfigured
 from django.db import transaction
+from django.utils import timezone
 from django_tasks.exceptions import InvalidTaskError
 
 from django_idempotency.checks.messaging import check_task_backends
@@ -263,9 +264,10 @@ def test_the_relay_hands_tasks_to_rq_and_a_real_worker_runs_each_once(
         assert recorded(ids[:5]) == 5, worker.text()
         assert recorded(ids[5:], "tests.support.task_targets.record_with_context") == 1
         # The relay publishes one again (a lost mark, a manual replay): no second effect.
+        # (The effects' events are not this test's to publish: to Celery, they stay put.)
+        OutboxMessage.objects.filter(name=EFFECT).update(published_at=timezone.now())
         OutboxMessage.objects.filter(pk=ids[0]).update(published_at=None)
-        Relay().drain()  # that one, and the effects' events (to the default destination)
-        assert OutboxMessage.objects.get(pk=ids[0]).published_at is not None
+        assert Relay().drain() == 1
         wait_for(lambda: "already ran; acknowledged" in worker.text(), timeout=60)
     assert effects() == Counter(range(6))
 
