@@ -326,6 +326,100 @@ def nats_cells(count: int, repeats: int) -> tuple[list[float], list[float], list
     return loop_rates, relay_rates, errors
 
 
+def tasks_noop(n: int, currency: str, amount: int) -> None:
+    """The Django Tasks cells' task (never run: nothing consumes the queue)."""
+
+
+def tasks_settings(redis_url: str) -> dict[str, Any]:
+    """Django's Tasks framework through the outbox to RQ, on the private redis-server."""
+    from django_idempotency.messaging.destinations import CELERY, TASKS
+
+    return {
+        "TASKS": {
+            "default": {
+                "BACKEND": "django_idempotency.messaging.task_backend.OutboxBackend",
+                "OPTIONS": {"backend": "rq"},
+            },
+            "rq": {"BACKEND": "django_tasks_rq.RQBackend"},
+        },
+        "RQ_QUEUES": {"default": {"URL": redis_url}},
+        "IDEMPOTENCY_OUTBOX_DESTINATIONS": {
+            "default": {"BACKEND": CELERY},
+            "tasks": {"BACKEND": TASKS},
+        },
+    }
+
+
+def tasks_loop(count: int) -> float:
+    """Seconds for a plain loop to enqueue ``count`` jobs with the real backend itself (the
+    same client, the same task and arguments the destination enqueues)."""
+    from django_idempotency.messaging.task_runner import DELIVER
+    from django_idempotency.messaging.tasks_framework import task_backends
+
+    backend = task_backends["rq"]
+    job = DELIVER.using(backend="rq")
+    started = time.perf_counter()
+    for n in range(count):
+        args = [str(uuid.uuid4()), f"{__name__}.tasks_noop", [n, "inr"], {"amount": 2499}]
+        backend.enqueue(job, args, {})
+    return time.perf_counter() - started
+
+
+def tasks_relay(count: int) -> float:
+    from django.db import transaction
+
+    from django_idempotency.messaging.relay import Relay
+    from django_idempotency.messaging.tasks_framework import Task, task_backends
+
+    clear_outbox()
+    outbox = task_backends["default"]
+    noop: Task[..., Any] = Task(
+        func=tasks_noop, priority=0, backend="default", queue_name="default", run_after=None,
+        takes_context=False,
+    )  # fmt: skip
+    for start in range(0, count, 500):
+        with transaction.atomic():
+            for n in range(start, min(count, start + 500)):
+                outbox.enqueue(noop, [n, "inr"], {"amount": 2499})
+    relay = Relay()
+    started = time.perf_counter()
+    published = relay.drain()
+    elapsed = time.perf_counter() - started
+    relay.destinations.close()
+    if published != count:
+        raise RuntimeError(f"the relay published {published} of {count}")
+    return elapsed
+
+
+def tasks_cells(count: int, repeats: int) -> tuple[list[float], list[float], list[str]]:
+    """Loop and relay rates of Django's Tasks framework through RQ on a private redis-server,
+    or nothing without django-tasks-rq."""
+    import importlib.util
+
+    if importlib.util.find_spec("django_tasks_rq") is None:
+        return [], [], []
+    import contextlib
+
+    from django.test import override_settings
+
+    with contextlib.suppress(ImportError):  # the backport resets its backends on a change
+        import django_tasks.signals  # noqa: F401
+    loop_rates: list[float] = []
+    relay_rates: list[float] = []
+    errors: list[str] = []
+    with PrivateRedis() as server, override_settings(**tasks_settings(server.url)):
+        client = server.client()
+        for repeat in range(repeats):
+            for cell in ["loop", "relay"] if repeat % 2 == 0 else ["relay", "loop"]:
+                client.flushall()
+                seconds = tasks_loop(count) if cell == "loop" else tasks_relay(count)
+                queued = client.llen("rq:queue:default")
+                if queued != count:
+                    errors.append(f"Django Tasks {cell}: {queued} jobs queued, not {count}")
+                (loop_rates if cell == "loop" else relay_rates).append(count / seconds)
+    return loop_rates, relay_rates, errors
+
+
 def latency(redis_server: PrivateRedis, url: str, samples: int) -> list[float]:
     from django.db import transaction
 
@@ -469,6 +563,8 @@ def run(options: Options) -> Section:
         errors += rabbit_errors
         nats_loop_rates, nats_relay_rates, nats_errors = nats_cells(count, options.repeats)
         errors += nats_errors
+        tasks_loop_rates, tasks_relay_rates, tasks_errors = tasks_cells(count // 4, options.repeats)
+        errors += tasks_errors
         delays = latency(redis_server, options.database_url, samples)
         plain, with_enqueue, call = enqueue_cost(samples * 5)
         unit_plain, unit_enqueue = enqueue_cost_in_unit(samples * 5)
@@ -511,6 +607,25 @@ def run(options: Options) -> Section:
                 ],
             ]
             if nats_loop_rates
+            else []
+        ),
+        *(
+            [
+                ["Django Tasks through RQ: jobs per cell", f"{count // 4:,}"],
+                [
+                    "RQ enqueue loop (RQBackend.enqueue), jobs/s (median)",
+                    f"{median(tasks_loop_rates):,.0f}",
+                ],
+                ["Django Tasks relay, rows/s (median)", f"{median(tasks_relay_rates):,.0f}"],
+                [
+                    "Django Tasks relay / loop, per repeat",
+                    ", ".join(
+                        f"{r / loop:.2f}"
+                        for r, loop in zip(tasks_relay_rates, tasks_loop_rates, strict=True)
+                    ),
+                ],
+            ]
+            if tasks_loop_rates
             else []
         ),
         ["commit to publish, p50 ms", f"{p50:.1f}"],
@@ -557,6 +672,23 @@ def run(options: Options) -> Section:
             if nats_loop_rates
             else []
         ),
+        *(
+            [
+                Check(
+                    "Django Tasks relay throughput / enqueue loop",
+                    median(
+                        [
+                            r / loop
+                            for r, loop in zip(tasks_relay_rates, tasks_loop_rates, strict=True)
+                        ]
+                    ),
+                    0.8,
+                    at_most=False,
+                )
+            ]
+            if tasks_loop_rates
+            else []
+        ),
         Check("commit-to-publish p50 / 20 ms", p50 / 20, 1.0, at_most=True, note=f"{p50:.1f} ms"),
         Check("commit-to-publish p99 / 100 ms", p99 / 100, 1.0, at_most=True, note=f"{p99:.1f} ms"),
         Check(
@@ -573,7 +705,10 @@ def run(options: Options) -> Section:
         "messages one by one on one producer, as task.delay() would. RabbitMQ rows: the "
         "machine's server, a queue of our own, publisher confirms in both (no target). NATS "
         "rows: a private nats-server -js and a stream of its own; the loop publishes the same "
-        "bodies with nats-py's publish_async and waits for every acknowledgement.",
+        "bodies with nats-py's publish_async and waits for every acknowledgement. Django Tasks "
+        "rows: through the outbox backend to django-tasks-rq on a private redis-server; the "
+        "loop enqueues the same jobs (task_runner.deliver, the same arguments) with "
+        "RQBackend.enqueue().",
     ]
     data = {
         "count": count,
@@ -584,6 +719,8 @@ def run(options: Options) -> Section:
         "rabbitmq_relay_rates": rabbit_relay,
         "nats_loop_rates": nats_loop_rates,
         "nats_relay_rates": nats_relay_rates,
+        "tasks_loop_rates": tasks_loop_rates,
+        "tasks_relay_rates": tasks_relay_rates,
         "latency_seconds": delays,
         "plain_transaction_seconds": plain,
         "enqueue_transaction_seconds": with_enqueue,

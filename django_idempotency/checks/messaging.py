@@ -1,20 +1,23 @@
 """The exactly-once chain: a relay that keeps up with the outbox (W120), dead letters to
-requeue (W121), destinations it can load (E121), tasks that keep late acknowledgement (E010)."""
+requeue (W121), destinations it can load (E121), tasks that keep late acknowledgement (E010),
+outbox backends of Django's Tasks framework that name a real backend (E122)."""
 
 from __future__ import annotations
 
 import contextlib
 import importlib
 import importlib.util
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from django.apps import AppConfig, apps
+from django.conf import settings
 from django.core.checks import CheckMessage, Error, Tags, register
 from django.core.checks import Warning as CheckWarning
 from django.core.exceptions import ImproperlyConfigured
 from django.db import DatabaseError, router
 from django.utils import timezone
+from django.utils.module_loading import import_string
 
 from django_idempotency.checks.base import as_written, ours
 from django_idempotency.conf import conf, wrong_type
@@ -113,6 +116,43 @@ def check_destinations(
             )
         ]
     return []
+
+
+@register()
+def check_task_backends(
+    app_configs: Sequence[AppConfig] | None, **kwargs: Any
+) -> list[CheckMessage]:
+    """Each outbox backend of ``TASKS`` names a real backend and a Django Tasks destination."""
+    tasks = getattr(settings, "TASKS", None)
+    if not ours(app_configs) or not isinstance(tasks, Mapping):
+        return []
+    if not any(importlib.util.find_spec(name) for name in ("django.tasks", "django_tasks")):
+        return []  # no Tasks framework (Django 6.0+, or the backport): TASKS is not ours
+    from django_idempotency.messaging.task_backend import OutboxBackend
+    from django_idempotency.messaging.tasks_framework import task_backends
+
+    errors: list[CheckMessage] = []
+    for alias, spec in tasks.items():
+        path = spec.get("BACKEND") if isinstance(spec, Mapping) else None
+        try:
+            found = import_string(path) if isinstance(path, str) else None
+        except ImportError:
+            continue  # the Tasks framework's own check names it
+        if not (isinstance(found, type) and issubclass(found, OutboxBackend)):
+            continue
+        backend = task_backends[alias]
+        if not isinstance(backend, OutboxBackend):
+            continue
+        errors += [
+            Error(
+                problem,
+                hint="See docs/outbox.md, Django's Tasks framework.",
+                obj=f"TASKS[{alias!r}]",
+                id="django_idempotency.E122",
+            )
+            for problem in backend.problems()
+        ]
+    return errors
 
 
 @register()

@@ -319,7 +319,7 @@ def due_for_check(using: str, limit: int) -> list[OutboxMessage]:
         .select_for_update(skip_locked=True)
         .filter(redrive_at__lte=Now())
         .order_by("redrive_at")
-        .only("id", "created_at", "kind", "name", "redrives")[:limit]
+        .only("id", "created_at", "kind", "name", "options", "redrives")[:limit]
     )
 
 

@@ -139,7 +139,7 @@ def _ordering_key(key: object) -> str | None:
     return key
 
 
-def _insert(
+def write_message(
     alias: str,
     kind: OutboxMessage.Kind,
     name: str,
@@ -258,7 +258,7 @@ def enqueue_task(
         options["countdown"] = float(countdown)
     key = _ordering_key(ordering_key)
     alias = in_transaction(using)
-    return _insert(
+    return write_message(
         alias, OutboxMessage.Kind.TASK, name, list(args), kwargs or {}, None, options, key
     )
 
@@ -278,4 +278,4 @@ def enqueue_event(
     """
     key = _ordering_key(ordering_key)
     alias = in_transaction(using)
-    return _insert(alias, OutboxMessage.Kind.EVENT, topic, [], {}, payload, {}, key)
+    return write_message(alias, OutboxMessage.Kind.EVENT, topic, [], {}, payload, {}, key)

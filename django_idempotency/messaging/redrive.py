@@ -16,6 +16,7 @@ from django.utils import timezone
 from django_idempotency import signals
 from django_idempotency.conf import conf
 from django_idempotency.messaging import leases
+from django_idempotency.messaging.destinations import Destinations
 from django_idempotency.messaging.leases import Message
 from django_idempotency.messaging.outbox import task_name
 from django_idempotency.models import IdempotencyRecord, OutboxMessage
@@ -52,9 +53,14 @@ class RedriveResult:
 class Redrive:
     """Checks the published messages of one outbox database against their consumers' records."""
 
-    def __init__(self, app: Any, using: str) -> None:
+    def __init__(self, app: Any, using: str, destinations: Destinations | None = None) -> None:
         self.app = app
         self.using = using
+        # Destinations that say where their consumers record a message (Django Tasks).
+        self.destinations = destinations
+        self._recording = destinations is not None and any(
+            d.redrives and hasattr(d, "consumer_principal") for d in destinations
+        )
         self.records_using = router.db_for_write(IdempotencyRecord)
         self._principals: dict[str, str | None] = {}
         self._tasks_imported = False
@@ -62,8 +68,9 @@ class Redrive:
     @property
     def after(self) -> timedelta | None:
         """How long after a publish to check; None when the redrive is off (or the relay
-        publishes to no Celery app, whose exactly-once tasks alone keep records)."""
-        if conf.OUTBOX_REDRIVE_LIMIT <= 0 or self.app is None:
+        publishes to no destination whose consumers keep records: a Celery app's exactly-once
+        tasks, Django Tasks)."""
+        if conf.OUTBOX_REDRIVE_LIMIT <= 0 or (self.app is None and not self._recording):
             return None
         return conf.OUTBOX_REDRIVE_AFTER
 
@@ -74,9 +81,16 @@ class Redrive:
             return CHECK_EVERY.total_seconds()
         return min(CHECK_EVERY, after / 2).total_seconds()
 
-    def principal(self, kind: int, name: str) -> str | None:
+    def principal(self, kind: int, name: str, options: dict[str, Any] | None = None) -> str | None:
         """The principal under which the exactly-once consumer of such a message records it,
         or None when its task is not exactly-once (or not known to the relay's app)."""
+        if self._recording and self.destinations is not None:
+            destination = self.destinations.for_row(kind, name, options or {})
+            recorded_as = getattr(destination, "consumer_principal", None)
+            if recorded_as is not None:
+                return recorded_as(kind, name) if destination.redrives else None
+        if self.app is None:
+            return None
         called = task_name(kind, name)
         with contextlib.suppress(KeyError):
             return self._principals[called]
@@ -100,7 +114,7 @@ class Redrive:
         """Import the project's task modules (Celery's autodiscovery), which the relay has
         no other reason to import, once; a running relay does it before its first pass, so
         that the first batch is not held up by it."""
-        if self._tasks_imported or self.after is None:
+        if self._tasks_imported or self.after is None or self.app is None:
             return
         self._tasks_imported = True
         try:
@@ -112,7 +126,7 @@ class Redrive:
         """The ids, among ``messages`` just published, whose consumer record is to be checked."""
         if self.after is None:
             return []
-        return [m.id for m in messages if self.principal(m.kind, m.name) is not None]
+        return [m.id for m in messages if self.principal(m.kind, m.name, m.options) is not None]
 
     def run_pass(self, limit: int) -> RedriveResult:
         """Check up to ``limit`` rows that are due, oldest check first; put back for
@@ -123,7 +137,7 @@ class Redrive:
             if not due:
                 return result
             result.checked = len(due)
-            principals = {row.pk: self.principal(row.kind, row.name) for row in due}
+            principals = {row.pk: self.principal(row.kind, row.name, row.options) for row in due}
             recorded = self._recorded(due, principals)
             now = timezone.now()
             done, again = [], []

@@ -73,7 +73,7 @@ class Relay:
         self.app = next((getattr(d, "app", None) for d in self.destinations if d.redrives), None)
         self.batch_size = batch_size or conf.OUTBOX_BATCH_SIZE
         self.owner = owner or default_owner()
-        self.redrive = Redrive(self.app, self.using)
+        self.redrive = Redrive(self.app, self.using, self.destinations)
         self.stopping = threading.Event()
         self.heartbeat = Heartbeat(self.using, self.owner, timezone.now())
         self._listener: Any = None

@@ -179,6 +179,7 @@ def test_check_ids_are_unique() -> None:
         "django_idempotency.E014",
         "django_idempotency.E015",
         "django_idempotency.E121",
+        "django_idempotency.E122",
         "django_idempotency.W121",
         "django_idempotency.W001",
         "django_idempotency.W002",

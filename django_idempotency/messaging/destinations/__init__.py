@@ -20,6 +20,7 @@ from django_idempotency.models import OutboxMessage
 DEFAULT = "default"
 CELERY = "django_idempotency.messaging.destinations.celery.CeleryDestination"
 NATS = "django_idempotency.messaging.destinations.nats.NatsDestination"
+TASKS = "django_idempotency.messaging.destinations.tasks.TasksDestination"
 # A route's pattern may start with one of these to match that kind of message only.
 KIND_PREFIXES = {"task:": OutboxMessage.Kind.TASK, "event:": OutboxMessage.Kind.EVENT}
 
@@ -39,7 +40,8 @@ class Destination(Protocol):
 
     name: str
     # Whether the relay checks the exactly-once consumer's record of what it published here
-    # (the redrive, Celery only): another destination's consumers keep no such record.
+    # (the redrive: Celery, and Django Tasks, whose destination says where the record is by
+    # a ``consumer_principal(kind, name)`` method); other destinations' consumers keep none.
     redrives: bool
 
     def open(self) -> None:
@@ -80,9 +82,10 @@ def backend(name: str, path: str) -> Any:
         return import_string(path)
     except ImportError as exc:
         missing = getattr(exc, "name", None)
-        extra = {"nats": " (pip install 'django-idempotency[nats]')"}.get(
-            (missing or "").split(".")[0], ""
-        )
+        extra = {
+            "nats": " (pip install 'django-idempotency[nats]')",
+            "django_tasks": " (pip install 'django-idempotency[tasks]', or Django 6.0+)",
+        }.get((missing or "").split(".")[0], "")
         raise ImproperlyConfigured(
             f"The outbox destination {name!r} cannot load its BACKEND {path!r}: {exc}{extra}."
         ) from exc
@@ -145,10 +148,24 @@ class Destinations:
         return iter(self.by_name.values())
 
     def of(self, message: Message) -> Destination:
-        found = self._routes.get((message.kind, message.name))
+        return self.for_row(message.kind, message.name, message.options)
+
+    def for_row(self, kind: int, name: str, options: Mapping[str, Any]) -> Destination:
+        """A message's destination: the one its options name (an outbox backend of
+        Django's Tasks framework names its own), else its route's."""
+        named = options.get("destination")
+        if named is not None:
+            try:
+                return self.by_name[named]
+            except KeyError:
+                raise ImproperlyConfigured(
+                    f"An outbox message names the destination {named!r}, which "
+                    "IDEMPOTENCY_OUTBOX_DESTINATIONS does not define."
+                ) from None
+        found = self._routes.get((kind, name))
         if found is None:
-            found = self.by_name[route(message.kind, message.name)]
-            self._routes[message.kind, message.name] = found
+            found = self.by_name[route(kind, name)]
+            self._routes[kind, name] = found
         return found
 
     def split(self, messages: Sequence[Message]) -> list[tuple[Destination, tuple[Message, ...]]]:
