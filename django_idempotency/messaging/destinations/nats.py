@@ -10,7 +10,7 @@ import contextlib
 import itertools
 import json
 import threading
-from collections.abc import Coroutine, Mapping, Sequence
+from collections.abc import Callable, Coroutine, Mapping, Sequence
 from typing import Any, TypeVar
 
 import nats
@@ -75,6 +75,16 @@ def body(message: Message) -> bytes:
     return json.dumps(document, separators=(",", ":")).encode()
 
 
+def _result(future: concurrent.futures.Future[T], timeout: float) -> T:
+    """The outcome of work on the client's loop; TimeoutError after ``timeout`` seconds, the
+    work cancelled: the relay never waits unbounded on the destination."""
+    try:
+        return future.result(timeout)
+    except concurrent.futures.TimeoutError:
+        future.cancel()
+        raise TimeoutError(f"NATS did not answer within {timeout:g} s") from None
+
+
 class NatsDestination:
     """Publishes to NATS JetStream, on the subject ``OPTIONS["subject"]`` names."""
 
@@ -124,15 +134,9 @@ class NatsDestination:
     # The client's event loop, in a thread of its own ------------------------------------
 
     def _run(self, coroutine: Coroutine[Any, Any, T], timeout: float) -> T:
-        """Run ``coroutine`` on the client's loop; TimeoutError after ``timeout`` seconds,
-        the coroutine cancelled: the relay never waits unbounded on the destination."""
+        """Run ``coroutine`` on the client's loop and wait for it (``_result``)."""
         assert self._loop is not None
-        future = asyncio.run_coroutine_threadsafe(coroutine, self._loop)
-        try:
-            return future.result(timeout)
-        except concurrent.futures.TimeoutError:
-            future.cancel()
-            raise TimeoutError(f"NATS did not answer within {timeout:g} s") from None
+        return _result(asyncio.run_coroutine_threadsafe(coroutine, self._loop), timeout)
 
     def open(self) -> None:
         if self._client is not None:
@@ -196,16 +200,29 @@ class NatsDestination:
     def publish(self, messages: Sequence[Message], stopping: threading.Event) -> Publication:
         """Send the whole batch, then wait for the stream's acknowledgements: sent are those
         acknowledged (a duplicate the stream dropped counts: it has the message)."""
+        return self.publish_later(messages, stopping)()
+
+    def publish_later(
+        self, messages: Sequence[Message], stopping: threading.Event
+    ) -> Callable[[], Publication]:
+        """Start sending the batch on the client's loop and return at once the wait for its
+        acknowledgements (bounded), so that the relay marks and claims meanwhile."""
         self.open()
+        assert self._loop is not None
         chosen = [m for m in messages if not stopping.is_set()]
-        outcomes = self._run(self._publish(chosen), self.ack_timeout + 5)
-        done = Publication()
-        for message, outcome in zip(chosen, outcomes, strict=True):
-            if outcome is None:
-                done.sent.append(message)
-            elif done.failed is None:
-                done.failed, done.error = message, outcome
-        return done
+        future = asyncio.run_coroutine_threadsafe(self._publish(chosen), self._loop)
+
+        def wait() -> Publication:
+            outcomes = _result(future, self.ack_timeout + 5)
+            done = Publication()
+            for message, outcome in zip(chosen, outcomes, strict=True):
+                if outcome is None:
+                    done.sent.append(message)
+                elif done.failed is None:
+                    done.failed, done.error = message, outcome
+            return done
+
+        return wait
 
     async def _publish(self, messages: list[Message]) -> list[Exception | None]:
         client = self._client
