@@ -87,11 +87,30 @@ class NatsServer:
 
         return asyncio.run(run())
 
-    def add_stream(self, name: str = STREAM, subjects: list[str] = SUBJECTS) -> None:
+    def add_stream(
+        self, name: str = STREAM, subjects: list[str] = SUBJECTS, duplicate_window: float = 120
+    ) -> None:
         async def add(js: Any) -> None:
-            await js.add_stream(name=name, subjects=subjects)
+            await js.add_stream(name=name, subjects=subjects, duplicate_window=duplicate_window)
 
         self._call(add)
+
+    def publish(self, subject: str, data: bytes, message_id: str | None = None) -> int:
+        """Publish to the stream, with ``message_id`` as ``Nats-Msg-Id``; the stream sequence
+        (that of the first copy when the stream dropped this one as a duplicate)."""
+
+        async def send(js: Any) -> int:
+            headers = {"Nats-Msg-Id": message_id} if message_id else None
+            return int((await js.publish(subject, data, headers=headers)).seq)
+
+        result: int = self._call(send)
+        return result
+
+    def consumer_info(self, durable: str, stream: str = STREAM) -> Any:
+        async def read(js: Any) -> Any:
+            return await js.consumer_info(stream, durable)
+
+        return self._call(read)
 
     def ids(self, stream: str = STREAM) -> Counter[str]:
         """How many messages the stream holds under each ``Nats-Msg-Id``."""

@@ -5,13 +5,12 @@ the stream has acknowledged it; nats-py's asyncio client runs on a loop of its o
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import contextlib
 import itertools
 import json
 import threading
-from collections.abc import Callable, Coroutine, Mapping, Sequence
-from typing import Any, TypeVar
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 import nats
 import nats.errors
@@ -20,9 +19,8 @@ from django.core.exceptions import ImproperlyConfigured
 
 from django_idempotency.messaging.destinations import Publication
 from django_idempotency.messaging.leases import Message
+from django_idempotency.messaging.nats_loop import ClientLoop, result
 from django_idempotency.models import OutboxMessage
-
-T = TypeVar("T")
 
 MSG_ID = "Nats-Msg-Id"
 EXPECTED_STREAM = "Nats-Expected-Stream"
@@ -75,16 +73,6 @@ def body(message: Message) -> bytes:
     return json.dumps(document, separators=(",", ":")).encode()
 
 
-def _result(future: concurrent.futures.Future[T], timeout: float) -> T:
-    """The outcome of work on the client's loop; TimeoutError after ``timeout`` seconds, the
-    work cancelled: the relay never waits unbounded on the destination."""
-    try:
-        return future.result(timeout)
-    except concurrent.futures.TimeoutError:
-        future.cancel()
-        raise TimeoutError(f"NATS did not answer within {timeout:g} s") from None
-
-
 class NatsDestination:
     """Publishes to NATS JetStream, on the subject ``OPTIONS["subject"]`` names."""
 
@@ -99,8 +87,7 @@ class NatsDestination:
         self.stream: str | None = chosen["stream"]
         self.ack_timeout = float(chosen["ack_timeout"])
         self.connect_options = {**CONNECT, **chosen["connect"]}
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._thread: threading.Thread | None = None
+        self._loop = ClientLoop(f"outbox-nats-{name}")
         self._client: Any = None
         # Replies to publishes come to <inbox>.<token>: one subscription for them all.
         self._inbox = ""
@@ -131,25 +118,11 @@ class NatsDestination:
         shown = [server.rsplit("@", 1)[-1] for server in self.servers]
         return f"NATS JetStream at {', '.join(shown)}"
 
-    # The client's event loop, in a thread of its own ------------------------------------
-
-    def _run(self, coroutine: Coroutine[Any, Any, T], timeout: float) -> T:
-        """Run ``coroutine`` on the client's loop and wait for it (``_result``)."""
-        assert self._loop is not None
-        return _result(asyncio.run_coroutine_threadsafe(coroutine, self._loop), timeout)
-
     def open(self) -> None:
         if self._client is not None:
             return
-        if self._loop is None:
-            loop = asyncio.new_event_loop()
-            self._thread = threading.Thread(
-                target=loop.run_forever, name=f"outbox-nats-{self.name}", daemon=True
-            )
-            self._thread.start()
-            self._loop = loop
         timeout = float(self.connect_options.get("connect_timeout", 2)) * len(self.servers) + 1
-        self._client = self._run(self._connect(), timeout)
+        self._client = self._loop.run(self._connect(), timeout)
 
     async def _connect(self) -> Any:
         client = await nats.connect(servers=self.servers, **self.connect_options)
@@ -180,13 +153,8 @@ class NatsDestination:
         client, self._client = self._client, None
         if client is not None:
             with contextlib.suppress(Exception):
-                self._run(client.close(), self.ack_timeout)
-        loop, thread, self._loop, self._thread = self._loop, self._thread, None, None
-        if loop is not None and thread is not None:
-            loop.call_soon_threadsafe(loop.stop)
-            thread.join(timeout=5)
-            if not thread.is_alive():
-                loop.close()
+                self._loop.run(client.close(), self.ack_timeout)
+        self._loop.stop()
 
     def is_connection_error(self, exc: Exception) -> bool:
         return isinstance(exc, UNREACHABLE) or isinstance(exc.__cause__, UNREACHABLE)
@@ -208,12 +176,11 @@ class NatsDestination:
         """Start sending the batch on the client's loop and return at once the wait for its
         acknowledgements (bounded), so that the relay marks and claims meanwhile."""
         self.open()
-        assert self._loop is not None
         chosen = [m for m in messages if not stopping.is_set()]
-        future = asyncio.run_coroutine_threadsafe(self._publish(chosen), self._loop)
+        future = self._loop.submit(self._publish(chosen))
 
         def wait() -> Publication:
-            outcomes = _result(future, self.ack_timeout + 5)
+            outcomes = result(future, self.ack_timeout + 5)
             done = Publication()
             for message, outcome in zip(chosen, outcomes, strict=True):
                 if outcome is None:
