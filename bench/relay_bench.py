@@ -22,6 +22,7 @@ cells, so that nothing consumes the messages and the queue's length is the count
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import statistics
@@ -30,6 +31,7 @@ import sys
 import tempfile
 import time
 import uuid
+from collections.abc import Callable, Iterator
 from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -306,14 +308,18 @@ def nats_relay(server: PrivateNats, count: int) -> float:
     return elapsed
 
 
-def nats_cells(count: int, repeats: int) -> tuple[list[float], list[float], list[str]]:
-    """Loop and relay rates on a private nats-server -js, or nothing without one."""
+def nats_cells(
+    count: int, repeats: int, url: str, samples: int
+) -> tuple[list[float], list[float], list[float], list[str]]:
+    """Loop and relay rates and commit-to-publish delays on a private nats-server -js, or
+    nothing without one."""
     if shutil.which("nats-server") is None and not Path("/usr/sbin/nats-server").exists():
-        return [], [], []
+        return [], [], [], []
     loop_rates: list[float] = []
     relay_rates: list[float] = []
     errors: list[str] = []
     with PrivateNats() as server:
+        delays = nats_latency(server, url, samples)
         for repeat in range(repeats):
             for cell in ["loop", "relay"] if repeat % 2 == 0 else ["relay", "loop"]:
                 server.purge()
@@ -323,25 +329,21 @@ def nats_cells(count: int, repeats: int) -> tuple[list[float], list[float], list
                 if stored != count:
                     errors.append(f"NATS {cell}: {stored} messages in the stream, not {count}")
                 (loop_rates if cell == "loop" else relay_rates).append(count / seconds)
-    return loop_rates, relay_rates, errors
+    return loop_rates, relay_rates, delays, errors
 
 
-def latency(redis_server: PrivateRedis, url: str, samples: int) -> list[float]:
-    from django.db import transaction
-
-    from django_idempotency.messaging.outbox import enqueue_task
-
-    client = redis_server.client()
-    client.flushall()
-    clear_outbox()
+@contextlib.contextmanager
+def relay_process(url: str, env: dict[str, str], settings: str = "") -> Iterator[None]:
+    """``manage.py idempotency_relay`` as a process with a 60 s poll (and ``settings``, more
+    lines of its settings module), started and listening."""
     with tempfile.TemporaryDirectory() as tmp:
         (Path(tmp) / "relay_bench_settings.py").write_text(
             "from datetime import timedelta\nfrom testproject.settings import *  # noqa\n"
-            "IDEMPOTENCY_OUTBOX_POLL_INTERVAL = timedelta(seconds=60)\n"
+            "IDEMPOTENCY_OUTBOX_POLL_INTERVAL = timedelta(seconds=60)\n" + settings
         )
         env = {
             **django_env(url),
-            "CELERY_BROKER_URL": redis_server.url,
+            **env,
             "DJANGO_SETTINGS_MODULE": "relay_bench_settings",
             "PYTHONPATH": os.pathsep.join([tmp, str(ROOT)]),
             # Its start is read from its INFO line.
@@ -360,19 +362,77 @@ def latency(redis_server: PrivateRedis, url: str, samples: int) -> list[float]:
                     raise RuntimeError(f"the relay did not start:\n{log.read_text()}")
                 time.sleep(0.05)
             time.sleep(0.5)
-            delays = []
-            for n in range(samples):
-                with transaction.atomic():
-                    enqueue_task(TASK, (n,))
-                committed = time.perf_counter()
-                if client.brpop([QUEUE], timeout=10) is None:
-                    raise RuntimeError("a committed message was not published within 10 s")
-                delays.append(time.perf_counter() - committed)
-                time.sleep(0.01)
+            yield
         finally:
             relay.terminate()
             relay.wait(timeout=20)
+
+
+def commit_to_publish(samples: int, arrived: Callable[[], bool]) -> list[float]:
+    """One message per transaction; seconds from the commit returning to ``arrived()``."""
+    from django.db import transaction
+
+    from django_idempotency.messaging.outbox import enqueue_task
+
+    delays = []
+    for n in range(samples):
+        with transaction.atomic():
+            enqueue_task(TASK, (n,))
+        committed = time.perf_counter()
+        if not arrived():
+            raise RuntimeError("a committed message was not published within 10 s")
+        delays.append(time.perf_counter() - committed)
+        time.sleep(0.01)
     return delays
+
+
+def latency(redis_server: PrivateRedis, url: str, samples: int) -> list[float]:
+    client = redis_server.client()
+    client.flushall()
+    clear_outbox()
+    with relay_process(url, {"CELERY_BROKER_URL": redis_server.url}):
+        return commit_to_publish(samples, lambda: client.brpop([QUEUE], timeout=10) is not None)
+
+
+def nats_latency(server: PrivateNats, url: str, samples: int) -> list[float]:
+    """As ``latency``, the relay publishing to the private NATS stream; a message arrives
+    when a plain subscriber on its subject receives it."""
+    import queue
+
+    import nats
+
+    from django_idempotency.messaging.nats_loop import ClientLoop
+
+    clear_outbox()
+    received: queue.Queue[bytes] = queue.Queue()
+    loop = ClientLoop("bench-nats-subscriber")
+
+    async def subscribe() -> Any:
+        client = await nats.connect(server.url)
+
+        async def take(message: Any) -> None:
+            received.put(message.data)
+
+        await client.subscribe("bench.outbox.>", cb=take)
+        await client.flush()
+        return client
+
+    client = loop.run(subscribe(), 10)
+    try:
+        settings = f"IDEMPOTENCY_OUTBOX_DESTINATIONS = {server.settings()!r}\n"
+        with relay_process(url, {}, settings):
+
+            def arrived() -> bool:
+                try:
+                    received.get(timeout=10)
+                except queue.Empty:
+                    return False
+                return True
+
+            return commit_to_publish(samples, arrived)
+    finally:
+        loop.run(client.close(), 10)
+        loop.stop()
 
 
 def enqueue_cost_in_unit(samples: int) -> tuple[list[float], list[float]]:
@@ -467,7 +527,9 @@ def run(options: Options) -> Section:
             ratios.append(rates["relay"] / rates["loop"])
         rabbit_loop, rabbit_relay, rabbit_errors = rabbitmq_cells(count // 4, options.repeats)
         errors += rabbit_errors
-        nats_loop_rates, nats_relay_rates, nats_errors = nats_cells(count, options.repeats)
+        nats_loop_rates, nats_relay_rates, nats_delays, nats_errors = nats_cells(
+            count, options.repeats, options.database_url, samples
+        )
         errors += nats_errors
         delays = latency(redis_server, options.database_url, samples)
         plain, with_enqueue, call = enqueue_cost(samples * 5)
@@ -509,6 +571,9 @@ def run(options: Options) -> Section:
                         for r, loop in zip(nats_relay_rates, nats_loop_rates, strict=True)
                     ),
                 ],
+                ["NATS commit to publish, p50 ms", f"{median(nats_delays) * ms:.1f}"],
+                ["NATS commit to publish, p99 ms", f"{percentile(nats_delays, 99) * ms:.1f}"],
+                ["NATS commit to publish, max ms", f"{max(nats_delays) * ms:.1f}"],
             ]
             if nats_loop_rates
             else []
@@ -553,6 +618,20 @@ def run(options: Options) -> Section:
                     at_most=False,
                     note=f"{median(nats_relay_rates):,.0f} rows/s",
                 ),
+                Check(
+                    "NATS commit-to-publish p50 / 20 ms",
+                    median(nats_delays) * ms / 20,
+                    1.0,
+                    at_most=True,
+                    note=f"{median(nats_delays) * ms:.1f} ms",
+                ),
+                Check(
+                    "NATS commit-to-publish p99 / 100 ms",
+                    percentile(nats_delays, 99) * ms / 100,
+                    1.0,
+                    at_most=True,
+                    note=f"{percentile(nats_delays, 99) * ms:.1f} ms",
+                ),
             ]
             if nats_loop_rates
             else []
@@ -584,6 +663,7 @@ def run(options: Options) -> Section:
         "rabbitmq_relay_rates": rabbit_relay,
         "nats_loop_rates": nats_loop_rates,
         "nats_relay_rates": nats_relay_rates,
+        "nats_latency_seconds": nats_delays,
         "latency_seconds": delays,
         "plain_transaction_seconds": plain,
         "enqueue_transaction_seconds": with_enqueue,

@@ -190,38 +190,38 @@ class Relay:
         total = 0
         claims: ThreadPoolExecutor | None = None
         upcoming: Future[Batch] | None = None
-        # Batches published and not yet settled, oldest first.
-        pending: list[tuple[Batch, list[tuple[Destination, Waiting]]]] = []
+        # Batches published and not yet marked, oldest first: at most the one in flight and
+        # the one before it.
+        unsettled: list[tuple[Batch, list[tuple[Destination, Waiting]]]] = []
         try:
             batch = self.claim()
-            if batch.messages:
-                pending.append((batch, self.publish(batch)))
-            while pending:
-                batch, started = pending[0]
-                if upcoming is None and self._full(batch):
+            while batch.messages:
+                if self._full(batch):
                     claims = claims or self._claims()
                     upcoming = self._claim_ahead(claims)
-                # The acknowledgements first: the next batch goes out only after them.
+                unsettled.append((batch, self.publish(batch)))
+                if len(unsettled) > 1:
+                    # The one before, marked while this one is in flight.
+                    total += self.settle(*unsettled.pop(0)).published
+                # Its acknowledgements before the next batch goes out.
+                started = unsettled[0][1]
                 outcomes = [(destination, _done(wait())) for destination, wait in started]
-                pending[0] = (batch, outcomes)
+                unsettled[0] = (batch, outcomes)
+                batch = Batch(0, ())
                 if upcoming is not None:
-                    following, upcoming = upcoming.result(), None
+                    batch, upcoming = upcoming.result(), None
                     if any(wait().failed is not None for _, wait in outcomes):
-                        self.release(following, following.messages)
-                    elif following.messages:
-                        pending.append((following, self.publish(following)))
-                        if self._full(following):
-                            # Claimed while this batch is marked and the other is in flight.
-                            upcoming = self._claim_ahead(claims)
-                pending.pop(0)
-                result = self.settle(batch, outcomes)
+                        self.release(batch, batch.messages)
+                        batch = Batch(0, ())
+            if unsettled:
+                result = self.settle(*unsettled.pop(0))
                 total += result.published
                 if result.failed:
                     raise PublishFailed(result.error)
         finally:
             # Something raised: what is in flight is waited for and marked, what was claimed
             # and not published is given back (else its lease would hold it for a while).
-            for batch, started in pending:
+            for batch, started in unsettled:
                 with contextlib.suppress(Exception):
                     self.settle(batch, started)
             if upcoming is not None:
