@@ -36,6 +36,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from bench.nats_server import NATS_SERVER, NatsServer
 from bench.report import Check, Section, median, percentile
 from bench.server import ROOT, django_env, free_port
 
@@ -193,73 +194,31 @@ def relay_drain(app: Any, count: int) -> float:
     return elapsed
 
 
-class PrivateNats:
-    """A private ``nats-server -js`` on a free port (never the machine's 4222), with a stream
-    taking the bench's subjects; its messages are counted per cell."""
-
-    SUBJECT = "bench.outbox.{name}"
-
-    def __init__(self) -> None:
-        self.port = free_port()
-        self.directory = tempfile.mkdtemp(prefix="relay_bench_nats_")
-        self.process: subprocess.Popen[bytes] | None = None
-
-    @property
-    def url(self) -> str:
-        return f"nats://127.0.0.1:{self.port}"
-
-    def __enter__(self) -> PrivateNats:
-        server = shutil.which("nats-server") or "/usr/sbin/nats-server"
-        self.process = subprocess.Popen(
-            [server, "-js", "-a", "127.0.0.1", "-p", str(self.port), "-sd", self.directory],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-        )  # fmt: skip
-        deadline = time.monotonic() + 20
-        while True:
-            try:
-                self.call(lambda js: js.add_stream(name="BENCH", subjects=["bench.outbox.>"]))
-                return self
-            except Exception:
-                if time.monotonic() > deadline:
-                    raise
-                time.sleep(0.1)
-
-    def __exit__(self, *exc: object) -> None:
-        if self.process is not None:
-            self.process.kill()
-            self.process.wait()
-        shutil.rmtree(self.directory, ignore_errors=True)
-
-    def call(self, work: Any) -> Any:
-        import asyncio
-
-        import nats
-
-        async def run() -> Any:
-            client = await nats.connect(self.url, allow_reconnect=False, connect_timeout=2)
-            try:
-                return await work(client.jetstream())
-            finally:
-                await client.close()
-
-        return asyncio.run(run())
-
-    def purge(self) -> None:
-        self.call(lambda js: js.purge_stream("BENCH"))
-
-    def count(self) -> int:
-        async def read(js: Any) -> int:
-            return int((await js.stream_info("BENCH")).state.messages)
-
-        return int(self.call(read))
-
-    def settings(self) -> dict[str, Any]:
-        backend = "django_idempotency.messaging.destinations.nats.NatsDestination"
-        options = {"servers": [self.url], "subject": self.SUBJECT}
-        return {"default": {"BACKEND": backend, "OPTIONS": options}}
+# The bench's stream on its private nats-server, and the subjects the relay publishes to.
+NATS_STREAM = "BENCH"
+NATS_SUBJECT = "bench.outbox.{name}"
 
 
-def nats_loop(server: PrivateNats, count: int) -> float:
+@contextlib.contextmanager
+def private_nats() -> Iterator[NatsServer]:
+    """A private ``nats-server -js`` (``bench/nats_server.py``) with the bench's stream."""
+    with tempfile.TemporaryDirectory(prefix="relay_bench_nats_") as directory:
+        server = NatsServer.on_free_port(Path(directory))
+        server.start()
+        try:
+            server.add_stream(NATS_STREAM, ["bench.outbox.>"])
+            yield server
+        finally:
+            server.stop()
+
+
+def nats_settings(server: NatsServer) -> dict[str, Any]:
+    backend = "django_idempotency.messaging.destinations.nats.NatsDestination"
+    options = {"servers": [server.url], "subject": NATS_SUBJECT}
+    return {"default": {"BACKEND": backend, "OPTIONS": options}}
+
+
+def nats_loop(server: NatsServer, count: int) -> float:
     """Seconds for a plain loop to publish ``count`` messages with nats-py's own async
     JetStream publish (the same client, the same bodies and ids), waiting for every ack."""
     import asyncio
@@ -289,14 +248,14 @@ def nats_loop(server: PrivateNats, count: int) -> float:
     return asyncio.run(run())
 
 
-def nats_relay(server: PrivateNats, count: int) -> float:
+def nats_relay(server: NatsServer, count: int) -> float:
     from django.test import override_settings
 
     from django_idempotency.messaging.relay import Relay
 
     clear_outbox()
     fill_outbox(count)
-    with override_settings(IDEMPOTENCY_OUTBOX_DESTINATIONS=server.settings()):
+    with override_settings(IDEMPOTENCY_OUTBOX_DESTINATIONS=nats_settings(server)):
         relay = Relay()
         relay.destinations.by_name["default"].open()  # connected outside the timing
         started = time.perf_counter()
@@ -313,19 +272,19 @@ def nats_cells(
 ) -> tuple[list[float], list[float], list[float], list[str]]:
     """Loop and relay rates and commit-to-publish delays on a private nats-server -js, or
     nothing without one."""
-    if shutil.which("nats-server") is None and not Path("/usr/sbin/nats-server").exists():
+    if NATS_SERVER is None:
         return [], [], [], []
     loop_rates: list[float] = []
     relay_rates: list[float] = []
     errors: list[str] = []
-    with PrivateNats() as server:
+    with private_nats() as server:
         delays = nats_latency(server, url, samples)
         for repeat in range(repeats):
             for cell in ["loop", "relay"] if repeat % 2 == 0 else ["relay", "loop"]:
-                server.purge()
+                server.purge(NATS_STREAM)
                 run_cell = nats_loop if cell == "loop" else nats_relay
                 seconds = run_cell(server, count)
-                stored = server.count()
+                stored = server.count(NATS_STREAM)
                 if stored != count:
                     errors.append(f"NATS {cell}: {stored} messages in the stream, not {count}")
                 (loop_rates if cell == "loop" else relay_rates).append(count / seconds)
@@ -394,7 +353,7 @@ def latency(redis_server: PrivateRedis, url: str, samples: int) -> list[float]:
         return commit_to_publish(samples, lambda: client.brpop([QUEUE], timeout=10) is not None)
 
 
-def nats_latency(server: PrivateNats, url: str, samples: int) -> list[float]:
+def nats_latency(server: NatsServer, url: str, samples: int) -> list[float]:
     """As ``latency``, the relay publishing to the private NATS stream; a message arrives
     when a plain subscriber on its subject receives it."""
     import queue
@@ -419,7 +378,7 @@ def nats_latency(server: PrivateNats, url: str, samples: int) -> list[float]:
 
     client = loop.run(subscribe(), 10)
     try:
-        settings = f"IDEMPOTENCY_OUTBOX_DESTINATIONS = {server.settings()!r}\n"
+        settings = f"IDEMPOTENCY_OUTBOX_DESTINATIONS = {nats_settings(server)!r}\n"
         with relay_process(url, {}, settings):
 
             def arrived() -> bool:

@@ -154,6 +154,15 @@ def test_bad_arguments_are_refused_with_the_fix(nats_server: NatsServer) -> None
         call_command(
             "idempotency_consume_nats", "--stream=OUTBOX", "--durable=d", "--handler=no.such"
         )
+    with pytest.raises(CommandError, match=r"JetStream refused the consumer.*stream not found"):
+        call_command(
+            "idempotency_consume_nats",
+            "--stream=NONE",
+            "--durable=d",
+            f"--handler={HANDLER}",
+            f"--servers={nats_server.url}",
+            verbosity=0,
+        )
 
 
 # A consumer process killed -------------------------------------------------------------

@@ -59,6 +59,8 @@ class Command(BaseCommand):
     def handle(self, *args: Any, **options: Any) -> None:
         # Imported here: nats-py is an extra.
         try:
+            from nats.js.errors import APIError
+
             from django_idempotency.messaging.nats_consumer import NatsConsumer
         except ImportError as exc:
             raise CommandError(
@@ -95,4 +97,7 @@ class Command(BaseCommand):
 
         signal.signal(signal.SIGTERM, stop)
         signal.signal(signal.SIGINT, stop)
-        consumer.run()
+        try:
+            consumer.run()
+        except APIError as exc:  # no such stream, a durable of another configuration
+            raise CommandError(f"JetStream refused the consumer: {exc}") from exc
