@@ -22,6 +22,7 @@ cells, so that nothing consumes the messages and the queue's length is the count
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import statistics
@@ -30,10 +31,12 @@ import sys
 import tempfile
 import time
 import uuid
+from collections.abc import Callable, Iterator
 from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from bench.nats_server import NATS_SERVER, NatsServer
 from bench.report import Check, Section, median, percentile
 from bench.server import ROOT, django_env, free_port
 
@@ -191,73 +194,31 @@ def relay_drain(app: Any, count: int) -> float:
     return elapsed
 
 
-class PrivateNats:
-    """A private ``nats-server -js`` on a free port (never the machine's 4222), with a stream
-    taking the bench's subjects; its messages are counted per cell."""
-
-    SUBJECT = "bench.outbox.{name}"
-
-    def __init__(self) -> None:
-        self.port = free_port()
-        self.directory = tempfile.mkdtemp(prefix="relay_bench_nats_")
-        self.process: subprocess.Popen[bytes] | None = None
-
-    @property
-    def url(self) -> str:
-        return f"nats://127.0.0.1:{self.port}"
-
-    def __enter__(self) -> PrivateNats:
-        server = shutil.which("nats-server") or "/usr/sbin/nats-server"
-        self.process = subprocess.Popen(
-            [server, "-js", "-a", "127.0.0.1", "-p", str(self.port), "-sd", self.directory],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-        )  # fmt: skip
-        deadline = time.monotonic() + 20
-        while True:
-            try:
-                self.call(lambda js: js.add_stream(name="BENCH", subjects=["bench.outbox.>"]))
-                return self
-            except Exception:
-                if time.monotonic() > deadline:
-                    raise
-                time.sleep(0.1)
-
-    def __exit__(self, *exc: object) -> None:
-        if self.process is not None:
-            self.process.kill()
-            self.process.wait()
-        shutil.rmtree(self.directory, ignore_errors=True)
-
-    def call(self, work: Any) -> Any:
-        import asyncio
-
-        import nats
-
-        async def run() -> Any:
-            client = await nats.connect(self.url, allow_reconnect=False, connect_timeout=2)
-            try:
-                return await work(client.jetstream())
-            finally:
-                await client.close()
-
-        return asyncio.run(run())
-
-    def purge(self) -> None:
-        self.call(lambda js: js.purge_stream("BENCH"))
-
-    def count(self) -> int:
-        async def read(js: Any) -> int:
-            return int((await js.stream_info("BENCH")).state.messages)
-
-        return int(self.call(read))
-
-    def settings(self) -> dict[str, Any]:
-        backend = "django_idempotency.messaging.destinations.nats.NatsDestination"
-        options = {"servers": [self.url], "subject": self.SUBJECT}
-        return {"default": {"BACKEND": backend, "OPTIONS": options}}
+# The bench's stream on its private nats-server, and the subjects the relay publishes to.
+NATS_STREAM = "BENCH"
+NATS_SUBJECT = "bench.outbox.{name}"
 
 
-def nats_loop(server: PrivateNats, count: int) -> float:
+@contextlib.contextmanager
+def private_nats() -> Iterator[NatsServer]:
+    """A private ``nats-server -js`` (``bench/nats_server.py``) with the bench's stream."""
+    with tempfile.TemporaryDirectory(prefix="relay_bench_nats_") as directory:
+        server = NatsServer.on_free_port(Path(directory))
+        server.start()
+        try:
+            server.add_stream(NATS_STREAM, ["bench.outbox.>"])
+            yield server
+        finally:
+            server.stop()
+
+
+def nats_settings(server: NatsServer) -> dict[str, Any]:
+    backend = "django_idempotency.messaging.destinations.nats.NatsDestination"
+    options = {"servers": [server.url], "subject": NATS_SUBJECT}
+    return {"default": {"BACKEND": backend, "OPTIONS": options}}
+
+
+def nats_loop(server: NatsServer, count: int) -> float:
     """Seconds for a plain loop to publish ``count`` messages with nats-py's own async
     JetStream publish (the same client, the same bodies and ids), waiting for every ack."""
     import asyncio
@@ -287,14 +248,14 @@ def nats_loop(server: PrivateNats, count: int) -> float:
     return asyncio.run(run())
 
 
-def nats_relay(server: PrivateNats, count: int) -> float:
+def nats_relay(server: NatsServer, count: int) -> float:
     from django.test import override_settings
 
     from django_idempotency.messaging.relay import Relay
 
     clear_outbox()
     fill_outbox(count)
-    with override_settings(IDEMPOTENCY_OUTBOX_DESTINATIONS=server.settings()):
+    with override_settings(IDEMPOTENCY_OUTBOX_DESTINATIONS=nats_settings(server)):
         relay = Relay()
         relay.destinations.by_name["default"].open()  # connected outside the timing
         started = time.perf_counter()
@@ -306,24 +267,28 @@ def nats_relay(server: PrivateNats, count: int) -> float:
     return elapsed
 
 
-def nats_cells(count: int, repeats: int) -> tuple[list[float], list[float], list[str]]:
-    """Loop and relay rates on a private nats-server -js, or nothing without one."""
-    if shutil.which("nats-server") is None and not Path("/usr/sbin/nats-server").exists():
-        return [], [], []
+def nats_cells(
+    count: int, repeats: int, url: str, samples: int
+) -> tuple[list[float], list[float], list[float], list[str]]:
+    """Loop and relay rates and commit-to-publish delays on a private nats-server -js, or
+    nothing without one."""
+    if NATS_SERVER is None:
+        return [], [], [], []
     loop_rates: list[float] = []
     relay_rates: list[float] = []
     errors: list[str] = []
-    with PrivateNats() as server:
+    with private_nats() as server:
+        delays = nats_latency(server, url, samples)
         for repeat in range(repeats):
             for cell in ["loop", "relay"] if repeat % 2 == 0 else ["relay", "loop"]:
-                server.purge()
+                server.purge(NATS_STREAM)
                 run_cell = nats_loop if cell == "loop" else nats_relay
                 seconds = run_cell(server, count)
-                stored = server.count()
+                stored = server.count(NATS_STREAM)
                 if stored != count:
                     errors.append(f"NATS {cell}: {stored} messages in the stream, not {count}")
                 (loop_rates if cell == "loop" else relay_rates).append(count / seconds)
-    return loop_rates, relay_rates, errors
+    return loop_rates, relay_rates, delays, errors
 
 
 def tasks_noop(n: int, currency: str, amount: int) -> None:
@@ -420,22 +385,18 @@ def tasks_cells(count: int, repeats: int) -> tuple[list[float], list[float], lis
     return loop_rates, relay_rates, errors
 
 
-def latency(redis_server: PrivateRedis, url: str, samples: int) -> list[float]:
-    from django.db import transaction
-
-    from django_idempotency.messaging.outbox import enqueue_task
-
-    client = redis_server.client()
-    client.flushall()
-    clear_outbox()
+@contextlib.contextmanager
+def relay_process(url: str, env: dict[str, str], settings: str = "") -> Iterator[None]:
+    """``manage.py idempotency_relay`` as a process with a 60 s poll (and ``settings``, more
+    lines of its settings module), started and listening."""
     with tempfile.TemporaryDirectory() as tmp:
         (Path(tmp) / "relay_bench_settings.py").write_text(
             "from datetime import timedelta\nfrom testproject.settings import *  # noqa\n"
-            "IDEMPOTENCY_OUTBOX_POLL_INTERVAL = timedelta(seconds=60)\n"
+            "IDEMPOTENCY_OUTBOX_POLL_INTERVAL = timedelta(seconds=60)\n" + settings
         )
         env = {
             **django_env(url),
-            "CELERY_BROKER_URL": redis_server.url,
+            **env,
             "DJANGO_SETTINGS_MODULE": "relay_bench_settings",
             "PYTHONPATH": os.pathsep.join([tmp, str(ROOT)]),
             # Its start is read from its INFO line.
@@ -454,19 +415,77 @@ def latency(redis_server: PrivateRedis, url: str, samples: int) -> list[float]:
                     raise RuntimeError(f"the relay did not start:\n{log.read_text()}")
                 time.sleep(0.05)
             time.sleep(0.5)
-            delays = []
-            for n in range(samples):
-                with transaction.atomic():
-                    enqueue_task(TASK, (n,))
-                committed = time.perf_counter()
-                if client.brpop([QUEUE], timeout=10) is None:
-                    raise RuntimeError("a committed message was not published within 10 s")
-                delays.append(time.perf_counter() - committed)
-                time.sleep(0.01)
+            yield
         finally:
             relay.terminate()
             relay.wait(timeout=20)
+
+
+def commit_to_publish(samples: int, arrived: Callable[[], bool]) -> list[float]:
+    """One message per transaction; seconds from the commit returning to ``arrived()``."""
+    from django.db import transaction
+
+    from django_idempotency.messaging.outbox import enqueue_task
+
+    delays = []
+    for n in range(samples):
+        with transaction.atomic():
+            enqueue_task(TASK, (n,))
+        committed = time.perf_counter()
+        if not arrived():
+            raise RuntimeError("a committed message was not published within 10 s")
+        delays.append(time.perf_counter() - committed)
+        time.sleep(0.01)
     return delays
+
+
+def latency(redis_server: PrivateRedis, url: str, samples: int) -> list[float]:
+    client = redis_server.client()
+    client.flushall()
+    clear_outbox()
+    with relay_process(url, {"CELERY_BROKER_URL": redis_server.url}):
+        return commit_to_publish(samples, lambda: client.brpop([QUEUE], timeout=10) is not None)
+
+
+def nats_latency(server: NatsServer, url: str, samples: int) -> list[float]:
+    """As ``latency``, the relay publishing to the private NATS stream; a message arrives
+    when a plain subscriber on its subject receives it."""
+    import queue
+
+    import nats
+
+    from django_idempotency.messaging.nats_loop import ClientLoop
+
+    clear_outbox()
+    received: queue.Queue[bytes] = queue.Queue()
+    loop = ClientLoop("bench-nats-subscriber")
+
+    async def subscribe() -> Any:
+        client = await nats.connect(server.url)
+
+        async def take(message: Any) -> None:
+            received.put(message.data)
+
+        await client.subscribe("bench.outbox.>", cb=take)
+        await client.flush()
+        return client
+
+    client = loop.run(subscribe(), 10)
+    try:
+        settings = f"IDEMPOTENCY_OUTBOX_DESTINATIONS = {nats_settings(server)!r}\n"
+        with relay_process(url, {}, settings):
+
+            def arrived() -> bool:
+                try:
+                    received.get(timeout=10)
+                except queue.Empty:
+                    return False
+                return True
+
+            return commit_to_publish(samples, arrived)
+    finally:
+        loop.run(client.close(), 10)
+        loop.stop()
 
 
 def enqueue_cost_in_unit(samples: int) -> tuple[list[float], list[float]]:
@@ -561,7 +580,9 @@ def run(options: Options) -> Section:
             ratios.append(rates["relay"] / rates["loop"])
         rabbit_loop, rabbit_relay, rabbit_errors = rabbitmq_cells(count // 4, options.repeats)
         errors += rabbit_errors
-        nats_loop_rates, nats_relay_rates, nats_errors = nats_cells(count, options.repeats)
+        nats_loop_rates, nats_relay_rates, nats_delays, nats_errors = nats_cells(
+            count, options.repeats, options.database_url, samples
+        )
         errors += nats_errors
         tasks_loop_rates, tasks_relay_rates, tasks_errors = tasks_cells(count // 4, options.repeats)
         errors += tasks_errors
@@ -605,6 +626,9 @@ def run(options: Options) -> Section:
                         for r, loop in zip(nats_relay_rates, nats_loop_rates, strict=True)
                     ),
                 ],
+                ["NATS commit to publish, p50 ms", f"{median(nats_delays) * ms:.1f}"],
+                ["NATS commit to publish, p99 ms", f"{percentile(nats_delays, 99) * ms:.1f}"],
+                ["NATS commit to publish, max ms", f"{max(nats_delays) * ms:.1f}"],
             ]
             if nats_loop_rates
             else []
@@ -668,6 +692,20 @@ def run(options: Options) -> Section:
                     at_most=False,
                     note=f"{median(nats_relay_rates):,.0f} rows/s",
                 ),
+                Check(
+                    "NATS commit-to-publish p50 / 20 ms",
+                    median(nats_delays) * ms / 20,
+                    1.0,
+                    at_most=True,
+                    note=f"{median(nats_delays) * ms:.1f} ms",
+                ),
+                Check(
+                    "NATS commit-to-publish p99 / 100 ms",
+                    percentile(nats_delays, 99) * ms / 100,
+                    1.0,
+                    at_most=True,
+                    note=f"{percentile(nats_delays, 99) * ms:.1f} ms",
+                ),
             ]
             if nats_loop_rates
             else []
@@ -721,6 +759,7 @@ def run(options: Options) -> Section:
         "nats_relay_rates": nats_relay_rates,
         "tasks_loop_rates": tasks_loop_rates,
         "tasks_relay_rates": tasks_relay_rates,
+        "nats_latency_seconds": nats_delays,
         "latency_seconds": delays,
         "plain_transaction_seconds": plain,
         "enqueue_transaction_seconds": with_enqueue,

@@ -11,6 +11,7 @@ import socket
 import threading
 import time
 import uuid
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
@@ -21,7 +22,13 @@ from django.utils import timezone
 from django_idempotency import signals
 from django_idempotency.conf import conf
 from django_idempotency.messaging import leases
-from django_idempotency.messaging.destinations import Destination, Destinations, Publication
+from django_idempotency.messaging.destinations import (
+    Destination,
+    Destinations,
+    Publication,
+    Waiting,
+    start,
+)
 from django_idempotency.messaging.heartbeats import BEAT_EVERY, Heartbeat
 from django_idempotency.messaging.leases import Batch, Message
 from django_idempotency.messaging.outbox import CHANNEL
@@ -117,21 +124,28 @@ class Relay:
 
     def run_pass(self) -> PassResult:
         """Claim one batch, publish it in order, mark what was published."""
-        result = PassResult()
         batch = self.claim()
-        result.claimed = len(batch.messages)
         if not batch.messages:
-            return result
+            return PassResult()
+        return self.settle(batch, self.publish(batch))
+
+    def publish(self, batch: Batch) -> list[tuple[Destination, Waiting]]:
+        """Start publishing the batch: each destination its own messages, in order (in the
+        background where it can); one that fails stops none other."""
+        return [
+            (destination, start(destination, messages, self.stopping))
+            for destination, messages in self.destinations.split(batch.messages)
+        ]
+
+    def settle(self, batch: Batch, started: list[tuple[Destination, Waiting]]) -> PassResult:
+        """Wait for the batch's publication, mark what was published, hold back or give back
+        the rest."""
+        result = PassResult(claimed=len(batch.messages))
         published: list[Message] = []
         failures: list[tuple[Destination, Message, Exception]] = []
         try:
-            # Each destination its own messages, in order; one that fails stops none other.
-            for destination, messages in self.destinations.split(batch.messages):
-                try:
-                    destination.open()
-                    done = destination.publish(messages, self.stopping)
-                except Exception as exc:  # connecting failed: nothing went out
-                    done = Publication([], messages[0], exc)
+            for destination, wait in started:
+                done = wait()
                 published += done.sent
                 if done.failed is not None and done.error is not None:
                     failures.append((destination, done.failed, done.error))
@@ -169,17 +183,93 @@ class Relay:
 
     def drain(self) -> int:
         """Run passes until a pass claims less than a full batch (and published no keyed
-        message, whose successor a claim takes only now) or fails; return how many rows were
-        published."""
+        message, whose successor a claim takes only once it is marked) or fails; return how
+        many rows were published."""
         total = 0
         while not self.stopping.is_set():
-            result = self.run_pass()
-            total += result.published
-            if result.failed or (result.claimed < self.batch_size and not result.keyed):
-                if result.failed:
-                    raise PublishFailed(result.error)
+            published, keyed = self._drain_pipelined()
+            total += published
+            if not keyed:
                 break
         return total
+
+    def _drain_pipelined(self) -> tuple[int, bool]:
+        """Claim, publish and mark batches until one is not full; return how many rows were
+        published and whether any of them had an ordering key.
+
+        Pipelined on PostgreSQL: while a batch is in flight (a destination with
+        ``publish_later``), the relay marks the one before, and a thread of its own, on a
+        database connection of its own, claims the next; so the database's two statements a
+        batch overlap the publish. A batch goes out only once the one before is acknowledged,
+        and never after a failure (it is given back untried): the order is that of one pass
+        at a time, and a row is still marked only once it was acknowledged."""
+        total = 0
+        keyed = False
+        claims: ThreadPoolExecutor | None = None
+        upcoming: Future[Batch] | None = None
+        # Batches published and not yet marked, oldest first: at most the one in flight and
+        # the one before it.
+        unsettled: list[tuple[Batch, list[tuple[Destination, Waiting]]]] = []
+        try:
+            batch = self.claim()
+            while batch.messages:
+                if self._full(batch):
+                    claims = claims or self._claims()
+                    upcoming = self._claim_ahead(claims)
+                unsettled.append((batch, self.publish(batch)))
+                if len(unsettled) > 1:
+                    # The one before, marked while this one is in flight.
+                    settled = self.settle(*unsettled.pop(0))
+                    total += settled.published
+                    keyed = keyed or settled.keyed
+                # Its acknowledgements before the next batch goes out.
+                started = unsettled[0][1]
+                outcomes = [(destination, _done(wait())) for destination, wait in started]
+                unsettled[0] = (batch, outcomes)
+                batch = Batch(0, ())
+                if upcoming is not None:
+                    batch, upcoming = upcoming.result(), None
+                    if any(wait().failed is not None for _, wait in outcomes):
+                        self.release(batch, batch.messages)
+                        batch = Batch(0, ())
+            if unsettled:
+                result = self.settle(*unsettled.pop(0))
+                total += result.published
+                keyed = keyed or result.keyed
+                if result.failed:
+                    raise PublishFailed(result.error)
+        finally:
+            # Something raised: what is in flight is waited for and marked, what was claimed
+            # and not published is given back (else its lease would hold it for a while).
+            for batch, started in unsettled:
+                with contextlib.suppress(Exception):
+                    self.settle(batch, started)
+            if upcoming is not None:
+                with contextlib.suppress(Exception):
+                    following = upcoming.result()
+                    self.release(following, following.messages)
+            if claims is not None:
+                # Its database connection is its thread's own: closed there.
+                claims.submit(lambda: connections[self.using].close()).result()
+                claims.shutdown()
+        return total, keyed
+
+    def _full(self, batch: Batch) -> bool:
+        return len(batch.messages) >= self.batch_size and not self.stopping.is_set()
+
+    def _claim_ahead(self, claims: ThreadPoolExecutor | None) -> Future[Batch]:
+        if claims is not None:
+            return claims.submit(self.claim)
+        claimed: Future[Batch] = Future()
+        claimed.set_result(self.claim())
+        return claimed
+
+    def _claims(self) -> ThreadPoolExecutor | None:
+        """The thread that claims ahead; None (claims in turn) off PostgreSQL, where a
+        second connection would wait for the first's lock or see another database."""
+        if connections[self.using].vendor != "postgresql":
+            return None
+        return ThreadPoolExecutor(1, thread_name_prefix="outbox-relay-claims")
 
     # Waiting ------------------------------------------------------------------------
 
@@ -325,6 +415,10 @@ class Relay:
 
     def stop(self) -> None:
         self.stopping.set()
+
+
+def _done(publication: Publication) -> Waiting:
+    return lambda: publication
 
 
 class PublishFailed(Exception):

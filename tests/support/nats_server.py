@@ -1,114 +1,19 @@
-"""A private ``nats-server -js`` on a free port (never the machine's 4222), a stream on it, and
-the stream's messages counted by their ``Nats-Msg-Id``."""
+"""A private ``nats-server -js`` on a free port (``bench/nats_server.py``, shared with the
+benchmarks), started as a child that dies with the test session."""
 
 from __future__ import annotations
 
-import asyncio
-import shutil
-import subprocess
-from collections import Counter
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
+from bench.nats_server import NATS_SERVER, STREAM, SUBJECTS
+from bench.nats_server import NatsServer as _NatsServer
 from tests.conftest import die_with_parent
-from tests.support.chain_processes import wait_for
 from tests.support.servers import free_port
 
-NATS_SERVER = shutil.which("nats-server") or (
-    "/usr/sbin/nats-server" if Path("/usr/sbin/nats-server").exists() else None
-)
-STREAM = "OUTBOX"
-SUBJECTS = ["outbox.>"]
+__all__ = ["NATS_SERVER", "STREAM", "SUBJECTS", "NatsServer"]
 
 
-async def _quiet(error: Exception) -> None:
-    """Polled before it listens: a refused connection is the expected answer then."""
-
-
-@dataclass
-class NatsServer:
-    port: int
-    directory: Path
-    process: subprocess.Popen[bytes] | None = None
-
+class NatsServer(_NatsServer):
     @classmethod
     def on_free_port(cls, directory: Path) -> NatsServer:
-        return cls(free_port(), directory)
-
-    @property
-    def url(self) -> str:
-        return f"nats://127.0.0.1:{self.port}"
-
-    def start(self) -> None:
-        assert NATS_SERVER is not None
-        self.process = subprocess.Popen(
-            [NATS_SERVER, "-js", "-a", "127.0.0.1", "-p", str(self.port),
-             "-sd", str(self.directory / "store"), "-l", str(self.directory / "nats.log")],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, preexec_fn=die_with_parent,
-            start_new_session=True,
-        )  # fmt: skip
-        wait_for(self.answers, timeout=20, every=0.1)
-
-    def stop(self) -> None:
-        """``kill -9``."""
-        if self.process is not None:
-            self.process.kill()
-            self.process.wait()
-            self.process = None
-
-    def answers(self) -> bool:
-        async def ask() -> bool:
-            import nats
-
-            client = await nats.connect(
-                self.url, allow_reconnect=False, connect_timeout=1, error_cb=_quiet
-            )
-            try:
-                await client.jetstream().account_info()
-                return True
-            finally:
-                await client.close()
-
-        try:
-            return asyncio.run(ask())
-        except Exception:
-            return False
-
-    def _call(self, work: Any) -> Any:
-        async def run() -> Any:
-            import nats
-
-            client = await nats.connect(self.url, allow_reconnect=False, connect_timeout=2)
-            try:
-                return await work(client.jetstream())
-            finally:
-                await client.close()
-
-        return asyncio.run(run())
-
-    def add_stream(self, name: str = STREAM, subjects: list[str] = SUBJECTS) -> None:
-        async def add(js: Any) -> None:
-            await js.add_stream(name=name, subjects=subjects)
-
-        self._call(add)
-
-    def ids(self, stream: str = STREAM) -> Counter[str]:
-        """How many messages the stream holds under each ``Nats-Msg-Id``."""
-
-        async def read(js: Any) -> Counter[str]:
-            info = await js.stream_info(stream)
-            found: Counter[str] = Counter()
-            for sequence in range(info.state.first_seq, info.state.last_seq + 1):
-                message = await js.get_msg(stream, sequence)
-                found[(message.headers or {}).get("Nats-Msg-Id", "")] += 1
-            return found
-
-        result: Counter[str] = self._call(read)
-        return result
-
-    def message(self, sequence: int, stream: str = STREAM) -> Any:
-        async def read(js: Any) -> Any:
-            return await js.get_msg(stream, sequence)
-
-        return self._call(read)
+        return cls(free_port(), directory, preexec_fn=die_with_parent)

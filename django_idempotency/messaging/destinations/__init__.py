@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from fnmatch import fnmatchcase
 from typing import Any, Protocol
@@ -59,6 +59,37 @@ class Destination(Protocol):
 
     def describe(self) -> str:
         """Where it publishes, for the relay's start line (no password)."""
+
+
+# A destination may also have ``publish_later(messages, stopping)``: start publishing and
+# return at once a call that waits for the outcome, as ``publish`` would have returned it.
+# The relay then marks the previous batch and claims the next while this one is in flight.
+Waiting = Callable[[], Publication]
+
+
+def start(
+    destination: Destination, messages: Sequence[Message], stopping: threading.Event
+) -> Waiting:
+    """Start publishing ``messages`` (in the background where the destination can) and return
+    the wait for its Publication; a failure to connect or send is a Publication that says so."""
+    try:
+        destination.open()
+        later: Callable[..., Waiting] | None = getattr(destination, "publish_later", None)
+        if later is None:
+            done = destination.publish(messages, stopping)
+            return lambda: done
+        wait = later(messages, stopping)
+    except Exception as exc:  # connecting failed: nothing went out
+        failed = Publication([], messages[0], exc)
+        return lambda: failed
+
+    def outcome() -> Publication:
+        try:
+            return wait()
+        except Exception as exc:  # the connection went, or no answer in time
+            return Publication([], messages[0], exc)
+
+    return outcome
 
 
 def _spec(name: str, value: Any) -> tuple[str, Mapping[str, Any]]:

@@ -5,13 +5,12 @@ the stream has acknowledged it; nats-py's asyncio client runs on a loop of its o
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import contextlib
 import itertools
 import json
 import threading
-from collections.abc import Coroutine, Mapping, Sequence
-from typing import Any, TypeVar
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 import nats
 import nats.errors
@@ -20,10 +19,9 @@ from django.core.exceptions import ImproperlyConfigured
 
 from django_idempotency.messaging.destinations import Publication
 from django_idempotency.messaging.leases import Message
+from django_idempotency.messaging.nats_loop import ClientLoop, result
 from django_idempotency.messaging.tracing import publishing
 from django_idempotency.models import OutboxMessage
-
-T = TypeVar("T")
 
 MSG_ID = "Nats-Msg-Id"
 EXPECTED_STREAM = "Nats-Expected-Stream"
@@ -90,8 +88,7 @@ class NatsDestination:
         self.stream: str | None = chosen["stream"]
         self.ack_timeout = float(chosen["ack_timeout"])
         self.connect_options = {**CONNECT, **chosen["connect"]}
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._thread: threading.Thread | None = None
+        self._loop = ClientLoop(f"outbox-nats-{name}")
         self._client: Any = None
         # Replies to publishes come to <inbox>.<token>: one subscription for them all.
         self._inbox = ""
@@ -122,31 +119,11 @@ class NatsDestination:
         shown = [server.rsplit("@", 1)[-1] for server in self.servers]
         return f"NATS JetStream at {', '.join(shown)}"
 
-    # The client's event loop, in a thread of its own ------------------------------------
-
-    def _run(self, coroutine: Coroutine[Any, Any, T], timeout: float) -> T:
-        """Run ``coroutine`` on the client's loop; TimeoutError after ``timeout`` seconds,
-        the coroutine cancelled: the relay never waits unbounded on the destination."""
-        assert self._loop is not None
-        future = asyncio.run_coroutine_threadsafe(coroutine, self._loop)
-        try:
-            return future.result(timeout)
-        except concurrent.futures.TimeoutError:
-            future.cancel()
-            raise TimeoutError(f"NATS did not answer within {timeout:g} s") from None
-
     def open(self) -> None:
         if self._client is not None:
             return
-        if self._loop is None:
-            loop = asyncio.new_event_loop()
-            self._thread = threading.Thread(
-                target=loop.run_forever, name=f"outbox-nats-{self.name}", daemon=True
-            )
-            self._thread.start()
-            self._loop = loop
         timeout = float(self.connect_options.get("connect_timeout", 2)) * len(self.servers) + 1
-        self._client = self._run(self._connect(), timeout)
+        self._client = self._loop.run(self._connect(), timeout)
 
     async def _connect(self) -> Any:
         client = await nats.connect(servers=self.servers, **self.connect_options)
@@ -177,13 +154,8 @@ class NatsDestination:
         client, self._client = self._client, None
         if client is not None:
             with contextlib.suppress(Exception):
-                self._run(client.close(), self.ack_timeout)
-        loop, thread, self._loop, self._thread = self._loop, self._thread, None, None
-        if loop is not None and thread is not None:
-            loop.call_soon_threadsafe(loop.stop)
-            thread.join(timeout=5)
-            if not thread.is_alive():
-                loop.close()
+                self._loop.run(client.close(), self.ack_timeout)
+        self._loop.stop()
 
     def is_connection_error(self, exc: Exception) -> bool:
         return isinstance(exc, UNREACHABLE) or isinstance(exc.__cause__, UNREACHABLE)
@@ -197,16 +169,28 @@ class NatsDestination:
     def publish(self, messages: Sequence[Message], stopping: threading.Event) -> Publication:
         """Send the whole batch, then wait for the stream's acknowledgements: sent are those
         acknowledged (a duplicate the stream dropped counts: it has the message)."""
+        return self.publish_later(messages, stopping)()
+
+    def publish_later(
+        self, messages: Sequence[Message], stopping: threading.Event
+    ) -> Callable[[], Publication]:
+        """Start sending the batch on the client's loop and return at once the wait for its
+        acknowledgements (bounded), so that the relay marks and claims meanwhile."""
         self.open()
         chosen = [m for m in messages if not stopping.is_set()]
-        outcomes = self._run(self._publish(chosen), self.ack_timeout + 5)
-        done = Publication()
-        for message, outcome in zip(chosen, outcomes, strict=True):
-            if outcome is None:
-                done.sent.append(message)
-            elif done.failed is None:
-                done.failed, done.error = message, outcome
-        return done
+        future = self._loop.submit(self._publish(chosen))
+
+        def wait() -> Publication:
+            outcomes = result(future, self.ack_timeout + 5)
+            done = Publication()
+            for message, outcome in zip(chosen, outcomes, strict=True):
+                if outcome is None:
+                    done.sent.append(message)
+                elif done.failed is None:
+                    done.failed, done.error = message, outcome
+            return done
+
+        return wait
 
     async def _publish(self, messages: list[Message]) -> list[Exception | None]:
         client = self._client
