@@ -20,7 +20,11 @@ from typing import Any
 
 import pytest
 
-pytest.importorskip("django_tasks_rq")
+pytest.importorskip(
+    "django_tasks_rq",
+    reason="django-tasks-rq is not installed: it cannot share a virtualenv with "
+    "django-celery-beat; .ci/run runs this module with tox -e py312-django60-tasks",
+)
 from django.core.exceptions import ImproperlyConfigured
 from django.db import transaction
 from django.utils import timezone
