@@ -8,7 +8,6 @@ from __future__ import annotations
 import contextlib
 import json
 import secrets
-import socket
 import uuid
 from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
@@ -28,19 +27,6 @@ from tests.support.servers import PostgresCluster, logical_cluster, postgres_bin
 
 PUBLICATION = "django_idempotency_events"
 SLOT = "debezium_like"
-# This work's own range of ports for private servers (sessions share the machine).
-PORTS = range(17200, 17300)
-
-
-def _port() -> int:
-    for port in PORTS:
-        with socket.socket() as probe:
-            try:
-                probe.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-            return port
-    raise LookupError(f"no free port in {PORTS}")
 
 
 @contextlib.contextmanager
@@ -73,7 +59,7 @@ def cluster(django_db_blocker: Any) -> Iterator[PostgresCluster]:
     except LookupError as exc:
         pytest.skip(f"cannot make a private cluster: {exc}")
     with (
-        logical_cluster(_port()) as cluster,
+        logical_cluster() as cluster,
         _aliases(cluster, "cdc", "cdc_other"),
         django_db_blocker.unblock(),
         override_settings(IDEMPOTENCY_CDC_PUBLICATION=PUBLICATION),

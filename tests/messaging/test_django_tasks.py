@@ -8,7 +8,6 @@ from __future__ import annotations
 import contextlib
 import importlib
 import re
-import socket
 import subprocess
 import sys
 import tempfile
@@ -47,26 +46,13 @@ pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.timeout(180)]
 with contextlib.suppress(ImportError):  # the backport resets its backends on setting_changed
     import django_tasks.signals  # noqa: F401
 
-# The private servers of this file bind ports in this range (never the machine's 6379).
-PORTS = range(17100, 17200)
 TARGET = "tests.support.task_targets.record"
 EFFECT = "tests.tasks.effect"
 
 
-def port_in_range() -> int:
-    for port in PORTS:
-        with socket.socket() as probe:
-            try:
-                probe.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-            return port
-    raise AssertionError(f"no free port in {PORTS}")
-
-
 @pytest.fixture
 def rq_redis(tmp_path: Path) -> Iterator[RedisServer]:
-    server = RedisServer(port_in_range(), tmp_path)
+    server = RedisServer.on_free_port(tmp_path)
     server.start()
     yield server
     server.stop()

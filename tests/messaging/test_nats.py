@@ -8,7 +8,6 @@ import json
 import threading
 import time
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -31,16 +30,6 @@ pytestmark = [
     pytest.mark.timeout(180),
     pytest.mark.skipif(NATS_SERVER is None, reason="needs nats-server (Debian: nats-server)"),
 ]
-
-
-@pytest.fixture
-def nats_server(tmp_path: Path) -> Iterator[NatsServer]:
-    server = NatsServer.on_free_port(tmp_path)
-    server.start()
-    try:
-        yield server
-    finally:
-        server.stop()
 
 
 def destinations(server: NatsServer, **options: Any) -> dict[str, Any]:

@@ -41,15 +41,11 @@ HANDLER = "tests.support.nats_handlers.record_effect"
 
 
 @pytest.fixture
-def nats_server(tmp_path: Path) -> Iterator[NatsServer]:
-    server = NatsServer.on_free_port(tmp_path)
-    server.start()
-    try:
-        # A short duplicate window, so that a test can publish an id again past it.
-        server.add_stream(duplicate_window=1)
-        yield server
-    finally:
-        server.stop()
+def nats_server(nats_server: NatsServer) -> NatsServer:
+    """The shared private server, with a stream whose duplicate window is short, so that a
+    test can publish an id again past it."""
+    nats_server.add_stream(duplicate_window=1)
+    return nats_server
 
 
 @pytest.fixture(autouse=True)

@@ -10,8 +10,6 @@ import json
 import subprocess
 import sys
 import uuid
-from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -37,7 +35,7 @@ from django_idempotency.models import OutboxMessage
 from tests.conftest import ROOT
 from tests.messaging.test_relay import bare_app
 from tests.support.chain_processes import RedisServer, wait_for
-from tests.support.nats_server import NATS_SERVER, NatsServer
+from tests.support.nats_server import NatsServer
 from tests.support.otel import SPANS, collect_fixture, sdk_fixture  # noqa: F401  (fixtures)
 
 pytestmark = [
@@ -243,18 +241,6 @@ def test_a_consumer_under_a_span_already_current_makes_no_span_of_its_own(
 
 
 # NATS -----------------------------------------------------------------------------------
-
-
-@pytest.fixture
-def nats_server(tmp_path: Path) -> Iterator[NatsServer]:
-    if NATS_SERVER is None:
-        pytest.skip("needs nats-server (Debian: nats-server)")
-    server = NatsServer.on_free_port(tmp_path)
-    server.start()
-    try:
-        yield server
-    finally:
-        server.stop()
 
 
 def test_nats_messages_carry_the_publish_spans_context_in_their_headers(
