@@ -23,6 +23,7 @@ from django_idempotency.engine.errors import KeyReused
 from django_idempotency.messaging.destinations.nats import CONNECT, DEFAULTS, MSG_ID, UNREACHABLE
 from django_idempotency.messaging.exactly_once import Delivery, consume
 from django_idempotency.messaging.nats_loop import ClientLoop
+from django_idempotency.messaging.tracing import consuming_headers
 
 logger = logging.getLogger("django_idempotency.consumers")
 
@@ -170,21 +171,21 @@ class NatsConsumer:
         delivered = as_stream_message(message)
         # A connection left broken (the database restarted) is replaced, as a worker would.
         close_old_connections()
+        delivery = Delivery(
+            consumer=self.consumer,
+            message_id=delivered.id,
+            name=delivered.subject,
+            # The same id with another body is not a redelivery (KeyReused).
+            args=(delivered.subject, hashlib.sha256(delivered.data).hexdigest()),
+            kwargs={},
+            run=lambda: self._run_handler(delivered),
+            give_back=_give_back,
+            sender=type(self),
+            context=delivered,
+        )
         try:
-            consume(
-                Delivery(
-                    consumer=self.consumer,
-                    message_id=delivered.id,
-                    name=delivered.subject,
-                    # The same id with another body is not a redelivery (KeyReused).
-                    args=(delivered.subject, hashlib.sha256(delivered.data).hexdigest()),
-                    kwargs={},
-                    run=lambda: self._run_handler(delivered),
-                    give_back=_give_back,
-                    sender=type(self),
-                    context=delivered,
-                )
-            )
+            with consuming_headers(delivered.headers, delivered.id, delivered.subject):
+                consume(delivery)
         except _GiveBack as exc:
             logger.info("NATS message %s goes back to the stream: %s", delivered.id, exc)
             self._loop.run(message.nak(delay=self.nak_delay), 5)

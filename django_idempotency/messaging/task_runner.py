@@ -11,6 +11,7 @@ from django.utils.module_loading import import_string
 
 from django_idempotency.messaging.exactly_once import Delivery, consume
 from django_idempotency.messaging.tasks_framework import InvalidTask, Task, TaskContext
+from django_idempotency.messaging.tracing import consuming_headers
 
 logger = logging.getLogger("django_idempotency.consumers")
 
@@ -52,8 +53,10 @@ def deliver(
     target: str,
     args: list[Any],
     kwargs: dict[str, Any],
+    trace: dict[str, str] | None = None,
 ) -> Any:
-    """Run ``target(*args, **kwargs)`` once per ``message_id`` (consumer: the target's path)."""
+    """Run ``target(*args, **kwargs)`` once per ``message_id`` (consumer: the target's path),
+    in a span that continues the enqueuing request's ``trace`` context when it has one."""
     task = target_of(target)
 
     def run() -> Any:
@@ -61,19 +64,20 @@ def deliver(
             return task.call(context, *args, **kwargs)
         return task.call(*args, **kwargs)
 
-    return consume(
-        Delivery(
-            consumer=target,
-            message_id=message_id,
-            name=target,
-            args=tuple(args),
-            kwargs=kwargs,
-            run=run,
-            give_back=_give_back,
-            sender=type(task),
-            context=context,
+    with consuming_headers(trace, message_id, target):
+        return consume(
+            Delivery(
+                consumer=target,
+                message_id=message_id,
+                name=target,
+                args=tuple(args),
+                kwargs=kwargs,
+                run=run,
+                give_back=_give_back,
+                sender=type(task),
+                context=context,
+            )
         )
-    )
 
 
 # Every field given: Django 6.0's Task has no defaults. The destination sets each message's.

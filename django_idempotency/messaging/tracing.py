@@ -128,18 +128,28 @@ _NO_SPAN: contextlib.nullcontext[None] = contextlib.nullcontext()
 
 
 def consuming(request: Any, task_name: str) -> contextlib.AbstractContextManager[object]:
-    """Around an exactly-once consumer's run: the ``idempotency.consume`` span, child of the
-    trace context its message carried, unless a span is current already (Celery's own
+    """Around an exactly-once Celery task's run: the ``idempotency.consume`` span, child of
+    the trace context its message carried, unless a span is current already (Celery's own
     OpenTelemetry instrumentation made one, from the same headers)."""
     if not _tracing() or trace.get_current_span().get_span_context().is_valid:
         return _NO_SPAN
-    return _consume_span(request, task_name)
+    parent = propagate.extract(request, getter=_REQUEST_GETTER)
+    return _consume_span(parent, str(request.id), task_name)
+
+
+def consuming_headers(
+    headers: Mapping[str, str] | None, message_id: str, name: str
+) -> contextlib.AbstractContextManager[object]:
+    """As ``consuming``, for a consumer whose message carries its trace context as plain
+    headers (a NATS message's, the Django Tasks runner's ``trace`` argument)."""
+    if not headers or not _tracing() or trace.get_current_span().get_span_context().is_valid:
+        return _NO_SPAN
+    return _consume_span(propagate.extract(headers), message_id, name)
 
 
 @contextlib.contextmanager
-def _consume_span(request: Any, task_name: str) -> Iterator[None]:
-    parent = propagate.extract(request, getter=_REQUEST_GETTER)
-    attributes = {MESSAGE_ID: str(request.id), DESTINATION: task_name, OPERATION: "process"}
+def _consume_span(parent: Any, message_id: str, name: str) -> Iterator[None]:
+    attributes = {MESSAGE_ID: message_id, DESTINATION: name, OPERATION: "process"}
     with trace.get_tracer(SCOPE).start_as_current_span(
         CONSUME_SPAN,
         context=parent,

@@ -6,6 +6,8 @@ nothing is stored. The worker is a real Celery worker (in a thread) on a private
 
 from __future__ import annotations
 
+import contextlib
+import importlib.util
 import json
 import subprocess
 import sys
@@ -28,15 +30,19 @@ from django_idempotency.decorators import idempotent
 from django_idempotency.engine.instrumentation import CLAIM_SPAN, KIND
 from django_idempotency.messaging import tracing
 from django_idempotency.messaging.consumers import ExactlyOnceTask
-from django_idempotency.messaging.destinations import NATS
+from django_idempotency.messaging.destinations import CELERY, NATS, TASKS
+from django_idempotency.messaging.nats_consumer import NatsConsumer
 from django_idempotency.messaging.outbox import enqueue_event, enqueue_task
 from django_idempotency.messaging.relay import PublishFailed, Relay
+from django_idempotency.messaging.task_runner import deliver
+from django_idempotency.messaging.tasks_framework import task_backends
 from django_idempotency.models import OutboxMessage
 from tests.conftest import ROOT
 from tests.messaging.test_relay import bare_app
 from tests.support.chain_processes import RedisServer, wait_for
 from tests.support.nats_server import NatsServer
 from tests.support.otel import SPANS, collect_fixture, sdk_fixture  # noqa: F401  (fixtures)
+from tests.support.task_targets import record
 
 pytestmark = [
     pytest.mark.urls("tests.messaging.test_trace_context"),
@@ -266,6 +272,78 @@ def test_nats_messages_carry_the_publish_spans_context_in_their_headers(
     headers = nats_server.message(1).headers
     assert headers["Nats-Msg-Id"] == event
     assert carried(headers) == (request.get_span_context().trace_id, publish.context.span_id)
+
+    # The exactly-once NATS consumer continues the trace: its span is the publish span's child.
+    handled: list[str] = []
+    consumer = NatsConsumer(
+        lambda message: handled.append(message.id),
+        stream="OUTBOX",
+        durable="traced",
+        servers=[nats_server.url],
+    )
+    try:
+        assert consumer.poll(timeout=5) == 1
+    finally:
+        consumer.close()
+    assert handled == [event]
+    (consume,) = collect().named(tracing.CONSUME_SPAN)
+    assert consume.context.trace_id == request.get_span_context().trace_id
+    assert parent_of(consume) == publish.context.span_id
+    assert consume.attributes[tracing.MESSAGE_ID] == event
+
+
+# Django's Tasks framework ---------------------------------------------------------------
+
+
+def test_the_django_tasks_runner_continues_the_trace_its_message_carried(collect: Any) -> None:
+    tracer = trace.get_tracer("tests.trace")
+    with tracer.start_as_current_span("idempotency.outbox.publish") as publish:
+        carrier: dict[str, str] = {}
+        propagate.inject(carrier)
+    message_id = str(uuid.uuid4())
+    deliver.func(None, message_id, "tests.support.task_targets.record", [1], {}, trace=carrier)
+    spans = collect()
+    (consume,) = spans.named(tracing.CONSUME_SPAN)
+    assert parent_of(consume) == publish.get_span_context().span_id
+    assert consume.attributes[tracing.MESSAGE_ID] == message_id
+    (claim,) = spans.named(CLAIM_SPAN)
+    assert parent_of(claim) == consume.context.span_id
+
+
+def test_the_django_tasks_destination_hands_the_runner_the_publish_spans_context(
+    collect: Any,
+) -> None:
+    package = "django.tasks" if importlib.util.find_spec("django.tasks") else "django_tasks"
+    with contextlib.suppress(ImportError):  # the backport forgets its backends on a change
+        import django_tasks.signals  # noqa: F401
+    with override_settings(
+        TASKS={
+            "default": {
+                "BACKEND": "django_idempotency.messaging.task_backend.OutboxBackend",
+                "OPTIONS": {"backend": "dummy"},
+            },
+            "dummy": {"BACKEND": f"{package}.backends.dummy.DummyBackend"},
+        },
+        IDEMPOTENCY_OUTBOX_DESTINATIONS={
+            "default": {"BACKEND": CELERY},
+            "tasks": {"BACKEND": TASKS},
+        },
+    ):
+        tracer = trace.get_tracer("tests.trace")
+        with tracer.start_as_current_span("POST /charge/") as request, transaction.atomic():
+            record.enqueue(3)
+        relay = Relay()
+        try:
+            assert relay.drain() == 1
+        finally:
+            relay.destinations.close()
+        (handed,) = task_backends["dummy"].results
+    (publish,) = collect().named(tracing.PUBLISH_SPAN)
+    assert parent_of(publish) == request.get_span_context().span_id
+    assert carried(handed.kwargs["trace"]) == (
+        request.get_span_context().trace_id,
+        publish.context.span_id,
+    )
 
 
 # Tracing off ----------------------------------------------------------------------------

@@ -17,6 +17,7 @@ from django_idempotency.messaging.exactly_once import principal
 from django_idempotency.messaging.leases import Message
 from django_idempotency.messaging.task_runner import DELIVER
 from django_idempotency.messaging.tasks_framework import task_backends
+from django_idempotency.messaging.tracing import publishing
 from django_idempotency.models import OutboxMessage
 
 # Out of reach: the backend's store (Redis, a database) down, not a fault of the message.
@@ -93,7 +94,11 @@ class TasksDestination:
                     priority=message.options.get("priority"),
                     run_after=run_after(message),
                 )
-                backend.enqueue(task, [message.id, message.name, message.args, message.kwargs], {})
+                arguments = [message.id, message.name, message.args, message.kwargs]
+                with publishing(message.id, message.name, message.options, self.name) as traced:
+                    # The runner continues the trace from it (its own argument: the backends
+                    # carry no headers).
+                    backend.enqueue(task, arguments, {"trace": dict(traced)} if traced else {})
             except Exception as exc:
                 done.failed, done.error = message, exc
                 break
