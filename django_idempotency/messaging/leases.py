@@ -329,6 +329,20 @@ def checked(using: str, ids: Collection[Any], *, error: str = "") -> None:
     found.update(redrive_at=None, **({"last_error": error} if error else {}))
 
 
+def bury(using: str, ids: Collection[Any], *, error: str) -> None:
+    """Make published rows whose exactly-once consumer never recorded them dead letters:
+    unpublished again, so kept, counted and listed as every dead letter is, and never tried
+    until an operator requeues them."""
+    OutboxMessage.objects.using(using).filter(pk__in=ids).update(
+        published_at=None,
+        redrive_at=None,
+        dead_at=Now(),
+        lease_owner="",
+        lease_until=None,
+        last_error=error,
+    )
+
+
 def publish_again(using: str, ids: Collection[Any], *, error: str) -> None:
     """Put published rows back to be published under the same ids, and wake the relays."""
     OutboxMessage.objects.using(using).filter(pk__in=ids).update(
@@ -353,7 +367,8 @@ def requeue(using: str, ids: Collection[str] | None = None) -> int:
         dead = OutboxMessage.objects.using(using).filter(dead_at__isnull=False)
         if ids is not None:
             dead = dead.filter(pk__in=[uuid.UUID(str(i)) for i in ids])
-        count = dead.update(dead_at=None, attempts=0, lease_owner="", lease_until=None)
+        # Its redrives too: a consumer that failed for good gets its checks back.
+        count = dead.update(dead_at=None, attempts=0, redrives=0, lease_owner="", lease_until=None)
         connection = connections[using]
         if count and connection.vendor == "postgresql" and conf.OUTBOX_NOTIFY:
             with connection.cursor() as cursor:

@@ -32,8 +32,8 @@ CHECK_EVERY = timedelta(seconds=10)
 CLOCK_SKEW = timedelta(hours=1)
 GIVEN_UP = (
     "No record of its exactly-once consumer after its redrives "
-    "(IDEMPOTENCY_OUTBOX_REDRIVE_LIMIT, or the consumer records' retention); "
-    "not published again."
+    "(IDEMPOTENCY_OUTBOX_REDRIVE_LIMIT, or the consumer records' retention): a dead letter, "
+    "not published again until requeued (manage.py idempotency_outbox requeue)."
 )
 # Task names the relay's app did not know, already named in a warning.
 _unknown: set[str] = set()
@@ -155,7 +155,7 @@ class Redrive:
             result.consumed = len(done)
             leases.checked(self.using, done)
             if result.given_up:
-                leases.checked(self.using, result.given_up, error=GIVEN_UP)
+                leases.bury(self.using, result.given_up, error=GIVEN_UP)
             if again:
                 leases.publish_again(
                     self.using,
@@ -196,7 +196,8 @@ class Redrive:
         if result.given_up:
             logger.error(
                 "%d outbox messages were published again up to %d times and their "
-                "exactly-once consumer never recorded them; they are not published again: %s",
+                "exactly-once consumer never recorded them (it fails for good, or it lost "
+                "them); they are dead letters now, published again only when requeued: %s",
                 len(result.given_up),
                 conf.OUTBOX_REDRIVE_LIMIT,
                 _some(result.given_up),

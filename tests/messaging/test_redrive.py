@@ -25,6 +25,7 @@ from django.test import override_settings
 from django.utils import timezone
 
 from django_idempotency import signals
+from django_idempotency.messaging import leases
 from django_idempotency.messaging.consumers import ExactlyOnceTask, consumer_principal
 from django_idempotency.messaging.outbox import enqueue_event, enqueue_task
 from django_idempotency.messaging.redrive import RedriveResult
@@ -266,10 +267,18 @@ def test_it_gives_up_after_the_limit_or_past_the_records_retention_and_says_so(
     ):
         result = relay.redrive.run_pass(100)
     assert (result.given_up, result.republished) == ([message_id], [])
+    # A dead letter: unpublished (kept, counted), never claimed until it is requeued.
     found = row.get()
-    assert found.published_at is not None and found.redrive_at is None
-    assert "not published again" in found.last_error
-    assert message_id in caplog.text
+    assert found.published_at is None and found.redrive_at is None
+    assert found.dead_at is not None
+    assert "a dead letter" in found.last_error
+    assert "dead letters now" in caplog.text and message_id in caplog.text
+    assert leases.dead_letters("default", 10) == 1
+    assert relay.drain() == 0
+    assert leases.requeue("default", [message_id]) == 1
+    assert (row.get().dead_at, row.get().redrives) == (None, 0)
+    assert relay.drain() == 1
+    assert row.get().published_at is not None
 
 
 @override_settings(IDEMPOTENCY_OUTBOX_REDRIVE_AFTER=SOON)
