@@ -8,7 +8,6 @@ from __future__ import annotations
 import contextlib
 import importlib
 import re
-import socket
 import subprocess
 import sys
 import tempfile
@@ -37,6 +36,7 @@ from tests.conftest import ROOT, die_with_parent, unmeasured
 from tests.messaging.test_relay import log_of, relay_process, wait_started
 from tests.support import tasks_settings
 from tests.support.chain_processes import RedisServer, kill_group, wait_for
+from tests.support.servers import free_port_in
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.timeout(180)]
 
@@ -49,20 +49,9 @@ TARGET = "tests.support.task_targets.record"
 EFFECT = "tests.tasks.effect"
 
 
-def port_in_range() -> int:
-    for port in PORTS:
-        with socket.socket() as probe:
-            try:
-                probe.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-            return port
-    raise AssertionError(f"no free port in {PORTS}")
-
-
 @pytest.fixture
 def rq_redis(tmp_path: Path) -> Iterator[RedisServer]:
-    server = RedisServer(port_in_range(), tmp_path)
+    server = RedisServer(free_port_in(PORTS), tmp_path)
     server.start()
     yield server
     server.stop()
