@@ -148,8 +148,8 @@ class RQBroker(RedisServer):
     def shutdown(self) -> None:
         self.stop()
 
-    def in_flight(self) -> tuple[int, int]:
-        return int(self.client().llen(RQ_QUEUE)), 0
+    def in_flight(self, queue: str = RQ_QUEUE) -> tuple[int, int]:
+        return int(self.client().llen(queue)), 0
 
     def replay(self) -> BrokerLog:
         return BrokerLog()
