@@ -28,6 +28,11 @@ IDEMPOTENCY_OUTBOX_DESTINATIONS = {
     "default": {"BACKEND": "django_idempotency.messaging.destinations.celery.CeleryDestination"},
     "tasks": {"BACKEND": "django_idempotency.messaging.destinations.tasks.TasksDestination"},
 }
+# RQ takes a round trip per job (Celery on Redis, one pipeline per batch): a batch must be
+# handed over well within the lease (docs/settings.md), or its relay never marks it and
+# publishes it again and again. Measured under faults at load 9: 346 rows took 6 to 8 s.
+IDEMPOTENCY_OUTBOX_LEASE = timedelta(seconds=10)
+IDEMPOTENCY_OUTBOX_BATCH_SIZE = 100
 # RQ runs no job twice: a work horse killed mid-task, or a job Redis lost, comes back through
 # the relay's redrive, above the slowest ledger task (4 s) plus its wait in the queue.
 IDEMPOTENCY_OUTBOX_REDRIVE_AFTER = timedelta(seconds=6)
