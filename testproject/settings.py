@@ -176,6 +176,10 @@ PAYMENTS_FAULTS_ENABLED = os.environ.get("PAYMENTS_FAULTS_ENABLED") == "1"
 PAYMENTS_PROCESSOR_URL = os.environ.get("PAYMENTS_PROCESSOR_URL", "")
 # Shared with the processor: POST /api/webhooks/processor/ checks HMAC-SHA256 signatures with it.
 PAYMENTS_WEBHOOK_SECRET = os.environ.get("PAYMENTS_WEBHOOK_SECRET", "demo-only-webhook-secret")
+# What posts a charge to the ledger: "celery" (the task payments.post_ledger_entry, which
+# IDEMPOTENCY_OUTBOX_ROUTES may send to NATS) or "tasks" (Django's Tasks framework through the
+# outbox backend: testproject/payments/ledger_tasks.py; the reliability suite's tasks-rq).
+PAYMENTS_LEDGER = "celery"
 
 # The deployment probe's token (/idempotency/probe/); without it the probe cannot run.
 IDEMPOTENCY_PROBE_TOKEN = os.environ.get("IDEMPOTENCY_PROBE_TOKEN") or None

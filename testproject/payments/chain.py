@@ -62,12 +62,18 @@ def post_to_ledger(
     payment: Payment, capture_id: str, switches: Mapping[str, Any] | None = None
 ) -> str:
     """Record the capture, and put the charge's ledger posting in the outbox: published by the
-    relay if and only if this request commits, and posted once by the exactly-once task.
+    relay if and only if this request commits, and posted once by the exactly-once task (a
+    Celery task, or with ``PAYMENTS_LEDGER = "tasks"`` one of Django's Tasks framework).
     ``switches`` are the task's fault switches (the tests' and the demo's)."""
     Capture.objects.create(charge_id=payment.pk, capture_id=capture_id)
-    return enqueue_task(
-        POST_LEDGER_ENTRY, (payment.pk, payment.amount, payment.currency), dict(switches or {})
-    )
+    args = (payment.pk, payment.amount, payment.currency)
+    if getattr(settings, "PAYMENTS_LEDGER", "celery") == "tasks":
+        # Imported here: Django's Tasks framework is an extra (the backport on Django 5.2).
+        from testproject.payments.ledger_tasks import post_ledger_entry
+
+        return str(post_ledger_entry.enqueue(*args, **dict(switches or {})).id)
+    # Celery's by default; IDEMPOTENCY_OUTBOX_ROUTES may send it elsewhere (NATS).
+    return enqueue_task(POST_LEDGER_ENTRY, args, dict(switches or {}))
 
 
 def verify_processor_signature(view: Callable[..., HttpResponse]) -> Callable[..., HttpResponse]:

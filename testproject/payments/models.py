@@ -47,7 +47,8 @@ class LedgerEntry(models.Model):
     charge = models.ForeignKey(Charge, on_delete=models.PROTECT, related_name="+")
     amount = models.PositiveIntegerField()
     currency = models.CharField(max_length=3)
-    # The Celery task id: the outbox message that posted it.
+    # The outbox message that posted it (the Celery task id, the Nats-Msg-Id, the id
+    # task_runner.deliver carries).
     message_id = models.CharField(max_length=64)
     created = models.DateTimeField(auto_now_add=True)
 

@@ -1,5 +1,5 @@
 """``python -m tests.reliability --profile short|long|pgbouncer|chain|chain-short``; a chain
-profile with ``--destination celery-redis|celery-rabbitmq``."""
+profile with ``--destination celery-redis|celery-rabbitmq|nats|tasks-rq``."""
 
 from __future__ import annotations
 
@@ -50,6 +50,9 @@ def main(argv: list[str]) -> int:
         destination = DESTINATIONS[args.destination]
         if not (shutil.which(destination.requires) or Path(destination.requires).exists()):
             parser.error(f"--destination {args.destination} needs {destination.requires}")
+        missing = destination.missing_module()
+        if missing:
+            parser.error(f"--destination {args.destination} needs {missing}")
         chain = dataclasses.replace(profile.chain, destination=args.destination)
         profile = dataclasses.replace(profile, chain=chain)
         name = f"{name}-{args.destination}"

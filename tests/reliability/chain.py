@@ -1,10 +1,11 @@
 """The side-effect chain as a chain profile runs it, and the faults made to it from outside.
 
 Beside gunicorn: the fake card processor, the destination's private broker (a redis-server,
-a RabbitMQ node: ``chain_destinations.py``), relays and the destination's consumers (prefork
-Celery workers). A supervisor starts a killed relay or worker again, as systemd or Kubernetes
-would. ``ChainFaults`` kills them with ``kill -9`` (a Celery worker with its pool, or one pool
-child), arms a relay to die between its publish and its mark, and restarts the broker with
+a RabbitMQ node, a nats-server: ``chain_destinations.py``), relays and the destination's
+consumers (prefork Celery workers, NATS consumers, RQ workers). A supervisor starts a killed
+relay or consumer again, as systemd or Kubernetes would. ``ChainFaults`` kills them with
+``kill -9`` (a consumer with its children, or one child: a Celery pool child, an RQ work
+horse), arms a relay to die between its publish and its mark, and restarts the broker with
 ``kill -9``; PostgreSQL's restarts are ``ServerFaults``' (faults.py).
 """
 
@@ -29,14 +30,14 @@ from tests.conftest import ROOT, die_with_parent, unmeasured
 from tests.reliability.app import django_env
 from tests.reliability.broker_log import BrokerLog
 from tests.reliability.chain_checks import Delivery
+from tests.reliability.chain_deliveries import DELIVERIES
 from tests.reliability.chain_destinations import DESTINATIONS, Broker, ChainDestination
-from tests.reliability.chain_worker import DELIVERIES
 from tests.reliability.faults import Fault, Injector
 from tests.reliability.postgres import Database
 from tests.reliability.profiles import ChainShape
 from tests.support.chain_processes import kill_group, run_processor, wait_for
 
-BROKER, RELAY, WORKER = "broker", "relay", "celery worker"
+BROKER, RELAY, WORKER = "broker", "relay", "consumer"
 # Logged by a relay once it can take faults: it has its SIGUSR1 handler by then. A worker is
 # ready once it logs its destination's consumer_ready; the broker once it answers, which its
 # start waits for.
@@ -173,7 +174,7 @@ def run_chain(
         with run_processor() as processor_url:
             env = {
                 **django_env(database, settings=destination.settings),
-                "CELERY_BROKER_URL": broker.url,
+                destination.url_variable: broker.url,
                 "PAYMENTS_PROCESSOR_URL": processor_url,
                 # What the processor signs its webhooks with (chain_run.py tells it).
                 "PAYMENTS_WEBHOOK_SECRET": secrets.token_hex(16),
@@ -226,19 +227,20 @@ def _worker(
     return destination.consumer(env, log, shape.concurrency)
 
 
-# The process each kind of chain fault is made to.
+# The process each kind of chain fault (ChainShape.fault_weights) is made to.
 KINDS = {
     "relay-kill": RELAY,
     "relay-kill between publish and mark": RELAY,
-    "celery-worker-kill": WORKER,
-    "celery-child-kill": WORKER,
+    "consumer-kill": WORKER,
+    "consumer-child-kill": WORKER,
     "broker-restart": BROKER,
 }
 
 
 class ChainFaults(Injector):
-    """kill -9 a relay (at any moment, or armed to die between publish and mark), a Celery
-    worker with its pool or one pool child; restart the broker with kill -9."""
+    """kill -9 a relay (at any moment, or armed to die between publish and mark), a consumer
+    with its children or one child; restart the broker with kill -9. Each fault is named as
+    the destination names it (``ChainDestination.fault_kinds``)."""
 
     def __init__(
         self, chain: Chain, shape: ChainShape, rng: random.Random, say: Callable[[str], None]
@@ -246,33 +248,39 @@ class ChainFaults(Injector):
         super().__init__(shape.fault_every, rng, say)
         self.chain = chain
         self.shape = shape
+        named = DESTINATIONS[shape.destination].fault_kinds()
+        self.kinds = {label: kind for kind, label in named.items()}
+        self.weights = {
+            named[kind]: weight for kind, weight in shape.fault_weights.items() if kind in named
+        }
         # Relays armed to die between publish and mark: a relay kill spares them while it
         # can, or the death the arming is for would never come.
         self.armed: set[int] = set()
 
     def inject(self, started: float) -> Fault:
-        kind = self.choose(self.shape.fault_weights)
+        kind = self.choose(self.weights)
+        made = self.kinds[kind]
         supervisor = self.chain.supervisor
-        ready = supervisor.ready(KINDS[kind])
+        ready = supervisor.ready(KINDS[made])
         if not ready:
             return Fault(f"{kind} skipped", started, "none ready")
-        if KINDS[kind] == RELAY:
+        if KINDS[made] == RELAY:
             ready = [s for s in ready if s.process and s.process.pid not in self.armed] or ready
         victim = self.rng.choice(ready)
         assert victim.process is not None
-        if kind == "relay-kill between publish and mark":
+        if made == "relay-kill between publish and mark":
             victim.process.send_signal(signal.SIGUSR1)
             self.armed.add(victim.process.pid)
             return Fault(kind, started, f"armed relay {victim.process.pid}")
-        if kind == "celery-child-kill":
+        if made == "consumer-child-kill":
             children = psutil.Process(victim.process.pid).children()
             if not children:
-                return Fault(f"{kind} skipped", started, "no pool child yet")
+                return Fault(f"{kind} skipped", started, "no child yet")
             child = self.rng.choice(children)
             with contextlib.suppress(psutil.Error):
                 child.send_signal(signal.SIGKILL)
-            return Fault(kind, started, f"SIGKILL pool child {child.pid}")
-        if kind == "broker-restart":
+            return Fault(kind, started, f"SIGKILL child {child.pid}")
+        if made == "broker-restart":
             down = self.rng.uniform(*self.shape.broker_down_seconds)
             supervisor.kill(victim, down)
             wait_for(lambda: victim.ready(), timeout=30, every=0.05)

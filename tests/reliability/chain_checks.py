@@ -70,7 +70,10 @@ def collect(
     broker: BrokerLog,
     *,
     settled: bool = False,
+    results: bool = True,
 ) -> ChainState:
+    """``results=False``: the consumer keeps no result (a NATS handler's return value has no
+    one to go to), so there is none to check."""
     with database.connect() as conn:
         rows = conn.execute("SELECT id, amount FROM payments_charge")
         charges = {int(charge): int(amount) for charge, amount in rows}
@@ -100,7 +103,7 @@ def collect(
             if settled
             else None
         )
-        results = {
+        stored = {
             str(key): stored_json(body, encoding).get("entry")
             for key, body, encoding in conn.execute(
                 "SELECT key, response_body, body_encoding FROM django_idempotency_record "
@@ -110,8 +113,8 @@ def collect(
         }
     captured = Counter(int(c["amount"]) for c in captures)
     return ChainState(
-        charges, captured, outbox, ledger, results, deliveries, broker, redriven, dead,
-        settlements,
+        charges, captured, outbox, ledger, stored if results else {}, deliveries, broker,
+        redriven, dead, settlements,
     )  # fmt: skip
 
 

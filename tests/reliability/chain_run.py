@@ -3,10 +3,11 @@ the fake processor and post to the ledger through the outbox, with the chain's o
 
 1. setup: a fresh database, migrated, with token users.
 2. the chain: the processor, the destination's private broker (a redis-server, a RabbitMQ
-   node), relays and its consumers (Celery workers).
+   node, a nats-server), relays and its consumers (Celery workers, NATS consumers, RQ
+   workers).
 3. faulted traffic, per server shape: SDK clients sending charges (some of whose ledger tasks
-   kill their worker mid-task or after their commit, or outlast the visibility timeout)
-   while gunicorn workers, relays and Celery workers are killed, the broker and PostgreSQL
+   kill their consumer's process mid-task or after their commit, or outlast the visibility
+   timeout) while gunicorn workers, relays and consumers are killed, the broker and PostgreSQL
    restarted and connections cut; then the HTTP recovery of ``run.py``.
 4. the chain's recovery: relays and workers run without faults until the outbox is drained
    and the queue empty.
@@ -50,8 +51,8 @@ LOGGED = {
 }
 # The ledger task's own fault switches, as first_sighting recorded them.
 TASK_FAULT_TAGS = {
-    "ledger_crash_once:": "task crash: pool child killed mid-task",
-    "ledger_crash_after_commit_once:": "task crash after commit: pool child killed before ack",
+    "ledger_crash_once:": "task crash: its process killed mid-task",
+    "ledger_crash_after_commit_once:": "task crash after commit: its process killed before ack",
 }
 
 
@@ -113,6 +114,7 @@ class ChainRunner(Runner):
                     self.chain.read_deliveries(),
                     self.chain.broker_log(),
                     settled=self.shape.settle,
+                    results=self.destination.keeps_results,
                 )
                 self.processor = processor_stats(self.chain.processor_url)
                 supervisor = self.chain.supervisor
@@ -264,5 +266,7 @@ class ChainRunner(Runner):
             ),
             **{label: text.count(needle) for label, needle in LOGGED.items()},
             "relays started again after a kill": self.restarts.get(RELAY, 0),
-            "Celery workers started again after a kill": self.restarts.get(WORKER, 0),
+            f"{self.destination.consumers} started again after a kill": self.restarts.get(
+                WORKER, 0
+            ),
         }

@@ -59,8 +59,8 @@ class ChainShape:
         default_factory=lambda: {
             "relay-kill": 2,
             "relay-kill between publish and mark": 2,
-            "celery-worker-kill": 2,
-            "celery-child-kill": 2,
+            "consumer-kill": 2,
+            "consumer-child-kill": 2,
             "broker-restart": 1,
         }
     )
@@ -75,11 +75,12 @@ class ChainShape:
     def describe(self) -> str:
         from tests.reliability.chain_destinations import DESTINATIONS
 
+        destination = DESTINATIONS[self.destination]
+        children = f" of {self.concurrency} children each" if destination.pooled else ""
         return (
             f"{self.relays} relays (manage.py idempotency_relay); destination "
-            f"{self.destination}: {DESTINATIONS[self.destination].description}, "
-            f"{self.workers} consumer processes of {self.concurrency} children each; the fake "
-            "card processor"
+            f"{self.destination}: {destination.description}, "
+            f"{self.workers} consumer processes{children}; the fake card processor"
             + (", settling each capture by its signed webhook, delivered twice" * self.settle)
         )
 
@@ -163,12 +164,14 @@ FAULT_KINDS = ("worker-kill", "db-outage", "connection-cut")
 CLIENT_FAULT_KINDS = ("crash", "fail", "slow", "cross-principal", "rolled back", "cookie")
 # Faults the charge's ledger task makes to its own worker (chain profiles).
 TASK_FAULT_KINDS = ("task crash", "task crash after commit", "slow task")
-# Chain faults made from outside (tests/reliability/chain.py).
+# Chain faults made from outside (tests/reliability/chain.py), as ChainShape.fault_weights
+# names them; each destination's report names them its own way (a Celery worker kill, an RQ
+# work horse kill: ChainDestination.fault_kinds).
 CHAIN_FAULT_KINDS = (
     "relay-kill",
     "relay-kill between publish and mark",
-    "celery-worker-kill",
-    "celery-child-kill",
+    "consumer-kill",
+    "consumer-child-kill",
     "broker-restart",
 )
 KIND_SHARES = {

@@ -180,11 +180,12 @@ def _chain_section(chain: dict[str, int]) -> list[str]:
     return [
         "## The chain beyond the request",
         "",
-        "After the recovery, which ran the relays and the workers without faults until the "
+        "After the recovery, which ran the relays and the consumers without faults until the "
         "outbox was drained and the queue empty. A publish is a message put on the broker "
-        "(kombu gives each its own delivery tag); a redelivery is the broker handing out a "
-        "message it had delivered already (visibility timeout, a worker lost, a delivery "
-        "given back).",
+        "(each copy has its own tag: kombu's delivery tag, the NATS stream sequence, the RQ "
+        "job id); a redelivery is the broker handing out a copy it had delivered already "
+        "(visibility timeout or ack wait, a consumer lost, a delivery given back; RQ never "
+        "redelivers: the relay's redrive publishes a new copy).",
         "",
         *_table(["", "count"], chain.items()),
     ]

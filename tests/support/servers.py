@@ -56,6 +56,18 @@ def free_port() -> int:
         return port
 
 
+def free_port_in(ports: range) -> int:
+    """A free port of ``ports``: a session's own range, for a server it restarts."""
+    for port in ports:
+        with socket.socket() as probe:
+            try:
+                probe.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise AssertionError(f"no free port in {ports}")
+
+
 def with_database(url: str, name: str) -> str:
     return urlunsplit(urlsplit(url)._replace(path="/" + quote(name)))
 

@@ -1,0 +1,86 @@
+"""The payments API's ledger posting, one function behind each way its message arrives: the
+Celery task (``tests/scenarios/test_chain.py`` runs it with real workers), the NATS handler
+and the task of Django's Tasks framework (the reliability suite's ``nats`` and ``tasks-rq``
+chain profiles run those with real servers; here, their wiring)."""
+
+from __future__ import annotations
+
+import importlib.util
+import uuid
+from typing import Any
+
+import pytest
+from django.db import transaction
+from django.test import override_settings
+from django.utils import timezone
+
+from django_idempotency.messaging.destinations.nats import body
+from django_idempotency.messaging.leases import Message
+from django_idempotency.models import IdempotencyRecord, OutboxMessage
+from testproject.payments.models import Charge, LedgerEntry
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+
+@pytest.fixture
+def charge(token_user: Any) -> Charge:
+    return Charge.objects.create(amount=2499, currency="inr", user=token_user.user)
+
+
+def test_the_nats_handler_posts_the_task_body_the_nats_destination_publishes(
+    charge: Charge,
+) -> None:
+    from django_idempotency.messaging.nats_consumer import StreamMessage
+    from testproject.payments.handlers import post_ledger_entry
+
+    message_id = str(uuid.uuid4())
+    published = Message(
+        message_id, timezone.now(), OutboxMessage.Kind.TASK, "payments.post_ledger_entry",
+        [charge.pk, 2499, "inr"], {}, None, {},
+    )  # fmt: skip
+    with transaction.atomic():
+        post_ledger_entry(
+            StreamMessage(
+                "payments.post_ledger_entry", body(published), {}, message_id, "LEDGER", 1, 1
+            )
+        )
+    entry = LedgerEntry.objects.get()
+    assert (entry.charge_id, entry.amount, entry.currency) == (charge.pk, 2499, "inr")
+    assert entry.message_id == message_id
+
+
+# Django's Tasks framework: built in from Django 6.0, else the backport (the tasks extra).
+FRAMEWORK = "django.tasks" if importlib.util.find_spec("django.tasks") else "django_tasks"
+IMMEDIATE = {
+    "default": {"BACKEND": "django_idempotency.messaging.task_backend.OutboxBackend",
+                "OPTIONS": {"backend": "immediate"}},
+    "immediate": {"BACKEND": f"{FRAMEWORK}.backends.immediate.ImmediateBackend"},
+}  # fmt: skip
+TASKS_DESTINATIONS = {
+    "default": {"BACKEND": "django_idempotency.messaging.destinations.celery.CeleryDestination"},
+    "tasks": {"BACKEND": "django_idempotency.messaging.destinations.tasks.TasksDestination"},
+}
+
+
+@override_settings(
+    PAYMENTS_LEDGER="tasks", TASKS=IMMEDIATE, IDEMPOTENCY_OUTBOX_DESTINATIONS=TASKS_DESTINATIONS
+)
+def test_with_payments_ledger_tasks_the_posting_is_a_django_task_run_once_per_message(
+    charge: Charge,
+) -> None:
+    pytest.importorskip(FRAMEWORK)
+    from django_idempotency.messaging.task_runner import DELIVER
+    from testproject.payments.chain import post_to_ledger
+
+    with transaction.atomic():
+        message_id = post_to_ledger(charge, "cap_1")
+    row = OutboxMessage.objects.get()
+    assert str(row.pk) == message_id
+    assert row.name == "testproject.payments.ledger_tasks.post_ledger_entry"
+    assert row.options["destination"] == "tasks" and row.args == [charge.pk, 2499, "inr"]
+    # As the relay hands it to the real backend (here one that runs it at once), twice.
+    for _ in range(2):
+        DELIVER.using(backend="immediate").enqueue(message_id, row.name, row.args, row.kwargs)
+    entry = LedgerEntry.objects.get()
+    assert (entry.charge_id, entry.message_id) == (charge.pk, message_id)
+    assert IdempotencyRecord.objects.filter(key=message_id).count() == 1
