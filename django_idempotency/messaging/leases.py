@@ -4,9 +4,10 @@
 from __future__ import annotations
 
 import json
+import time
 import uuid
 from collections.abc import Collection
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Any
 
@@ -119,6 +120,8 @@ class Batch:
 
     fence: int
     messages: tuple[Message, ...]
+    # When the claim returned (time.monotonic()): its lease runs from about then.
+    claimed_at: float = field(default_factory=time.monotonic, compare=False)
 
     def bounds(self, messages: tuple[Message, ...] | None = None) -> list[Any]:
         chosen = self.messages if messages is None else messages

@@ -131,9 +131,15 @@ class Relay:
 
     def publish(self, batch: Batch) -> list[tuple[Destination, Waiting]]:
         """Start publishing the batch: each destination its own messages, in order (in the
-        background where it can); one that fails stops none other."""
+        background where it can); one that fails stops none other. Each stops early when
+        half the batch's lease has gone, so that what it sent is marked while the lease
+        holds: a destination slower than the lease (a round trip per message) still makes
+        progress, instead of publishing the same batch again and again unmarked."""
+        until = LeaseDeadline(
+            self.stopping, batch.claimed_at + conf.OUTBOX_LEASE.total_seconds() / 2
+        )
         return [
-            (destination, start(destination, messages, self.stopping))
+            (destination, start(destination, messages, until))
             for destination, messages in self.destinations.split(batch.messages)
         ]
 
@@ -419,6 +425,17 @@ class Relay:
 
 def _done(publication: Publication) -> Waiting:
     return lambda: publication
+
+
+class LeaseDeadline:
+    """Set once the relay stops or the batch's publishing time is up (``time.monotonic()``)."""
+
+    def __init__(self, stopping: threading.Event, deadline: float) -> None:
+        self.stopping = stopping
+        self.deadline = deadline
+
+    def is_set(self) -> bool:
+        return self.stopping.is_set() or time.monotonic() >= self.deadline
 
 
 class PublishFailed(Exception):

@@ -36,6 +36,7 @@ from django.utils import timezone
 
 from django_idempotency import signals
 from django_idempotency.messaging import leases
+from django_idempotency.messaging.destinations import Publication
 from django_idempotency.messaging.outbox import enqueue_event, enqueue_task
 from django_idempotency.messaging.relay import PublishFailed, Relay
 from django_idempotency.models import OutboxMessage
@@ -230,6 +231,62 @@ def test_a_relay_whose_lease_expired_cannot_mark_rows(
     assert fast.mark(taken, taken.messages) == 5
     assert set(OutboxMessage.objects.values_list("lease_owner", flat=True)) == {"fast"}
     assert pending() == 0
+
+
+# What SlowDestination published, in order.
+SLOWLY_PUBLISHED: list[str] = []
+
+
+class SlowDestination:
+    """A destination that takes a round trip of 0.25 s per message (as RQ takes one per job,
+    on a slow link), acknowledging each at once."""
+
+    redrives = False
+
+    def __init__(self, name: str, options: Any, *, app: Any = None) -> None:
+        self.name = name
+
+    def open(self) -> None: ...
+
+    def close(self) -> None: ...
+
+    def is_connection_error(self, exc: Exception) -> bool:
+        return False
+
+    def describe(self) -> str:
+        return "slowly"
+
+    def publish(self, messages: Any, stopping: Any) -> Publication:
+        done = Publication()
+        for message in messages:
+            if stopping.is_set():
+                break
+            time.sleep(0.25)
+            SLOWLY_PUBLISHED.append(message.id)
+            done.sent.append(message)
+        return done
+
+
+@override_settings(
+    IDEMPOTENCY_OUTBOX_DESTINATIONS={
+        "default": {"BACKEND": "tests.messaging.test_relay.SlowDestination"}
+    },
+    IDEMPOTENCY_OUTBOX_LEASE=timedelta(seconds=2),
+)
+def test_a_batch_slower_to_publish_than_its_lease_is_marked_in_parts_not_published_again() -> None:
+    # 12 messages take 3 s, longer than the 2 s lease: a relay that published them all before
+    # marking would find its lease gone, mark none, and publish the same batch again for ever.
+    ids = enqueue_many(12)
+    SLOWLY_PUBLISHED.clear()
+    relay = Relay()
+    passes = 0
+    while pending() and passes < 30:
+        relay.run_pass()
+        passes += 1
+    assert pending() == 0
+    # Each published once, in order, over several passes that each stopped at half the lease.
+    assert ids == SLOWLY_PUBLISHED
+    assert passes > 1
 
 
 def test_a_broker_that_is_down_records_the_attempt_and_the_relay_retries_at_once(

@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from fnmatch import fnmatchcase
@@ -35,6 +34,13 @@ class Publication:
     error: Exception | None = None
 
 
+class Stopping(Protocol):
+    """What tells a destination to stop publishing a batch early: the relay stopping, or the
+    batch's lease about to run out (``threading.Event`` is one)."""
+
+    def is_set(self) -> bool: ...
+
+
 class Destination(Protocol):
     """Publishes claimed outbox messages somewhere, under their message ids."""
 
@@ -47,7 +53,7 @@ class Destination(Protocol):
     def open(self) -> None:
         """Connect, if not connected yet (the relay calls it before each batch)."""
 
-    def publish(self, messages: Sequence[Message], stopping: threading.Event) -> Publication:
+    def publish(self, messages: Sequence[Message], stopping: Stopping) -> Publication:
         """Publish in order; return once the destination has acknowledged what it counts as
         sent. Stop early (and say so) once ``stopping`` is set."""
 
@@ -67,9 +73,7 @@ class Destination(Protocol):
 Waiting = Callable[[], Publication]
 
 
-def start(
-    destination: Destination, messages: Sequence[Message], stopping: threading.Event
-) -> Waiting:
+def start(destination: Destination, messages: Sequence[Message], stopping: Stopping) -> Waiting:
     """Start publishing ``messages`` (in the background where the destination can) and return
     the wait for its Publication; a failure to connect or send is a Publication that says so."""
     try:

@@ -4,14 +4,13 @@ the message id as task id, on one producer, a Redis batch as one pipeline (``pub
 from __future__ import annotations
 
 import contextlib
-import threading
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 from django.core.exceptions import ImproperlyConfigured
 from django.utils.module_loading import import_string
 
-from django_idempotency.messaging.destinations import Publication
+from django_idempotency.messaging.destinations import Publication, Stopping
 from django_idempotency.messaging.leases import Message
 from django_idempotency.messaging.publishing import Broker, celery_app
 
@@ -49,7 +48,7 @@ class CeleryDestination:
     def is_connection_error(self, exc: Exception) -> bool:
         return self.broker.is_connection_error(exc)
 
-    def publish(self, messages: Sequence[Message], stopping: threading.Event) -> Publication:
+    def publish(self, messages: Sequence[Message], stopping: Stopping) -> Publication:
         """Publish in order until one fails.
 
         Where the transport can (Redis), the publishes go out as one pipeline when the loop

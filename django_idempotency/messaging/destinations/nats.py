@@ -8,7 +8,6 @@ import asyncio
 import contextlib
 import itertools
 import json
-import threading
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -17,7 +16,7 @@ import nats.errors
 import nats.js.errors
 from django.core.exceptions import ImproperlyConfigured
 
-from django_idempotency.messaging.destinations import Publication
+from django_idempotency.messaging.destinations import Publication, Stopping
 from django_idempotency.messaging.leases import Message
 from django_idempotency.messaging.nats_loop import ClientLoop, result
 from django_idempotency.messaging.tracing import publishing
@@ -166,13 +165,13 @@ class NatsDestination:
         kind = "event" if message.kind == OutboxMessage.Kind.EVENT else "task"
         return self.subject.format(name=message.name, kind=kind)
 
-    def publish(self, messages: Sequence[Message], stopping: threading.Event) -> Publication:
+    def publish(self, messages: Sequence[Message], stopping: Stopping) -> Publication:
         """Send the whole batch, then wait for the stream's acknowledgements: sent are those
         acknowledged (a duplicate the stream dropped counts: it has the message)."""
         return self.publish_later(messages, stopping)()
 
     def publish_later(
-        self, messages: Sequence[Message], stopping: threading.Event
+        self, messages: Sequence[Message], stopping: Stopping
     ) -> Callable[[], Publication]:
         """Start sending the batch on the client's loop and return at once the wait for its
         acknowledgements (bounded), so that the relay marks and claims meanwhile."""

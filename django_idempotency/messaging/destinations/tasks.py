@@ -4,7 +4,6 @@ and runs the target exactly once; sent once the backend's ``enqueue()`` has retu
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Mapping, Sequence
 from datetime import datetime, timedelta
 from typing import Any
@@ -12,7 +11,7 @@ from typing import Any
 from django.core.exceptions import ImproperlyConfigured
 from django.db import InterfaceError, OperationalError
 
-from django_idempotency.messaging.destinations import Publication
+from django_idempotency.messaging.destinations import Publication, Stopping
 from django_idempotency.messaging.exactly_once import principal
 from django_idempotency.messaging.leases import Message
 from django_idempotency.messaging.task_runner import DELIVER
@@ -80,7 +79,7 @@ class TasksDestination:
             or type(exc).__name__ in UNREACHABLE_NAMES
         )
 
-    def publish(self, messages: Sequence[Message], stopping: threading.Event) -> Publication:
+    def publish(self, messages: Sequence[Message], stopping: Stopping) -> Publication:
         """Enqueue each on its backend, in order, until one fails."""
         done = Publication()
         for message in messages:
