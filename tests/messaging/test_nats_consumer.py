@@ -6,24 +6,30 @@ again once the stream's duplicate window has passed."""
 from __future__ import annotations
 
 import json
+import logging
 import signal
 import subprocess
 import sys
+import threading
 import time
 import uuid
 from collections.abc import Iterator
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 pytest.importorskip("nats")
+import nats.errors
 import nats.js.errors
 from django.core.exceptions import ImproperlyConfigured
 from django.core.management import call_command
 from django.core.management.base import CommandError
+from django.db import connections
 
 from django_idempotency.messaging.nats_consumer import NatsConsumer, StreamMessage
+from django_idempotency.messaging.nats_loop import ClientLoop
 from django_idempotency.models import IdempotencyRecord
 from tests.conftest import ROOT, die_with_parent
 from tests.support import nats_handlers
@@ -122,15 +128,40 @@ def test_the_same_id_published_again_past_the_duplicate_window_has_no_second_eff
     assert nats_handlers.effects() == {message_id: 1}
 
 
+def consumed_then_published_with_another_body(server: NatsServer) -> str:
+    """A message consumed, then its id published again past the duplicate window with
+    another body; its id."""
+    message_id = publish(server)
+    consume_until_settled(consumer(server), server)
+    time.sleep(1.5)
+    publish(server, fault="other body", message_id=message_id)
+    return message_id
+
+
 def test_the_same_id_with_another_body_is_not_run_and_not_delivered_again(
     nats_server: NatsServer,
 ) -> None:
-    message_id = publish(nats_server)
-    consume_until_settled(consumer(nats_server), nats_server)
-    time.sleep(1.5)
-    publish(nats_server, fault="other body", message_id=message_id)
+    message_id = consumed_then_published_with_another_body(nats_server)
     consume_until_settled(consumer(nats_server), nats_server)  # terminated, not pending
     assert nats_handlers.effects() == {message_id: 1}
+
+
+def test_the_same_id_with_another_body_is_logged_as_an_error_not_taken_for_a_redelivery(
+    nats_server: NatsServer, caplog: pytest.LogCaptureFixture
+) -> None:
+    # Taken for a redelivery, it would be acknowledged as already run: not run either, but
+    # silently, and the sender's bug (one id for two messages) would go unseen.
+    message_id = consumed_then_published_with_another_body(nats_server)
+    with caplog.at_level(logging.INFO, logger="django_idempotency.consumers"):
+        consume_until_settled(consumer(nats_server), nats_server)
+    said = [(r.levelno, r.getMessage()) for r in caplog.records if message_id in r.getMessage()]
+    assert said == [
+        (
+            logging.ERROR,
+            f"Task outbox.payments.captured[{message_id}] was delivered again with different "
+            "arguments; it was not run.",
+        )
+    ]
 
 
 def test_a_message_without_a_msg_id_is_keyed_by_its_stream_sequence(
@@ -139,6 +170,84 @@ def test_a_message_without_a_msg_id_is_keyed_by_its_stream_sequence(
     nats_server.publish("outbox.plain", b'{"fault": ""}')
     consume_until_settled(consumer(nats_server), nats_server)
     assert nats_handlers.effects() == {"OUTBOX:1": 1}
+
+
+def test_a_delivery_that_finds_another_still_running_goes_back_to_the_stream(
+    nats_server: NatsServer, settings: Any
+) -> None:
+    # The first delivery holds the message's claim past ack_wait; JetStream delivers it
+    # again, to a second consumer, which finds it running. Acknowledged there, the message
+    # would be lost when the first delivery then fails; given back, it runs once.
+    settings.IDEMPOTENCY_CONSUMER_WAIT = timedelta(milliseconds=200)
+    message_id = publish(nats_server)
+    holding, release = threading.Event(), threading.Event()
+
+    def slow_then_failing(message: StreamMessage) -> None:
+        nats_handlers.record_effect(message)
+        holding.set()
+        assert release.wait(60)
+        raise RuntimeError("the first delivery fails once the second has been refused")
+
+    first = NatsConsumer(
+        slow_then_failing,
+        stream="OUTBOX",
+        durable=DURABLE,
+        servers=[nats_server.url],
+        # One at a time, so that no pull request of the first is left open to take the
+        # redelivery meant for the second.
+        batch=1,
+        ack_wait=1.0,
+        nak_delay=0.2,
+    )
+
+    def run_first() -> None:
+        try:
+            first.poll(timeout=10)
+        finally:
+            first.close()
+            connections.close_all()
+
+    thread = threading.Thread(target=run_first, daemon=True)
+    thread.start()
+    assert holding.wait(30)
+    second = consumer(nats_server, batch=1, ack_wait=1.0)
+    try:
+        try:
+            # Delivered again once the first delivery's ack_wait has passed; refused there.
+            assert second.poll(timeout=10) == 1
+            assert nats_handlers.effects() == {}  # the first delivery's row is uncommitted
+        finally:
+            release.set()
+            thread.join(60)
+        assert not thread.is_alive()
+        assert second.poll(timeout=10) == 1, "the message never came back"
+    finally:
+        second.close()
+    assert nats_handlers.effects() == {message_id: 1}
+    wait_for(lambda: settled(nats_server))
+
+
+@pytest.mark.xfail(
+    strict=True,
+    raises=TimeoutError,
+    reason="bug: nats_loop.result() takes nats.errors.TimeoutError (a TimeoutError on Python "
+    "3.11+) for a NATS that does not answer, so NatsConsumer.poll() of an idle stream raises "
+    "instead of returning 0, and run() drops its connection and logs a warning whenever the "
+    "stream is idle",
+)
+def test_a_fetch_that_finds_nothing_reaches_poll_as_natss_own_timeout() -> None:
+    # What poll() catches to return 0; shown without a server, since an idle poll's
+    # TimeoutError leaves the client's drain to time out, and the session unstable.
+    loop = ClientLoop("test-empty-fetch")
+
+    async def empty_fetch() -> None:
+        raise nats.errors.TimeoutError
+
+    try:
+        with pytest.raises(nats.errors.TimeoutError):
+            loop.run(empty_fetch(), 5)
+    finally:
+        loop.stop()
 
 
 def test_bad_arguments_are_refused_with_the_fix(nats_server: NatsServer) -> None:
