@@ -18,6 +18,10 @@ def result(future: concurrent.futures.Future[T], timeout: float) -> T:
     try:
         return future.result(timeout)
     except concurrent.futures.TimeoutError:
+        if future.done():
+            # The work's own timeout (nats.errors.TimeoutError is a TimeoutError too, as
+            # concurrent.futures' is since Python 3.11): its caller's to handle, as it is.
+            raise
         future.cancel()
         raise TimeoutError(f"NATS did not answer within {timeout:g} s") from None
 

@@ -227,14 +227,6 @@ def test_a_delivery_that_finds_another_still_running_goes_back_to_the_stream(
     wait_for(lambda: settled(nats_server))
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=TimeoutError,
-    reason="bug: nats_loop.result() takes nats.errors.TimeoutError (a TimeoutError on Python "
-    "3.11+) for a NATS that does not answer, so NatsConsumer.poll() of an idle stream raises "
-    "instead of returning 0, and run() drops its connection and logs a warning whenever the "
-    "stream is idle",
-)
 def test_a_fetch_that_finds_nothing_reaches_poll_as_natss_own_timeout() -> None:
     # What poll() catches to return 0; shown without a server, since an idle poll's
     # TimeoutError leaves the client's drain to time out, and the session unstable.
