@@ -261,6 +261,8 @@ class ChainFaults(Injector):
         kind = self.choose(self.weights)
         made = self.kinds[kind]
         supervisor = self.chain.supervisor
+        if made == "consumer-child-kill":
+            return self._kill_a_child(kind, started)
         ready = supervisor.ready(KINDS[made])
         if not ready:
             return Fault(f"{kind} skipped", started, "none ready")
@@ -272,14 +274,6 @@ class ChainFaults(Injector):
             victim.process.send_signal(signal.SIGUSR1)
             self.armed.add(victim.process.pid)
             return Fault(kind, started, f"armed relay {victim.process.pid}")
-        if made == "consumer-child-kill":
-            children = psutil.Process(victim.process.pid).children()
-            if not children:
-                return Fault(f"{kind} skipped", started, "no child yet")
-            child = self.rng.choice(children)
-            with contextlib.suppress(psutil.Error):
-                child.send_signal(signal.SIGKILL)
-            return Fault(kind, started, f"SIGKILL child {child.pid}")
         if made == "broker-restart":
             down = self.rng.uniform(*self.shape.broker_down_seconds)
             supervisor.kill(victim, down)
@@ -288,3 +282,20 @@ class ChainFaults(Injector):
             return Fault(kind, started, f"SIGKILL the broker, back after {took:.1f}s")
         pid = supervisor.kill(victim)
         return Fault(kind, started, f"SIGKILL {victim.kind} {pid} and its children")
+
+    def _kill_a_child(self, kind: str, started: float) -> Fault:
+        """SIGKILL one pool child of a running consumer, waiting (up to 20 s) for one: right
+        after the consumers were killed, none may have its pool up yet on a busy machine."""
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:
+            for victim in self.chain.supervisor.ready(WORKER):
+                if victim.process is None:
+                    continue
+                with contextlib.suppress(psutil.Error):
+                    children = psutil.Process(victim.process.pid).children()
+                    if children:
+                        child = self.rng.choice(children)
+                        child.send_signal(signal.SIGKILL)
+                        return Fault(kind, started, f"SIGKILL child {child.pid}")
+            time.sleep(0.1)
+        return Fault(f"{kind} skipped", started, "no consumer with a pool child")
