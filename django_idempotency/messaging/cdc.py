@@ -14,7 +14,7 @@ from django_idempotency.conf import conf
 from django_idempotency.messaging.outbox import OutboxError, dumps, in_transaction, new_message_id
 from django_idempotency.models import OutboxEvent
 from django_idempotency.partitions.tables import PartitionedTable
-from django_idempotency.storage.riders import ride
+from django_idempotency.storage.riders import write
 
 TABLE = "django_idempotency_outbox_event"
 
@@ -101,8 +101,7 @@ def emit_event(
             event_id, created_at, aggregate_type, aggregate_id, event_type, payload
         )
     document = None if payload is None else dumps(payload, "event's payload")
-    connection = connections[alias]
-    if connection.vendor != "postgresql":
+    if connections[alias].vendor != "postgresql":
         OutboxEvent.objects.using(alias).create(
             id=event_id,
             created_at=created_at,
@@ -114,7 +113,5 @@ def emit_event(
         return str(event_id)
     row: list[Any] = [event_id, created_at, aggregate_type, aggregate_id, event_type, document]
     # In a protected view or an exactly-once task, the row travels with the record's store.
-    if not ride(alias, INSERT, row):
-        with connection.cursor() as cursor:
-            cursor.execute(INSERT, row)
+    write(alias, INSERT, row)
     return str(event_id)

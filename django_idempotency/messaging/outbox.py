@@ -19,7 +19,7 @@ from django_idempotency.conf import conf
 from django_idempotency.messaging.tracing import TRACE_OPTION, enqueue_context
 from django_idempotency.models import OutboxMessage
 from django_idempotency.partitions.tables import PartitionedTable
-from django_idempotency.storage.riders import ride
+from django_idempotency.storage.riders import write
 
 TABLE = "django_idempotency_outbox"
 # The relay LISTENs here; a NOTIFY is delivered only when the sending transaction commits.
@@ -149,12 +149,14 @@ def write_message(
     options: dict[str, Any],
     ordering_key: str | None = None,
 ) -> str:
+    """Write one message's row on ``alias`` (already checked to be in a transaction), with
+    the trace context when tracing is on and its key's place when it has an ordering key;
+    return its id. Every way into the outbox writes through here."""
     carrier = enqueue_context()
     if carrier is not None:
         options[TRACE_OPTION] = carrier
     message_id, created_at = new_message_id()
-    connection = connections[alias]
-    if connection.vendor != "postgresql":
+    if connections[alias].vendor != "postgresql":
         place = None
         if ordering_key is not None:
             # The database serialises writers (SQLite): the next place is the highest + 1.
@@ -190,9 +192,7 @@ def write_message(
         row = [ordering_key, *row, ordering_key]
     # In a protected view or an exactly-once task, the row travels with the record's store
     # (a keyed row then takes its key's lock there, just before the commit).
-    if not ride(alias, sql, row):
-        with connection.cursor() as cursor:
-            cursor.execute(sql, row)
+    write(alias, sql, row)
     return str(message_id)
 
 

@@ -82,3 +82,11 @@ def ride(using: str, sql: str, params: list[Any]) -> bool:
         return False
     riders.add(sql, params)
     return True
+
+
+def write(using: str, sql: str, params: list[Any]) -> None:
+    """Execute a write in the caller's transaction on ``using``: with the running unit's
+    store when there is one (one round trip with it), else now."""
+    if not ride(using, sql, params):
+        with connections[using].cursor() as cursor:
+            cursor.execute(sql, params)

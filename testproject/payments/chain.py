@@ -15,8 +15,8 @@ from functools import wraps
 from typing import Any
 
 from django.conf import settings
+from django.db import router
 from django.http import HttpRequest, HttpResponse, JsonResponse
-from django.utils import timezone
 from django.views.decorators.csrf import csrf_exempt
 from django.views.decorators.http import require_POST
 from rest_framework.permissions import AllowAny
@@ -25,6 +25,7 @@ from rest_framework.response import Response
 from rest_framework.views import APIView
 
 from django_idempotency.decorators import idempotent
+from django_idempotency.messaging import heartbeats
 from django_idempotency.messaging.downstream import derive_key
 from django_idempotency.messaging.outbox import enqueue_task
 from django_idempotency.models import OutboxMessage, RelayHeartbeat
@@ -172,7 +173,7 @@ class ChainCountView(APIView):
 
     def get(self, request: Request) -> Response:
         stats = processor_stats()
-        relay = RelayHeartbeat.objects.order_by("-beat_at").first()
+        relay = heartbeats.freshest(router.db_for_read(RelayHeartbeat))
         return Response(
             {
                 "charges": Charge.objects.count(),
@@ -182,8 +183,6 @@ class ChainCountView(APIView):
                 "outbox_backlog": OutboxMessage.objects.filter(published_at__isnull=True).count(),
                 "dead_letters": OutboxMessage.objects.filter(dead_at__isnull=False).count(),
                 "relay_owner": None if relay is None else relay.owner,
-                "relay_heartbeat_age": None
-                if relay is None
-                else round(max(0.0, (timezone.now() - relay.beat_at).total_seconds()), 1),
+                "relay_heartbeat_age": None if relay is None else round(heartbeats.age(relay), 1),
             }
         )
