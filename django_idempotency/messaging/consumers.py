@@ -4,7 +4,7 @@ body and stores its JSON result in one transaction, through the framework-neutra
 
 from __future__ import annotations
 
-from typing import Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
 
 from celery import Task
 from celery.exceptions import Reject
@@ -38,7 +38,13 @@ STORE_DOWN_PAUSE = 1.0
 declared: list[type[ExactlyOnceTask]] = []
 
 
-class ExactlyOnceTask(Task[Any, Any]):
+if TYPE_CHECKING:
+    _TaskBase = Task[Any, Any]
+else:  # Celery's Task takes type arguments at run time only from 5.7 on
+    _TaskBase = Task
+
+
+class ExactlyOnceTask(_TaskBase):
     """A Celery task that takes effect once per message id, however often it is delivered.
 
     Use it as ``@shared_task(base=ExactlyOnceTask, bind=True)``. The body runs inside a

@@ -4,7 +4,7 @@ outbox inside a protected unit of work, and straight to the broker outside one."
 from __future__ import annotations
 
 from datetime import UTC, datetime
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from celery import Task
 from celery.result import AsyncResult
@@ -16,7 +16,13 @@ from django_idempotency.messaging.outbox import OutboxError, enqueue_task
 OUTBOX_OPTIONS = frozenset({"queue", "countdown", "eta", "ordering_key"})
 
 
-class OutboxTask(Task[Any, Any]):
+if TYPE_CHECKING:
+    _TaskBase = Task[Any, Any]
+else:  # Celery's Task takes type arguments at run time only from 5.7 on
+    _TaskBase = Task
+
+
+class OutboxTask(_TaskBase):
     """Set as ``base=`` on a task (or as the app's ``task_cls``) to move its existing
     ``.delay()`` calls onto the outbox without editing them: inside a protected view or an
     exactly-once task the call becomes a row in the same transaction (published if and only

@@ -5,12 +5,11 @@ into the outbox, in the current transaction; the relay hands it to a real backen
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import Any, TypeVar
+from typing import Any, ParamSpec, TypeVar
 
 from django.core.exceptions import ImproperlyConfigured
 from django.utils import timezone
 from django.utils.module_loading import import_string
-from typing_extensions import ParamSpec
 
 from django_idempotency.conf import conf
 from django_idempotency.messaging.destinations import TASKS as TASKS_DESTINATION

@@ -5,7 +5,7 @@ target task's path, and runs the target through the exactly-once core (``exactly
 from __future__ import annotations
 
 import logging
-from typing import Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
 
 from django.utils.module_loading import import_string
 
@@ -22,7 +22,13 @@ class GivenBack(Exception):
     publishes the message again unless the other delivery recorded it."""
 
 
-class _Deliver(Task[..., Any]):
+if TYPE_CHECKING:
+    _TaskBase = Task[..., Any]
+else:  # Django's Task is generic in the stubs only: a subscript here raises TypeError
+    _TaskBase = Task
+
+
+class _Deliver(_TaskBase):
     """A task validated by the real backend at each enqueue, not at import: its backend is
     named by the destination (``Task.using(backend=...)``), not by the settings' default."""
 
