@@ -17,7 +17,7 @@ from django_idempotency.engine.errors import (
     KeyReused,
     Misconfigured,
 )
-from django_idempotency.engine.work import Decision, Refuse, Replay, Work, differing
+from django_idempotency.engine.work import Decision, Refuse, Replay, Work
 from django_idempotency.storage import records, sealing
 
 logger = logging.getLogger("django_idempotency")
@@ -62,7 +62,7 @@ def decide(
             )
         )
     assert record is not None
-    changed = differing(record.fingerprint, work.fingerprint)
+    changed = work.differing(record.fingerprint)
     if changed:
         logger.info("Idempotency key %s reused with different %s", short(work.key), changed)
         signals.key_reused.send_robust(sender, request=context, differing=changed, **about)
@@ -102,7 +102,7 @@ def unstale(using: str, work: Work, claimed: records.Claimed) -> records.Claimed
     window is configured, else the key runs anew); another request on the key is a reused
     key, whatever the versions (a view's version is no other view's)."""
     assert claimed.record is not None
-    if differing(claimed.record.fingerprint, work.fingerprint):
+    if work.differing(claimed.record.fingerprint):
         return records.Claimed(records.Outcome.FOUND, record=claimed.record)
     if timedelta(0) < conf.EXPIRED_WINDOW:
         return records.Claimed(records.Outcome.EXPIRED, record=claimed.record)

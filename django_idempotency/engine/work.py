@@ -3,11 +3,13 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any, ClassVar
 
 from django_idempotency.engine.errors import REPLAYED, WON, IdempotencyError
+from django_idempotency.engine.fingerprints import is_keyed
 from django_idempotency.storage import bodies, records
 
 # The order in which differing parts of a fingerprint are reported.
@@ -26,6 +28,16 @@ class Work:
     ttl: timedelta
     # The version of the responses the work makes: a record of another is expired.
     version: str | None = None
+    # The fingerprint as plain SHA-256 digests, made only to compare with a record stored
+    # before fingerprints were keyed (engine/fingerprints.py); None: such a record differs.
+    plain_fingerprint: Callable[[], dict[str, str]] | None = field(default=None, compare=False)
+
+    def differing(self, stored: dict[str, str]) -> list[str]:
+        """The parts of a stored fingerprint that differ from this work's."""
+        keyed = not stored or all(is_keyed(value) for value in stored.values())
+        if not keyed and self.plain_fingerprint is not None:
+            return differing(stored, self.plain_fingerprint())
+        return differing(stored, self.fingerprint)
 
 
 @dataclass(frozen=True, slots=True)
