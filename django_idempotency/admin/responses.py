@@ -63,7 +63,7 @@ def opened(obj: IdempotencyRecord) -> Shown:
     with contextlib.suppress(sealing.MalformedKeys):  # E015 says so; shown as unreadable
         ring = sealing.keyring(conf.ENCRYPTION_KEYS)
     try:
-        record = sealing.opened(as_record(obj), ring, scope=obj.scope, key=obj.key)
+        record = sealing.opened(as_record(obj), ring, scope=obj.scope, key=obj.key, plain=True)
     except sealing.Unreadable as exc:
         return Shown([], b"", stored_bytes, str(exc))
     body = bodies.decode_body(record.response_body, record.body_encoding)

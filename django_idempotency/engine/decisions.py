@@ -75,6 +75,23 @@ def decide(
         )
     try:
         record = sealing.opened(record, ring, scope=work.principal, key=work.key)
+    except sealing.NotSealed as exc:
+        # Not written by a sealing server (or not by this app): never replayed. Nor run
+        # again, since it may stand for a first execution from before the keys were set.
+        logger.error(
+            "Idempotency key %s has a stored response that was refused: %s. A record written "
+            "before the keys were set is sealed by `manage.py idempotency_reencrypt`; any "
+            "other was not written by a server with the keys: check who writes to the "
+            "records table.",
+            short(work.key),
+            exc,
+        )
+        return Refuse(
+            Misconfigured(
+                "The stored response for this Idempotency-Key is not sealed as this server "
+                "requires, so it was not replayed and the request was not processed."
+            )
+        )
     except sealing.Unreadable as exc:
         # Never run again instead: the first execution took effect.
         logger.critical(
