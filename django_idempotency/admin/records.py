@@ -39,8 +39,16 @@ from django_idempotency.models import IdempotencyRecord
 from django_idempotency.partitions import catalog
 from django_idempotency.partitions.tables import RECORDS
 from django_idempotency.storage import records
-from django_idempotency.storage.erasure import BATCH, TOMBSTONE_PREFIX, erase
+from django_idempotency.storage.erasure import (
+    BATCH,
+    TOMBSTONE_PREFIX,
+    ErasureIncomplete,
+    erase,
+)
 
+# How long the erase action waits for requests in flight (a web request: shorter than the
+# command's).
+ADMIN_ERASE_WAIT = timedelta(seconds=10)
 # Columns the list never shows; a stored body alone may be megabytes.
 DETAIL_ONLY_FIELDS = ("fingerprint", "response_headers", "response_body")
 
@@ -304,7 +312,25 @@ class IdempotencyRecordAdmin(ReadOnlyLargeTableAdmin[IdempotencyRecord]):
             return
         scopes = set(queryset.values_list("scope", flat=True))
         principals = sorted(p for p in scopes if not p.startswith(TOMBSTONE_PREFIX))
-        erased = sum(erase(queryset.db, principal, batch=BATCH) for principal in principals)
+        erased, incomplete = 0, 0
+        for principal in principals:
+            try:
+                erased += erase(queryset.db, principal, batch=BATCH, wait=ADMIN_ERASE_WAIT)
+            except ErasureIncomplete as exc:
+                erased += exc.erased
+                incomplete += 1
+        if incomplete:
+            self.message_user(
+                request,
+                gettext(
+                    "Erased %(count)d records, but for %(incomplete)d principal(s) requests in "
+                    "flight when the erasure began were still running: what they commit is "
+                    "not erased. Erase again, or run manage.py idempotency_erase."
+                )
+                % {"count": erased, "incomplete": incomplete},
+                messages.ERROR,
+            )
+            return
         self.message_user(
             request,
             ngettext(

@@ -10,6 +10,7 @@ import json
 import logging
 import time
 from collections.abc import Iterator
+from datetime import timedelta
 from functools import lru_cache
 from typing import Any
 
@@ -43,6 +44,36 @@ UPDATE django_idempotency_record
  WHERE id >= %s AND id < %s AND scope = %s
 """
 _ID_RANGE = "SELECT min(id), max(id) FROM django_idempotency_record"
+# The lock space of the claims' advisory locks (migrations 0001, 0008): a transaction that
+# holds one is a request or a consumer in flight, which may yet commit its record.
+CLAIM_LOCK_SPACE = 1768187245
+_IN_FLIGHT = """
+SELECT DISTINCT virtualtransaction FROM pg_locks
+ WHERE locktype = 'advisory' AND classid = %s::oid AND objsubid = 2 AND granted
+   AND database = (SELECT oid FROM pg_database WHERE datname = current_database())
+   AND pid <> pg_backend_pid()
+"""
+# A transaction holds the lock of its own virtual transaction id until it ends.
+_RUNNING = """
+SELECT count(*) FROM pg_locks WHERE locktype = 'virtualxid' AND virtualxid = ANY(%s::text[])
+"""
+# How long erasure waits for the claims that were in flight when it began, by default.
+WAIT = timedelta(seconds=60)
+_POLL_SECONDS = 0.05
+
+
+class ErasureIncomplete(Exception):
+    """Claims in flight when erasure began were still running when it stopped waiting:
+    they may commit records of the principal after it. Run the erasure again."""
+
+    def __init__(self, erased: int, pending: int, waited: timedelta) -> None:
+        super().__init__(
+            f"{pending} request(s) or consumer(s) in flight when the erasure began were still "
+            f"running after {waited.total_seconds():g}s; what they commit was not erased. Run "
+            "the erasure again once they have finished."
+        )
+        self.erased = erased
+        self.pending = pending
 
 
 def tombstone_scope(using: str, principal: str) -> str:
@@ -64,12 +95,19 @@ def _fingerprint_digest(using: str, fingerprint: Any) -> dict[str, str]:
     return {"digest": digests.digest_hex(using, TOMBSTONE_FINGERPRINT, plain)}
 
 
-def erase(using: str, principal: str, *, batch: int) -> int:
+def erase(using: str, principal: str, *, batch: int, wait: timedelta = WAIT) -> int:
     """Turn ``principal``'s finished records (requests' and consumers') into tombstones, one
-    transaction per batch; returns how many. Logged, and signalled (``records_erased``).
-    Running it again erases nothing more."""
+    transaction per batch; returns how many. Then waits up to ``wait`` for the claims that
+    were in flight when it began, and erases what they committed; raises ErasureIncomplete
+    (after logging and signalling what it erased) if some still run. Logged, and signalled
+    (``records_erased``). Running it again erases nothing more."""
     started = time.monotonic()
+    in_flight = _in_flight(using, principal)
     erased = sum(_batches(using, principal, batch))
+    pending = _wait_for(using, principal, in_flight, wait) if in_flight else 0
+    if in_flight:
+        # What they committed, wherever its id fell: erasing again skips what is erased.
+        erased += sum(_batches(using, principal, batch))
     # The log names the tombstones' principal, not the erased one.
     logger.info(
         "Erased %d idempotency records of principal %s on %r in %.1fs.",
@@ -79,7 +117,53 @@ def erase(using: str, principal: str, *, batch: int) -> int:
         time.monotonic() - started,
     )
     signals.records_erased.send_robust(None, principal=principal, count=erased, using=using)
+    if pending:
+        logger.error(
+            "Erasure of principal %s on %r is incomplete: %d claim(s) in flight when it began "
+            "still ran after %.1fs; run it again.",
+            tombstone_scope(using, principal),
+            using,
+            pending,
+            wait.total_seconds(),
+        )
+        raise ErasureIncomplete(erased, pending, wait)
     return erased
+
+
+def _in_flight(using: str, principal: str) -> list[str]:
+    """What may still commit records of ``principal``: on PostgreSQL the transactions that
+    hold a claim's lock (any principal's: a lock id does not say whose), elsewhere the
+    principal's in-progress rows (their ids)."""
+    connection = connections[using]
+    if connection.vendor != "postgresql":
+        return [str(pk) for pk in _in_progress(using, principal)]
+    with connection.cursor() as cursor:
+        cursor.execute(_IN_FLIGHT, [CLAIM_LOCK_SPACE])
+        return [row[0] for row in cursor.fetchall()]
+
+
+def _in_progress(using: str, principal: str) -> list[int]:
+    mine = IdempotencyRecord.objects.using(using).filter(
+        scope=principal, status=IdempotencyRecord.Status.IN_PROGRESS
+    )
+    return list(mine.values_list("pk", flat=True))
+
+
+def _wait_for(using: str, principal: str, in_flight: list[str], wait: timedelta) -> int:
+    """Wait up to ``wait`` for ``in_flight`` to end; how many still run."""
+    connection = connections[using]
+    deadline = time.monotonic() + wait.total_seconds()
+    while True:
+        if connection.vendor == "postgresql":
+            with connection.cursor() as cursor:
+                cursor.execute(_RUNNING, [in_flight])
+                row = cursor.fetchone()
+            running = int(row[0]) if row else 0
+        else:
+            running = len(set(in_flight) & {str(pk) for pk in _in_progress(using, principal)})
+        if not running or time.monotonic() >= deadline:
+            return running
+        time.sleep(_POLL_SECONDS)
 
 
 def _batches(using: str, principal: str, batch: int) -> Iterator[int]:
