@@ -16,8 +16,8 @@ from django.test import override_settings
 from django.urls import reverse
 
 from django_idempotency.admin.responses import MASK, Shown, masked
-from django_idempotency.storage import digests
 from django_idempotency.models import IdempotencyRecord
+from django_idempotency.storage import digests
 from tests.factories import IdempotencyRecordFactory, ScriptFactory, new_key
 from tests.support.client import send
 

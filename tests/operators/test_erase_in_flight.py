@@ -85,7 +85,7 @@ def test_an_erasure_that_stops_waiting_says_so_exits_non_zero_and_a_rerun_finish
 ) -> None:
     first, script, key = held
     out, err = StringIO(), StringIO()
-    with pytest.raises(CommandError, match="incomplete.*Run it again"):
+    with pytest.raises(CommandError, match=r"incomplete.*Run it again"):
         call_command(
             "idempotency_erase", "--principal", PRINCIPAL, "--wait", "0.2", stdout=out, stderr=err
         )
@@ -103,7 +103,7 @@ def test_an_erasure_that_stops_waiting_says_so_exits_non_zero_and_a_rerun_finish
 def test_the_admin_action_says_when_a_request_in_flight_outlasted_its_wait(
     held: Any, client: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    first, script, key = held
+    first, script, _key = held
     monkeypatch.setattr(records_admin, "ADMIN_ERASE_WAIT", timedelta(seconds=0.2))
     earlier = IdempotencyRecordFactory(scope=PRINCIPAL)
     client.force_login(User.objects.create_superuser("root", "root@example.com", "x"))
