@@ -21,6 +21,7 @@ the delivery stays), or ``KeyReused`` (the same id with other arguments: not a r
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import logging
@@ -30,7 +31,7 @@ from dataclasses import dataclass, field
 from typing import Any, NoReturn
 
 from django.core.serializers.json import DjangoJSONEncoder
-from django.db import InterfaceError, OperationalError
+from django.db import InterfaceError, OperationalError, router
 
 from django_idempotency.conf import conf
 from django_idempotency.engine.errors import (
@@ -39,7 +40,8 @@ from django_idempotency.engine.errors import (
     Misconfigured,
     StoreUnavailable,
 )
-from django_idempotency.engine.unit import UnitOfWork
+from django_idempotency.engine.fingerprints import keyed_parts, plain_parts
+from django_idempotency.engine.unit import UnitOfWork, secret_required
 from django_idempotency.engine.work import Refuse, Replay, Result, Work
 from django_idempotency.models import IdempotencyRecord
 
@@ -89,23 +91,39 @@ def bounded(value: str) -> str:
     return "sha256:" + hashlib.sha256(value.encode("utf-8", "surrogatepass")).hexdigest()
 
 
+def _arguments(args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> dict[str, bytes]:
+    # What the fingerprint's one part digests: the arguments' canonical JSON.
+    return {"arguments": CANONICAL_JSON.encode([list(args), kwargs]).encode()}
+
+
 def arguments_digest(args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> str:
-    canonical = CANONICAL_JSON.encode([list(args), kwargs])
-    return hashlib.sha256(canonical.encode()).hexdigest()
+    """The plain SHA-256 of the arguments' canonical JSON: the fingerprint of a consumer's
+    record stored before fingerprints were keyed (a redelivery of one still compares)."""
+    return plain_parts(_arguments(args, kwargs))["arguments"]
 
 
 def consume(delivery: Delivery) -> Any:
     """Run ``delivery``'s body for its message id, exactly once (the module's docstring)."""
+    using = router.db_for_write(IdempotencyRecord)
+    arguments = _arguments(delivery.args, delivery.kwargs)
+    try:
+        with secret_required(delivery.sender, "task"):
+            # Keyed: the table does not hold a digest to test guesses of the arguments on.
+            fingerprint = keyed_parts(using, arguments)
+    except Misconfigured as exc:
+        _give_back(delivery, exc, "found the idempotency store not set up")
     work = Work(
         principal=principal(delivery.consumer),
         key=bounded(delivery.message_id),
         method=METHOD,
         path=delivery.name,
-        fingerprint={"arguments": arguments_digest(delivery.args, delivery.kwargs)},
+        fingerprint=fingerprint,
         ttl=conf.CONSUMER_TTL,
+        plain_fingerprint=functools.partial(plain_parts, arguments),
     )
     unit = UnitOfWork(
         work,
+        using=using,
         wait=conf.CONSUMER_WAIT,
         sender=delivery.sender,
         context=delivery.context,
