@@ -229,9 +229,10 @@ class UnitOfWork:
     def _transaction(
         self, capped: bool | None, wait: timedelta
     ) -> Generator[Decision | None, Result | BaseException, bool]:
-        work = self.work
         # Before anything is claimed: with keys that cannot seal, nothing may run.
         ring = self._ring = record.keyring(self.sender, self.kind)
+        with failing_closed(), secret_required(self.sender, self.kind):
+            work = self.work = self.work.keyed(self.using)
         # A consumer's records outlive MAX_TTL (IDEMPOTENCY_CONSUMER_TTL).
         window = max(conf.MAX_TTL, work.ttl) + conf.EXPIRED_WINDOW
         if self.lookup_first:
@@ -314,7 +315,7 @@ class UnitOfWork:
 
     def _locks(self) -> tuple[int, tuple[int, ...]]:
         work = self.work
-        with secret_required(self.sender):
+        with secret_required(self.sender, self.kind):
             return claim_locks(self.using, work.principal, work.key)
 
     def _release(self) -> None:

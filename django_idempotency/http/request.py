@@ -27,7 +27,6 @@ from django_idempotency.engine.errors import (
     MissingKey,
     PrincipalMissing,
 )
-from django_idempotency.engine.fingerprints import keyed_parts, plain_parts
 from django_idempotency.engine.unit import UnitOfWork, failing_closed, secret_required
 from django_idempotency.engine.work import Decision, Refuse, Replay, Result, Run, Work, view_name
 from django_idempotency.http.identity import (
@@ -254,8 +253,6 @@ class RequestUnit:
         messages = fingerprint_messages(
             request, policy.exclude_fields, policy.fingerprint_headers, media_type=media_type
         )
-        with failing_closed(), secret_required(self.sender):
-            parts = keyed_parts(using, messages)
         wait = policy.wait
         if wait > timedelta(0):
             # A client may ask for a shorter or longer wait only where waiting is on.
@@ -271,10 +268,10 @@ class RequestUnit:
             key=key,
             method=request.method or "",
             path=request.path,
-            fingerprint=parts,
+            fingerprint={},  # keyed by the unit when it opens
             ttl=policy.ttl,
             version=policy.version,
-            plain_fingerprint=functools.partial(plain_parts, messages),
+            messages=messages,
         )
         return UnitOfWork(
             work,

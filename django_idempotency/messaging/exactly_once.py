@@ -21,7 +21,6 @@ the delivery stays), or ``KeyReused`` (the same id with other arguments: not a r
 
 from __future__ import annotations
 
-import functools
 import hashlib
 import json
 import logging
@@ -31,7 +30,7 @@ from dataclasses import dataclass, field
 from typing import Any, NoReturn
 
 from django.core.serializers.json import DjangoJSONEncoder
-from django.db import InterfaceError, OperationalError, router
+from django.db import InterfaceError, OperationalError
 
 from django_idempotency.conf import conf
 from django_idempotency.engine.errors import (
@@ -40,8 +39,8 @@ from django_idempotency.engine.errors import (
     Misconfigured,
     StoreUnavailable,
 )
-from django_idempotency.engine.fingerprints import keyed_parts, plain_parts
-from django_idempotency.engine.unit import UnitOfWork, secret_required
+from django_idempotency.engine.fingerprints import plain_parts
+from django_idempotency.engine.unit import UnitOfWork
 from django_idempotency.engine.work import Refuse, Replay, Result, Work
 from django_idempotency.models import IdempotencyRecord
 
@@ -104,26 +103,18 @@ def arguments_digest(args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> str:
 
 def consume(delivery: Delivery) -> Any:
     """Run ``delivery``'s body for its message id, exactly once (the module's docstring)."""
-    using = router.db_for_write(IdempotencyRecord)
-    arguments = _arguments(delivery.args, delivery.kwargs)
-    try:
-        with secret_required(delivery.sender, "task"):
-            # Keyed: the table does not hold a digest to test guesses of the arguments on.
-            fingerprint = keyed_parts(using, arguments)
-    except Misconfigured as exc:
-        _give_back(delivery, exc, "found the idempotency store not set up")
     work = Work(
         principal=principal(delivery.consumer),
         key=bounded(delivery.message_id),
         method=METHOD,
         path=delivery.name,
-        fingerprint=fingerprint,
+        # Keyed by the unit when it opens: no digest to test guesses of the arguments on.
+        fingerprint={},
         ttl=conf.CONSUMER_TTL,
-        plain_fingerprint=functools.partial(plain_parts, arguments),
+        messages=_arguments(delivery.args, delivery.kwargs),
     )
     unit = UnitOfWork(
         work,
-        using=using,
         wait=conf.CONSUMER_WAIT,
         sender=delivery.sender,
         context=delivery.context,
