@@ -7,8 +7,10 @@ them (a tombstone was enumerated back to ``user:1``). The app now stores HMAC-SH
 under keys derived from the database's secret (migration 0008), version ``h1``
 (``storage/digests.py``); the digests stored before are keyed here the same way, over the
 plain digest they hold, so a claim finds an older tombstone, and a retry of a principal
-stored as a digest its records. Request fingerprints are not rewritten (every record would
-be): a retry of an older record is compared with the plain digests of its request.
+stored as a digest its records (an exactly-once consumer's principal stays as it is: the
+consumers still name a long one by its plain digest). Request fingerprints are not
+rewritten (every record would be): a retry of an older record is compared with the plain
+digests of its request.
 
 Frozen: the key derivation is written here, nothing is imported from the package. One
 UPDATE per kind; each reads the whole records table once (there is no index on the
@@ -30,7 +32,12 @@ _SECRET = "SELECT secret FROM django_idempotency_secret WHERE id = 1"
 # (purpose, the prefix of the stored value, the SQL condition of the rows to key).
 _SCOPES = (
     ("tombstone", "erased:", "scope LIKE 'erased:%%' AND scope NOT LIKE 'erased:h1:%%'"),
-    ("principal", "sha256:", "scope LIKE 'sha256:%%' AND scope NOT LIKE 'sha256:h1:%%'"),
+    # Not a consumer's (method TASK): it names a long consumer by a plain digest still.
+    (
+        "principal",
+        "sha256:",
+        "scope LIKE 'sha256:%%' AND scope NOT LIKE 'sha256:h1:%%' AND method <> 'TASK'",
+    ),
 )
 # HMAC-SHA256 of a text under padded keys (%s: outer, then inner), with SQL's sha256().
 _HMAC_SQL = "encode(sha256(%s || sha256(%s || convert_to({text}, 'UTF8'))), 'hex')"
@@ -91,7 +98,10 @@ def _key_plain(apps: Apps, schema_editor: BaseDatabaseSchemaEditor, secret: str)
 
     for purpose, prefix, _where in _SCOPES:
         new = f"{prefix}{VERSION}:"
-        for record in records.filter(scope__startswith=prefix).exclude(scope__startswith=new):
+        found = records.filter(scope__startswith=prefix).exclude(scope__startswith=new)
+        if purpose == "principal":
+            found = found.exclude(method="TASK")
+        for record in found:
             scope = new + keyed(purpose, record.scope[len(prefix) :])
             records.filter(pk=record.pk).update(scope=scope)
     for record in records.filter(status=2):

@@ -121,6 +121,8 @@ def test_migration_0017_keys_older_tombstones_so_an_erased_key_still_never_runs_
     )
     long = "tenant:" + "y" * 300
     older_principal = IdempotencyRecordFactory(scope="sha256:" + sha256(long.encode()))
+    # A consumer still names a long consumer by its plain digest: left as it is.
+    consumer = IdempotencyRecordFactory(scope="sha256:" + sha256(b"consumer:long"), method="TASK")
     with connection.schema_editor() as editor:
         migration_0017.key_digests(django_apps, editor)
 
@@ -130,6 +132,8 @@ def test_migration_0017_keys_older_tombstones_so_an_erased_key_still_never_runs_
     with transaction.atomic():
         assert claim(principal, key).outcome is Outcome.EXPIRED
     older_principal.refresh_from_db()
+    consumer.refresh_from_db()
+    assert consumer.scope == "sha256:" + sha256(b"consumer:long")
     assert older_principal.scope == principal_for(None, lambda request: long)
     # Run again, it changes nothing more.
     with connection.schema_editor() as editor:
