@@ -110,9 +110,28 @@ class Settings:
     def ADMIN_REDACT_FIELDS(self) -> tuple[str, ...]:
         value = _setting(
             "IDEMPOTENCY_ADMIN_REDACT_FIELDS",
-            ("card", "iban", "token", "password", "secret", "cvc", "cvv", "pan", "account_number"),
+            (
+                "card",
+                "iban",
+                "token",
+                "password",
+                "secret",
+                "cvc",
+                "cvv",
+                "pan",
+                "account_number",
+                "api_key",
+                "pin",
+                "auth_code",
+                "cardholder_name",
+            ),
         )
         return tuple(value)
+
+    @property
+    def ADMIN_SHOW_FIELDS(self) -> tuple[str, ...]:
+        # Empty: the admin shows no stored body to users without view_stored_response.
+        return tuple(_setting("IDEMPOTENCY_ADMIN_SHOW_FIELDS", ()))
 
     @property
     def UNSTORED_STATUSES(self) -> frozenset[int]:
@@ -377,6 +396,7 @@ KINDS: dict[str, Kind] = {
     "SECRET_KEY_FALLBACKS": SECRETS,
     "ENCRYPTION_KEYS": SECRETS,
     "ADMIN_REDACT_FIELDS": TEXTS,
+    "ADMIN_SHOW_FIELDS": TEXTS,
     "UNSTORED_STATUSES": INTEGERS,
     "REPLAY_HEADERS": TEXTS,
     "FINGERPRINT_HEADERS": TEXTS,

@@ -39,8 +39,16 @@ from django_idempotency.models import IdempotencyRecord
 from django_idempotency.partitions import catalog
 from django_idempotency.partitions.tables import RECORDS
 from django_idempotency.storage import records
-from django_idempotency.storage.erasure import BATCH, TOMBSTONE_PREFIX, erase
+from django_idempotency.storage.erasure import (
+    BATCH,
+    TOMBSTONE_PREFIX,
+    ErasureIncomplete,
+    erase,
+)
 
+# How long the erase action waits for requests in flight (a web request: shorter than the
+# command's).
+ADMIN_ERASE_WAIT = timedelta(seconds=10)
 # Columns the list never shows; a stored body alone may be megabytes.
 DETAIL_ONLY_FIELDS = ("fingerprint", "response_headers", "response_body")
 
@@ -242,8 +250,9 @@ class IdempotencyRecordAdmin(ReadOnlyLargeTableAdmin[IdempotencyRecord]):
 
     def get_fieldsets(self, request: HttpRequest, obj: IdempotencyRecord | None = None) -> Any:
         # The stored headers and body only with the permission; others see them masked.
+        # No digest of the body either: a digest is a test for a guess of the body.
         shown = (
-            ("response_headers_list", "body")
+            ("body_digest", "response_headers_list", "body")
             if responses.may_read(request)
             else ("response_headers_masked", "body_redacted")
         )
@@ -254,7 +263,7 @@ class IdempotencyRecordAdmin(ReadOnlyLargeTableAdmin[IdempotencyRecord]):
             ),
             (
                 _("Response"),
-                {"fields": ("response_code", "storage", "body_size", "body_digest", *shown)},
+                {"fields": ("response_code", "storage", "body_size", *shown)},
             ),
             (
                 _("Lifetime"),
@@ -303,7 +312,25 @@ class IdempotencyRecordAdmin(ReadOnlyLargeTableAdmin[IdempotencyRecord]):
             return
         scopes = set(queryset.values_list("scope", flat=True))
         principals = sorted(p for p in scopes if not p.startswith(TOMBSTONE_PREFIX))
-        erased = sum(erase(queryset.db, principal, batch=BATCH) for principal in principals)
+        erased, incomplete = 0, 0
+        for principal in principals:
+            try:
+                erased += erase(queryset.db, principal, batch=BATCH, wait=ADMIN_ERASE_WAIT)
+            except ErasureIncomplete as exc:
+                erased += exc.erased
+                incomplete += 1
+        if incomplete:
+            self.message_user(
+                request,
+                gettext(
+                    "Erased %(count)d records, but for %(incomplete)d principal(s) requests in "
+                    "flight when the erasure began were still running: what they commit is "
+                    "not erased. Erase again, or run manage.py idempotency_erase."
+                )
+                % {"count": erased, "incomplete": incomplete},
+                messages.ERROR,
+            )
+            return
         self.message_user(
             request,
             ngettext(
@@ -353,7 +380,7 @@ class IdempotencyRecordAdmin(ReadOnlyLargeTableAdmin[IdempotencyRecord]):
     @admin.display(description=_("body digest"))
     def body_digest(self, obj: IdempotencyRecord) -> str:
         shown = _shown(obj)
-        return shown.unreadable or shown.digest()
+        return shown.unreadable or shown.digest(obj._state.db or "default")
 
     @admin.display(description=_("response headers"))
     def response_headers_list(self, obj: IdempotencyRecord) -> SafeString:
@@ -368,7 +395,7 @@ class IdempotencyRecordAdmin(ReadOnlyLargeTableAdmin[IdempotencyRecord]):
     def response_headers_masked(self, obj: IdempotencyRecord) -> SafeString:
         return _pre(responses.headers_text(_shown(obj).headers, full=False))
 
-    @admin.display(description=_("response body (redacted)"))
+    @admin.display(description=_("response body (fields shown)"))
     def body_redacted(self, obj: IdempotencyRecord) -> SafeString:
         shown = _shown(obj)
         return _pre(shown.unreadable or responses.body_text(shown.body, full=False))

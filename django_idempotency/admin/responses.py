@@ -1,10 +1,12 @@
 """What the admin shows of a stored response: all of it to a user with the
-``view_stored_response`` permission; to others its size, digest, and JSON with keys masked."""
+``view_stored_response`` permission; to others its status, size and masked headers, never
+the body nor anything from which it could be recovered (no digest), except the JSON fields
+that ``IDEMPOTENCY_ADMIN_SHOW_FIELDS`` opts in to (with ``IDEMPOTENCY_ADMIN_REDACT_FIELDS``
+masked among them)."""
 
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import json
 import re
 from collections.abc import Sequence
@@ -16,7 +18,7 @@ from django.utils.translation import gettext
 
 from django_idempotency.conf import conf
 from django_idempotency.models import IdempotencyRecord
-from django_idempotency.storage import bodies, sealing
+from django_idempotency.storage import bodies, digests, sealing
 from django_idempotency.storage.records import as_record
 
 PERMISSION = "django_idempotency.view_stored_response"
@@ -29,6 +31,8 @@ PLAIN_HEADERS = frozenset(
     ("content-type", "content-language", "cache-control", "expires", "pragma", "vary")
 )
 DIGEST_HEX = 16
+# The purpose of the body digest's key (storage/digests.py): shown to readers only.
+BODY_DIGEST = "admin-body"
 # Words of a JSON key: split on separators and lower-to-upper case changes.
 _WORDS = re.compile(r"[A-Z]?[a-z0-9]+|[A-Z]+(?![a-z])")
 
@@ -47,8 +51,10 @@ class Shown:
     stored_bytes: int
     unreadable: str = ""
 
-    def digest(self) -> str:
-        return "sha256:" + hashlib.sha256(self.body).hexdigest()[:DIGEST_HEX]
+    def digest(self, using: str) -> str:
+        """A keyed digest of the body (HMAC, never a plain hash to test guesses against),
+        to tell two bodies apart; for users who may read the body anyway."""
+        return digests.digest_hex(using, BODY_DIGEST, self.body)[: len(digests.PREFIX) + DIGEST_HEX]
 
 
 def opened(obj: IdempotencyRecord) -> Shown:
@@ -57,7 +63,7 @@ def opened(obj: IdempotencyRecord) -> Shown:
     with contextlib.suppress(sealing.MalformedKeys):  # E015 says so; shown as unreadable
         ring = sealing.keyring(conf.ENCRYPTION_KEYS)
     try:
-        record = sealing.opened(as_record(obj), ring, scope=obj.scope, key=obj.key)
+        record = sealing.opened(as_record(obj), ring, scope=obj.scope, key=obj.key, plain=True)
     except sealing.Unreadable as exc:
         return Shown([], b"", stored_bytes, str(exc))
     body = bodies.decode_body(record.response_body, record.body_encoding)
@@ -83,29 +89,70 @@ def headers_text(headers: Sequence[Sequence[str]], *, full: bool) -> str:
 
 
 def body_text(body: bytes, *, full: bool) -> str:
-    """The body for people: JSON indented (listed keys masked unless ``full``), other text
-    as it is with ``full`` and never without, binary described."""
+    """The body for people: with ``full`` as it is (JSON indented, binary described);
+    without, only the fields ``IDEMPOTENCY_ADMIN_SHOW_FIELDS`` lists of a JSON body, with
+    ``IDEMPOTENCY_ADMIN_REDACT_FIELDS`` masked among them, and nothing when it lists none."""
+    if not full:
+        return _fields_text(body)
     try:
         text = body.decode()
     except UnicodeDecodeError:
         return gettext("%(size)d bytes of binary data") % {"size": len(body)}
+    with contextlib.suppress(ValueError):
+        text = json.dumps(json.loads(text), indent=2, ensure_ascii=False)
+    return _preview(text)
+
+
+def _fields_text(body: bytes) -> str:
+    hidden = gettext(
+        "Hidden: %(size)d bytes, shown only with the permission to view stored responses."
+    ) % {"size": len(body)}
+    paths = [name.split(".") for name in conf.ADMIN_SHOW_FIELDS]
+    if not paths:
+        return hidden
     try:
-        parsed = json.loads(text)
-    except ValueError:
-        if not full:
-            return gettext(
-                "%(size)d bytes of text that is not JSON: shown only with the permission to "
-                "view stored responses."
-            ) % {"size": len(body)}
-    else:
-        names = () if full else conf.ADMIN_REDACT_FIELDS
-        text = json.dumps(masked(parsed, names), indent=2, ensure_ascii=False)
+        parsed = json.loads(body)
+    except ValueError:  # UnicodeDecodeError is one
+        return hidden
+    shown = picked(parsed, paths)
+    if shown is _NOTHING:
+        return hidden
+    masked_fields = masked(shown, conf.ADMIN_REDACT_FIELDS)
+    return _preview(json.dumps(masked_fields, indent=2, ensure_ascii=False))
+
+
+def _preview(text: str) -> str:
     if len(text) > BODY_PREVIEW_CHARS:
         return gettext("%(text)s\n… (%(size)d characters in all)") % {
             "text": text[:BODY_PREVIEW_CHARS],
             "size": len(text),
         }
     return text
+
+
+_NOTHING: Any = object()
+
+
+def picked(value: Any, paths: Sequence[Sequence[str]]) -> Any:
+    """The parts of ``value`` that ``paths`` name (``["card", "brand"]``: the key brand of
+    the object card), through lists at any level; ``_NOTHING`` when none is there."""
+    if isinstance(value, list):
+        items = [picked(item, paths) for item in value]
+        kept = [item for item in items if item is not _NOTHING]
+        return kept if kept else _NOTHING
+    if not isinstance(value, dict):
+        return _NOTHING
+    found: dict[str, Any] = {}
+    for name, item in value.items():
+        if any(len(path) == 1 and path[0] == name for path in paths):
+            found[name] = item
+            continue
+        inner = [path[1:] for path in paths if len(path) > 1 and path[0] == name]
+        if inner:
+            sub = picked(item, inner)
+            if sub is not _NOTHING:
+                found[name] = sub
+    return found if found else _NOTHING
 
 
 def masked(value: Any, names: Sequence[str]) -> Any:

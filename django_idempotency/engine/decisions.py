@@ -17,7 +17,7 @@ from django_idempotency.engine.errors import (
     KeyReused,
     Misconfigured,
 )
-from django_idempotency.engine.work import Decision, Refuse, Replay, Work, differing
+from django_idempotency.engine.work import Decision, Refuse, Replay, Work
 from django_idempotency.storage import records, sealing
 
 logger = logging.getLogger("django_idempotency")
@@ -62,7 +62,7 @@ def decide(
             )
         )
     assert record is not None
-    changed = differing(record.fingerprint, work.fingerprint)
+    changed = work.differing(record.fingerprint)
     if changed:
         logger.info("Idempotency key %s reused with different %s", short(work.key), changed)
         signals.key_reused.send_robust(sender, request=context, differing=changed, **about)
@@ -75,6 +75,23 @@ def decide(
         )
     try:
         record = sealing.opened(record, ring, scope=work.principal, key=work.key)
+    except sealing.NotSealed as exc:
+        # Not written by a sealing server (or not by this app): never replayed. Nor run
+        # again, since it may stand for a first execution from before the keys were set.
+        logger.error(
+            "Idempotency key %s has a stored response that was refused: %s. A record written "
+            "before the keys were set is sealed by `manage.py idempotency_reencrypt`; any "
+            "other was not written by a server with the keys: check who writes to the "
+            "records table.",
+            short(work.key),
+            exc,
+        )
+        return Refuse(
+            Misconfigured(
+                "The stored response for this Idempotency-Key is not sealed as this server "
+                "requires, so it was not replayed and the request was not processed."
+            )
+        )
     except sealing.Unreadable as exc:
         # Never run again instead: the first execution took effect.
         logger.critical(
@@ -102,7 +119,7 @@ def unstale(using: str, work: Work, claimed: records.Claimed) -> records.Claimed
     window is configured, else the key runs anew); another request on the key is a reused
     key, whatever the versions (a view's version is no other view's)."""
     assert claimed.record is not None
-    if differing(claimed.record.fingerprint, work.fingerprint):
+    if work.differing(claimed.record.fingerprint):
         return records.Claimed(records.Outcome.FOUND, record=claimed.record)
     if timedelta(0) < conf.EXPIRED_WINDOW:
         return records.Claimed(records.Outcome.EXPIRED, record=claimed.record)

@@ -64,6 +64,20 @@ def failing_closed() -> Iterator[None]:
         ) from exc
 
 
+@contextmanager
+def secret_required(sender: Any, kind: str = "view") -> Iterator[None]:
+    """Refuse the work (``misconfigured``) when the database has no secret to key its locks
+    and digests with: never a fallback to SECRET_KEY, since servers with different ones would
+    neither serialise a key nor compare its fingerprints."""
+    try:
+        yield
+    except SecretMissing as exc:
+        logger.error("The idempotent %s was refused: %s", _name(sender, kind), exc)
+        raise Misconfigured(
+            "The idempotency store of this server is not set up, so the request was not processed."
+        ) from exc
+
+
 def _name(sender: Any, kind: str = "view") -> str:
     return f"{kind} {view_name(sender)}"
 
@@ -215,9 +229,10 @@ class UnitOfWork:
     def _transaction(
         self, capped: bool | None, wait: timedelta
     ) -> Generator[Decision | None, Result | BaseException, bool]:
-        work = self.work
         # Before anything is claimed: with keys that cannot seal, nothing may run.
         ring = self._ring = record.keyring(self.sender, self.kind)
+        with failing_closed(), secret_required(self.sender, self.kind):
+            work = self.work = self.work.keyed(self.using)
         # A consumer's records outlive MAX_TTL (IDEMPOTENCY_CONSUMER_TTL).
         window = max(conf.MAX_TTL, work.ttl) + conf.EXPIRED_WINDOW
         if self.lookup_first:
@@ -300,16 +315,8 @@ class UnitOfWork:
 
     def _locks(self) -> tuple[int, tuple[int, ...]]:
         work = self.work
-        try:
+        with secret_required(self.sender, self.kind):
             return claim_locks(self.using, work.principal, work.key)
-        except SecretMissing as exc:
-            # Never a fallback to SECRET_KEY: servers with different ones would not
-            # serialise a key.
-            logger.error("The idempotent %s was refused: %s", _name(self.sender), exc)
-            raise Misconfigured(
-                "The idempotency store of this server is not set up, so the request was not "
-                "processed."
-            ) from exc
 
     def _release(self) -> None:
         """Give the connection back while waiting (to the pool, if there is one), unless the

@@ -3,11 +3,13 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
 from datetime import timedelta
 from typing import Any, ClassVar
 
 from django_idempotency.engine.errors import REPLAYED, WON, IdempotencyError
+from django_idempotency.engine.fingerprints import is_keyed, keyed_parts, plain_parts
 from django_idempotency.storage import bodies, records
 
 # The order in which differing parts of a fingerprint are reported.
@@ -26,6 +28,26 @@ class Work:
     ttl: timedelta
     # The version of the responses the work makes: a record of another is expired.
     version: str | None = None
+    # What each fingerprint part digests (``engine.fingerprints``): the unit keys them into
+    # ``fingerprint`` when it opens (where it reads the database's secret anyway), and
+    # digests them plain only to compare with a record stored before keyed digests.
+    messages: Mapping[str, bytes] | None = field(default=None, compare=False, repr=False)
+
+    def keyed(self, using: str) -> Work:
+        """This work with its fingerprint keyed for the records' database ``using``."""
+        if self.messages is None or self.fingerprint:
+            return self
+        return replace(self, fingerprint=keyed_parts(using, self.messages))
+
+    def plain_fingerprint(self) -> dict[str, str]:
+        """The fingerprint as plain SHA-256 digests, as records stored before keyed digests
+        hold it (and downstream keys derive from, so they stay those of before)."""
+        return self.fingerprint if self.messages is None else plain_parts(self.messages)
+
+    def differing(self, stored: dict[str, str]) -> list[str]:
+        """The parts of a stored fingerprint that differ from this work's."""
+        keyed = not stored or all(is_keyed(value) for value in stored.values())
+        return differing(stored, self.fingerprint if keyed else self.plain_fingerprint())
 
 
 @dataclass(frozen=True, slots=True)

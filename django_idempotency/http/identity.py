@@ -17,12 +17,14 @@ from uuid import UUID
 
 from django.conf import settings
 from django.contrib.auth import SESSION_KEY
+from django.db import DEFAULT_DB_ALIAS
 from django.db.models import Model
 from django.http import HttpRequest
 from django.http.multipartparser import MultiPartParser, MultiPartParserError
 
 from django_idempotency.conf import PrincipalFunc
 from django_idempotency.engine.errors import InvalidKey, PrincipalMissing
+from django_idempotency.engine.fingerprints import keyed_parts, principal_digest
 
 MAX_KEY_LENGTH = 255
 MAX_PRINCIPAL_LENGTH = 255
@@ -93,11 +95,13 @@ def check_key(key: Any, name: str = "Idempotency-Key") -> str:
     return key
 
 
-def principal_for(request: Any, func: PrincipalFunc | None) -> str:
+def principal_for(request: Any, func: PrincipalFunc | None, using: str = DEFAULT_DB_ALIAS) -> str:
     """Whose keys these are: the callable's answer, else the authenticated user.
 
-    Raises PrincipalMissing when the callable returns nothing usable (None, an empty value,
-    an unsaved instance, a type that cannot name a principal).
+    A principal too long to store, or that PostgreSQL cannot hold, is stored as a keyed
+    digest for the records' database ``using``. Raises PrincipalMissing when the callable
+    returns nothing usable (None, an empty value, an unsaved instance, a type that cannot
+    name a principal).
     """
     if func is not None:
         value = _principal_name(func(request))
@@ -110,7 +114,8 @@ def principal_for(request: Any, func: PrincipalFunc | None) -> str:
     except UnicodeEncodeError:  # a lone surrogate
         encoded, storable = value.encode("utf-8", "surrogatepass"), False
     if len(value) > MAX_PRINCIPAL_LENGTH or not storable:
-        value = "sha256:" + _digest(encoded)
+        # Keyed: the table does not say who the principal is.
+        value = "sha256:" + principal_digest(using, encoded)
     return value
 
 
@@ -168,10 +173,6 @@ _COMPACT = json.JSONEncoder(separators=(",", ":"), check_circular=False)
 _first = itemgetter(0)
 
 
-def _digest(data: bytes) -> str:
-    return hashlib.sha256(data).hexdigest()
-
-
 def _canonical_query(query: str) -> bytes:
     # Parameters sorted by name; a name's values keep their order (a view's getlist() sees it),
     # and each stays as it was sent, so two queries a view could tell apart never merge.
@@ -179,9 +180,8 @@ def _canonical_query(query: str) -> bytes:
     return _COMPACT.encode(pairs).encode()
 
 
-_EMPTY_QUERY = _digest(_canonical_query(""))
 # A header that is absent, told apart from one sent empty: no UTF-8 encoding is this byte.
-_ABSENT = _digest(b"\xff")
+_ABSENT = b"\xff"
 
 
 # JSON numbers compare by exact decimal value. A number with an integral value of at most 18
@@ -360,31 +360,42 @@ def _meta_name(header: str) -> str:
     return name if name in ("CONTENT_TYPE", "CONTENT_LENGTH") else f"HTTP_{name}"
 
 
+def fingerprint_messages(
+    request: HttpRequest,
+    exclude: Iterable[str] = (),
+    headers: Iterable[str] = (),
+    *,
+    media_type: str | None = None,
+) -> dict[str, bytes]:
+    """What each part of the fingerprint digests: the canonical method, path, query, body
+    and the named headers (``media_type``, the negotiated one of a view with several
+    renderers, is the part ``header:accept``)."""
+    meta = request.META
+    parts = {
+        "method": (request.method or "").encode(),
+        "path": request.path.encode("utf-8", "surrogatepass"),
+        "query": _canonical_query(meta.get("QUERY_STRING", "")),
+        "body": canonical_body(request, exclude),
+    }
+    for name in headers:
+        value = meta.get(_meta_name(name))
+        parts[f"header:{name.lower()}"] = (
+            _ABSENT if value is None else value.encode("utf-8", "surrogatepass")
+        )
+    if media_type is not None:
+        parts["header:accept"] = media_type.encode("utf-8", "surrogatepass")
+    return parts
+
+
 def fingerprint(
     request: HttpRequest,
     exclude: Iterable[str] = (),
     headers: Iterable[str] = (),
     *,
     media_type: str | None = None,
+    using: str = DEFAULT_DB_ALIAS,
 ) -> dict[str, str]:
-    """Digest of each part of the request, so a mismatch can name the parts that differ.
-
-    ``media_type``, the negotiated one of a view with several renderers, is the part
-    ``header:accept``.
-    """
-    meta = request.META
-    query = meta.get("QUERY_STRING", "")
-    parts = {
-        "method": _digest((request.method or "").encode()),
-        "path": _digest(request.path.encode("utf-8", "surrogatepass")),
-        "query": _digest(_canonical_query(query)) if query else _EMPTY_QUERY,
-        "body": _digest(canonical_body(request, exclude)),
-    }
-    for name in headers:
-        value = meta.get(_meta_name(name))
-        parts[f"header:{name.lower()}"] = (
-            _ABSENT if value is None else _digest(value.encode("utf-8", "surrogatepass"))
-        )
-    if media_type is not None:
-        parts["header:accept"] = _digest(media_type.encode("utf-8", "surrogatepass"))
-    return parts
+    """Keyed digest of each part of the request, so a mismatch can name the parts that
+    differ; keyed for the records' database ``using``."""
+    messages = fingerprint_messages(request, exclude, headers, media_type=media_type)
+    return keyed_parts(using, messages)

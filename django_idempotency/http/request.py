@@ -27,13 +27,13 @@ from django_idempotency.engine.errors import (
     MissingKey,
     PrincipalMissing,
 )
-from django_idempotency.engine.unit import UnitOfWork, failing_closed
+from django_idempotency.engine.unit import UnitOfWork, failing_closed, secret_required
 from django_idempotency.engine.work import Decision, Refuse, Replay, Result, Run, Work, view_name
 from django_idempotency.http.identity import (
     ANONYMOUS,
     check_key,
     credentials_of,
-    fingerprint,
+    fingerprint_messages,
     parse_key,
     principal_for,
 )
@@ -214,9 +214,12 @@ class RequestUnit:
             if raw is None:
                 raise MissingKey(f"This endpoint requires an {policy.header} header.")
             key = parse_key(raw)
+        using = self._database()
         try:
-            with failing_closed():  # the user may be loaded from the database only now
-                principal = principal_for(principal_request, policy.principal)
+            # The user may be loaded from the database only now, and the database's secret
+            # (which keys a principal stored as a digest) read the first time.
+            with failing_closed(), secret_required(self.sender):
+                principal = principal_for(principal_request, policy.principal, using)
                 carried = (
                     credentials_of(request)
                     if principal == ANONYMOUS and not policy.allow_anonymous
@@ -247,7 +250,7 @@ class RequestUnit:
                 f"The request carries {carried}, but this endpoint claimed its key before "
                 "authenticating it, so the request was not processed."
             )
-        parts = fingerprint(
+        messages = fingerprint_messages(
             request, policy.exclude_fields, policy.fingerprint_headers, media_type=media_type
         )
         wait = policy.wait
@@ -265,16 +268,17 @@ class RequestUnit:
             key=key,
             method=request.method or "",
             path=request.path,
-            fingerprint=parts,
+            fingerprint={},  # keyed by the unit when it opens
             ttl=policy.ttl,
             version=policy.version,
+            messages=messages,
         )
         return UnitOfWork(
             work,
             wait=wait,
             sender=self.sender,
             context=request,
-            using=self._database(),
+            using=using,
             lookup_first=policy.lookup_first,
             poll=True,
         )

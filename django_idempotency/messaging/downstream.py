@@ -41,8 +41,9 @@ def derive_key(step: str) -> str:
         )
     work = unit.work
     # The fingerprint as the claim compares it: equal exactly when a retry is not refused
-    # as a reused key.
-    request = json.dumps(work.fingerprint, sort_keys=True, separators=(",", ":"))
+    # as a reused key. Its plain digests (secret inside the HMAC below), so the keys stay
+    # those that releases before keyed fingerprints derived.
+    request = json.dumps(work.plain_fingerprint(), sort_keys=True, separators=(",", ":"))
     secret = current_secret(unit.using)
     digest = keyed_digest(secret, "downstream", VERSION, work.principal, work.key, request, step)
     value = int.from_bytes(digest[:16], "big")

@@ -39,6 +39,7 @@ from django_idempotency.engine.errors import (
     Misconfigured,
     StoreUnavailable,
 )
+from django_idempotency.engine.fingerprints import plain_parts
 from django_idempotency.engine.unit import UnitOfWork
 from django_idempotency.engine.work import Refuse, Replay, Result, Work
 from django_idempotency.models import IdempotencyRecord
@@ -89,9 +90,15 @@ def bounded(value: str) -> str:
     return "sha256:" + hashlib.sha256(value.encode("utf-8", "surrogatepass")).hexdigest()
 
 
+def _arguments(args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> dict[str, bytes]:
+    # What the fingerprint's one part digests: the arguments' canonical JSON.
+    return {"arguments": CANONICAL_JSON.encode([list(args), kwargs]).encode()}
+
+
 def arguments_digest(args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> str:
-    canonical = CANONICAL_JSON.encode([list(args), kwargs])
-    return hashlib.sha256(canonical.encode()).hexdigest()
+    """The plain SHA-256 of the arguments' canonical JSON: the fingerprint of a consumer's
+    record stored before fingerprints were keyed (a redelivery of one still compares)."""
+    return plain_parts(_arguments(args, kwargs))["arguments"]
 
 
 def consume(delivery: Delivery) -> Any:
@@ -101,8 +108,10 @@ def consume(delivery: Delivery) -> Any:
         key=bounded(delivery.message_id),
         method=METHOD,
         path=delivery.name,
-        fingerprint={"arguments": arguments_digest(delivery.args, delivery.kwargs)},
+        # Keyed by the unit when it opens: no digest to test guesses of the arguments on.
+        fingerprint={},
         ttl=conf.CONSUMER_TTL,
+        messages=_arguments(delivery.args, delivery.kwargs),
     )
     unit = UnitOfWork(
         work,

@@ -150,7 +150,7 @@ def claim(
         if locked is None or not locked[0]:
             return Claimed(Outcome.BUSY)
     try:
-        erased = tombstone_scope(principal)
+        erased = tombstone_scope(using, principal)
         params = [lock, principal, key, window, gone, wait_ms, now, version, erased]
         row = _call(connection, _CLAIM, params)
     except DatabaseError as exc:
@@ -225,7 +225,7 @@ def _claim_plain(
     on the unique index; an expired row (or one of another version) is replaced."""
     now = now or timezone.now()
     records = IdempotencyRecord.objects.using(using)
-    scopes = (principal, tombstone_scope(principal))
+    scopes = (principal, tombstone_scope(using, principal))
     existing = records.filter(scope__in=scopes, key=key).order_by("-created_at", "-pk").first()
     if existing is not None:
         if existing.status == IdempotencyRecord.Status.IN_PROGRESS:
@@ -410,7 +410,7 @@ def recorded(
     """The (principal, key) pairs, among those of ``principals`` and ``keys``, that have a
     record made since ``since`` (the bound prunes the query to the partitions from then on).
     An erased record counts: its tombstone still answers the key."""
-    erased = {tombstone_scope(principal): principal for principal in principals}
+    erased = {tombstone_scope(using, principal): principal for principal in principals}
     found = IdempotencyRecord.objects.using(using).filter(
         key__in=keys, scope__in=[*principals, *erased], created_at__gte=since
     )

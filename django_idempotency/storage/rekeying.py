@@ -67,7 +67,7 @@ def _resealed(
     """The row's new body and encoding, or why it cannot be opened."""
     code = row.response_code or 200
     try:
-        plain = sealing.opened(as_record(row), ring, scope=row.scope, key=row.key)
+        plain = sealing.opened(as_record(row), ring, scope=row.scope, key=row.key, plain=True)
     except sealing.Unreadable as exc:
         return str(exc)
     body, encoding = plain.response_body, plain.body_encoding

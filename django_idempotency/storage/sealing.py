@@ -17,6 +17,8 @@ from typing import Any
 from django_idempotency.storage.bodies import ZLIB
 from django_idempotency.storage.records import Record
 
+# body_encoding of a record stored plain: as sent, or zlib's format (storage/bodies.py).
+PLAIN_ENCODINGS = frozenset(("", ZLIB))
 # body_encoding of a sealed record: "@", the key id, then "z" when the sealed body is zlib's
 # format. Eight characters at most: the column is varchar(8).
 SEALED = "@"
@@ -44,6 +46,22 @@ class Unreadable(Exception):
         super().__init__(f"a stored response sealed under key {key_id} {reason}")
         self.key_id = key_id
         self.reason = reason
+
+
+class NotSealed(Unreadable):
+    """A record stored plain, or with an encoding nothing wrote, while keys are set: the
+    cipher authenticates only what is sealed, so it is refused, never replayed (whoever can
+    write to the table could have written it). ``idempotency_reencrypt`` seals the plain
+    records of before the keys were set."""
+
+    def __init__(self, encoding: str) -> None:
+        Exception.__init__(
+            self,
+            f"a stored response is not sealed (body_encoding {encoding!r}) although "
+            "IDEMPOTENCY_ENCRYPTION_KEYS is set",
+        )
+        self.key_id = ""
+        self.reason = "is not sealed"
 
 
 @dataclass(frozen=True, slots=True)
@@ -158,17 +176,23 @@ def unseal(
         plaintext = cipher.decrypt(
             nonce, stored[SALT_BYTES + NONCE_BYTES :], _binding(scope, key, status, encoding)
         )
-    except InvalidTag:
+    except (InvalidTag, ValueError):  # ValueError: too short to hold a nonce
         raise Unreadable(key_id, "failed authentication: it was altered or moved") from None
     size = int.from_bytes(plaintext[:_HEAD], "big")
     headers: list[list[str]] = json.loads(plaintext[_HEAD : _HEAD + size])
     return headers, plaintext[_HEAD + size :]
 
 
-def opened(record: Record, ring: Keyring | None, *, scope: str, key: str) -> Record:
-    """The record with its headers and body out of their envelope; as it is when it was
-    stored plain. Raises Unreadable."""
+def opened(
+    record: Record, ring: Keyring | None, *, scope: str, key: str, plain: bool = False
+) -> Record:
+    """The record with its headers and body out of their envelope. A record stored plain is
+    returned as it is when no keys are set (``ring`` None) or ``plain`` allows it (to seal
+    or show it); with keys set it raises NotSealed, as does an encoding nothing writes.
+    Raises Unreadable."""
     if sealed_under(record.body_encoding) is None:
+        if record.body_encoding not in PLAIN_ENCODINGS or (ring is not None and not plain):
+            raise NotSealed(record.body_encoding)
         return record
     headers, body = unseal(
         ring,

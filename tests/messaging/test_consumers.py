@@ -7,6 +7,7 @@ The proofs with a broker, worker processes that get killed and a relay are in te
 from __future__ import annotations
 
 import hashlib
+import hmac
 import threading
 import time
 import uuid
@@ -31,6 +32,7 @@ from django_idempotency.messaging.consumers import ExactlyOnceTask, arguments_di
 from django_idempotency.messaging.downstream import derive_key
 from django_idempotency.messaging.outbox import enqueue_task
 from django_idempotency.models import IdempotencyRecord, OutboxMessage
+from django_idempotency.storage import digests
 from django_idempotency.storage import records as storage
 from django_idempotency.storage.erasure import erase
 
@@ -82,13 +84,17 @@ def test_the_first_delivery_runs_the_body_and_commits_its_result_with_its_writes
         "TASK",
         "tests.consumers.note",
     )
-    assert record.fingerprint == {"arguments": arguments_digest((7,), {})}
+    # Keyed (HMAC under the fingerprint's key), never the plain digest of the arguments.
+    fingerprint_key = digests.purpose_key("default", "fingerprint")
+    keyed = hmac.new(fingerprint_key, b"[[7],{}]", "sha256").hexdigest()
+    assert record.fingerprint == {"arguments": "h1:" + keyed}
     lifetime = record.expires_at - record.created_at
     assert lifetime == timedelta(days=7)
 
 
 def test_the_arguments_digest_is_the_sha256_of_their_canonical_json() -> None:
-    # Stored fingerprints outlive deployments: a redelivery after an upgrade must match.
+    # Stored fingerprints outlive deployments: a redelivery after an upgrade must match a
+    # record stored before keyed digests, whose part is this plain digest.
     canonical = '[[1,"x",[2,3]],{"a":"2.50","b":null,"when":"2026-01-02T03:04:05Z"}]'
     when = datetime(2026, 1, 2, 3, 4, 5, tzinfo=UTC)
     digest = arguments_digest((1, "x", [2, 3]), {"when": when, "b": None, "a": Decimal("2.50")})

@@ -5,6 +5,7 @@ execution, until the record would have expired."""
 from __future__ import annotations
 
 import hashlib
+import hmac
 import logging
 from datetime import timedelta
 from io import StringIO
@@ -14,11 +15,12 @@ import pytest
 from django.contrib.auth.models import Permission, User
 from django.core.management import call_command
 from django.core.management.base import CommandError
-from django.db import transaction
+from django.db import connection, transaction
 from django.urls import reverse
 
 from django_idempotency import signals
 from django_idempotency.models import IdempotencyRecord
+from django_idempotency.storage import digests
 from django_idempotency.storage.erasure import tombstone_scope
 from django_idempotency.storage.records import Outcome
 from testproject.payments.models import Charge
@@ -69,16 +71,29 @@ def test_a_tombstone_keeps_digests_and_the_expiry_and_nothing_else(token_user: A
     key = new_key()
     charge(token_user.client(), key)
     stored = IdempotencyRecord.objects.get(key=key)
+    with connection.cursor() as cursor:
+        cursor.execute(
+            "SELECT fingerprint::text FROM django_idempotency_record WHERE key = %s", [key]
+        )
+        fingerprint_text = cursor.fetchone()[0]
 
     erase("--principal", stored.scope)
 
     tomb = IdempotencyRecord.objects.get(key=key)
-    assert tomb.scope == "erased:" + hashlib.sha256(stored.scope.encode()).hexdigest()
+    # Keyed (HMAC under the tombstone purpose's key), never the plain SHA-256 that a guess
+    # of the principal (user:1, user:2...) could be tested against.
+    plain = hashlib.sha256(stored.scope.encode()).hexdigest()
+    key_of = digests.purpose_key("default", "tombstone")
+    assert tomb.scope == "erased:h1:" + hmac.new(key_of, plain.encode(), "sha256").hexdigest()
+    assert tomb.scope == tombstone_scope("default", stored.scope)
     assert tomb.status == IdempotencyRecord.Status.ERASED
     assert (tomb.method, tomb.path, tomb.body_encoding) == ("", "", "")
     assert tomb.response_body is None and tomb.response_headers is None
     assert tomb.response_code is None
-    assert list(tomb.fingerprint) == ["sha256"] and len(tomb.fingerprint["sha256"]) == 64
+    # The HMAC that SQL computes from the key's padded halves is the one Python computes.
+    plain_fingerprint = hashlib.sha256(fingerprint_text.encode()).hexdigest().encode()
+    expected = digests.digest_hex("default", "tombstone-fingerprint", plain_fingerprint)
+    assert tomb.fingerprint == {"digest": expected}
     assert (tomb.created_at, tomb.expires_at) == (stored.created_at, stored.expires_at)
 
 
@@ -104,7 +119,7 @@ def test_erasing_again_erases_nothing_more_and_each_run_is_logged_and_signalled(
     assert second == "tenant:acme: 0 records erased\n"
     assert [(s["principal"], s["count"]) for s in sent] == [("tenant:acme", 3), ("tenant:acme", 0)]
     lines = [r.getMessage() for r in caplog.records if "Erased" in r.getMessage()]
-    assert len(lines) == 2 and tombstone_scope("tenant:acme") in lines[0]
+    assert len(lines) == 2 and tombstone_scope("default", "tenant:acme") in lines[0]
     assert "tenant:acme " not in lines[0]  # the log names the digest, not the principal
     assert IdempotencyRecord.objects.filter(scope="tenant:other").count() == 1
 

@@ -143,12 +143,58 @@ def test_a_body_moved_into_another_record_is_refused(client, settings, caplog) -
     assert "failed authentication" in caplog.text
 
 
-def test_records_stored_plain_before_keys_were_set_still_replay(client, settings) -> None:
+@pytest.mark.parametrize("lookup_first", [False, True])
+def test_records_stored_plain_before_keys_were_set_are_refused_until_reencrypt_seals_them(
+    client, settings, caplog, lookup_first: bool
+) -> None:
+    settings.IDEMPOTENCY_LOOKUP_FIRST = lookup_first
     key, script = new_key(), ScriptFactory()
     first = send(client, "POST", "/drf/", script, key=key)
     settings.IDEMPOTENCY_ENCRYPTION_KEYS = [new_secret()]
-    assert send(client, "POST", "/drf/", script, key=key).content == first.content
-    assert IdempotencyRecord.objects.get(key=key).body_encoding == ""
+
+    refused = send(client, "POST", "/drf/", script, key=key)
+    assert refused.status_code == 500 and problem(refused)["type"].endswith("misconfigured")
+    assert script["tag"].encode() not in refused.content
+    assert "idempotency_reencrypt" in caplog.text
+    assert CALLS[script["tag"]] == 1  # never run again either
+    call_command("idempotency_reencrypt")
+    retry = send(client, "POST", "/drf/", script, key=key)
+    assert replayed(retry) and retry.content == first.content
+
+
+def forge(key: str, **fields: object) -> None:
+    IdempotencyRecord.objects.filter(key=key).update(**fields)
+
+
+@pytest.mark.parametrize(
+    "forgery",
+    [
+        pytest.param(
+            {"response_body": b'{"id":999999,"forged":true}', "body_encoding": ""}, id="plain"
+        ),
+        pytest.param({"body_encoding": ""}, id="encoding-cleared"),
+        pytest.param({"body_encoding": "zlib"}, id="encoding-zlib"),
+        pytest.param({"body_encoding": "gzip"}, id="unknown-encoding"),
+        pytest.param({"response_body": b"short"}, id="envelope-too-short"),
+    ],
+)
+def test_with_keys_set_a_record_that_is_not_sealed_as_written_is_refused_never_replayed(
+    client, settings, caplog, forgery: dict[str, object]
+) -> None:
+    settings.IDEMPOTENCY_ENCRYPTION_KEYS = [new_secret()]
+    key, script = new_key(), ScriptFactory()
+    send(client, "POST", "/drf/", script, key=key)
+    sealed = bytes(IdempotencyRecord.objects.get(key=key).response_body)
+    forge(key, **forgery)
+
+    retry = send(client, "POST", "/drf/", script, key=key)
+
+    assert retry.status_code == 500
+    assert problem(retry)["type"].endswith("misconfigured")
+    assert b"forged" not in retry.content and sealed not in retry.content
+    assert "Idempotent-Replayed" not in retry
+    assert CALLS[script["tag"]] == 1
+    assert any(r.levelname in ("ERROR", "CRITICAL") for r in caplog.records)
 
 
 def test_lookup_first_opens_sealed_records_too(client, settings) -> None:
@@ -167,14 +213,13 @@ def test_reencrypt_seals_plain_and_old_records_under_the_first_key_and_is_idempo
 ) -> None:
     old, new = new_secret(), new_secret()
     plain = [(new_key(), ScriptFactory(pad=pad)) for pad in (0, 4096)]
-    for key, script in plain:
-        send(client, "POST", "/plain/", script, key=key)
+    # Plain records are refused once keys are set, until sealed: their answers from before.
+    answers = {key: send(client, "POST", "/plain/", script, key=key) for key, script in plain}
     settings.IDEMPOTENCY_ENCRYPTION_KEYS = [old]
     sealed_old = [(new_key(), ScriptFactory(pad=pad)) for pad in (0, 4096, 0)]
     for key, script in sealed_old:
-        send(client, "POST", "/drf/", script, key=key)
+        answers[key] = send(client, "POST", "/drf/", script, key=key)
     everything = plain + sealed_old
-    answers = {key: send(client, "POST", path_of(key, plain), s, key=key) for key, s in everything}
     settings.IDEMPOTENCY_ENCRYPTION_KEYS = [new, old]
 
     call_command("idempotency_reencrypt", "--batch-size", "2")

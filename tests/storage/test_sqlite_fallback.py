@@ -214,7 +214,7 @@ def test_on_sqlite_an_erased_key_is_expired_until_the_record_would_have_expired(
     assert erase("default", "tenant:a", batch=1) == 0
     with transaction.atomic():
         assert claim("tenant:a", key, now=now).outcome == Outcome.EXPIRED
-    tomb = IdempotencyRecord.objects.get(scope=tombstone_scope("tenant:a"))
+    tomb = IdempotencyRecord.objects.get(scope=tombstone_scope("default", "tenant:a"))
     assert tomb.response_body is None and tomb.status == IdempotencyRecord.Status.ERASED
     with transaction.atomic():
         assert claim("tenant:a", key, now=now + timedelta(minutes=61)).outcome == Outcome.WON
