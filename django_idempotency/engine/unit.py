@@ -26,7 +26,7 @@ from django_idempotency.engine.errors import (
     RolledBack,
     StoreUnavailable,
 )
-from django_idempotency.engine.hashing import claim_locks
+from django_idempotency.engine.hashing import SecretMismatch, claim_locks
 from django_idempotency.engine.keeping import keeps
 from django_idempotency.engine.waiting import Patience, waiters
 from django_idempotency.engine.work import (
@@ -309,6 +309,13 @@ class UnitOfWork:
             raise Misconfigured(
                 "The idempotency store of this server is not set up, so the request was not "
                 "processed."
+            ) from exc
+        except SecretMismatch as exc:
+            # Never a lock of this server's own: another server could run the key meanwhile.
+            logger.error("The idempotent %s was refused: %s", _name(self.sender), exc)
+            raise Misconfigured(
+                "This server's idempotency secret is not its database's, so the request was "
+                "not processed."
             ) from exc
 
     def _release(self) -> None:
