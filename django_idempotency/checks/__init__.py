@@ -3,7 +3,7 @@
 registers them all."""
 
 from django_idempotency.checks.cdc import check_cdc
-from django_idempotency.checks.databases import check_databases, check_isolation
+from django_idempotency.checks.databases import check_databases, check_isolation, check_secret
 from django_idempotency.checks.messaging import (
     check_consumers,
     check_destinations,
@@ -27,6 +27,7 @@ __all__ = [
     "check_partitions",
     "check_plain_text",
     "check_records_follow_writes",
+    "check_secret",
     "check_servers",
     "check_settings",
     "check_views",

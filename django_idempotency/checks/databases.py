@@ -1,5 +1,6 @@
 """What the records' database runs: PostgreSQL or the fallback (W003), an isolation level the
-claim refuses (E007, from OPTIONS and from a live connection), ATOMIC_REQUESTS elsewhere (W002)."""
+claim refuses (E007, from OPTIONS and from a live connection), ATOMIC_REQUESTS elsewhere (W002),
+an IDEMPOTENCY_SECRET_KEY that is not the database's secret (E016)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,10 @@ from django.core.checks import Warning as CheckWarning
 from django.db import DatabaseError, connections, router, transaction
 
 from django_idempotency.checks.base import ours
+from django_idempotency.conf import conf, wrong_type
+from django_idempotency.engine.hashing import MISMATCH_FIX, secret_mismatch
 from django_idempotency.models import IdempotencyRecord
+from django_idempotency.storage.secret import SecretMissing
 
 # The levels whose snapshot is taken before the claim holds the key's lock (migration 0007).
 REFUSED_LEVELS = frozenset({"repeatable read", "serializable"})
@@ -101,6 +105,37 @@ def check_isolation(
         if level in REFUSED_LEVELS:
             where = _in_options(alias) if in_options else LEVEL_SOURCES.get(source, source)
             messages.append(_isolation_refused(alias, level, where))
+    return messages
+
+
+@register(Tags.database)
+def check_secret(
+    app_configs: Sequence[AppConfig] | None,
+    databases: Sequence[str] | None = None,
+    **kwargs: Any,
+) -> list[CheckMessage]:
+    """An ``IDEMPOTENCY_SECRET_KEY`` that is not the secret of a records' database: every
+    claim of this server there is refused."""
+    # A setting of the wrong type is E013's.
+    if not ours(app_configs) or wrong_type("SECRET_KEY") or conf.SECRET_KEY is None:
+        return []
+    messages: list[CheckMessage] = []
+    for alias in databases or ():
+        if not router.allow_migrate_model(alias, IdempotencyRecord):
+            continue
+        try:
+            problem = secret_mismatch(alias)
+        except (DatabaseError, SecretMissing):
+            continue  # not migrated yet, or unreachable: the request path says so
+        if problem is not None:
+            messages.append(
+                Error(
+                    f"{problem}, so every idempotent request and exactly-once task this "
+                    "server claims there is refused (500 misconfigured).",
+                    hint=f"Fix: {MISMATCH_FIX}",
+                    id="django_idempotency.E016",
+                )
+            )
     return messages
 
 

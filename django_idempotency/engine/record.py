@@ -73,4 +73,5 @@ def finished(
         body=body,
         body_encoding=encoding,
         version=work.version,
+        generation=claimed.generation,
     )

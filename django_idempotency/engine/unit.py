@@ -22,11 +22,12 @@ from django_idempotency.engine import instrumentation, record
 from django_idempotency.engine.decisions import decide, unstale
 from django_idempotency.engine.errors import (
     RETRY_AFTER_SECONDS,
+    InProgress,
     Misconfigured,
     RolledBack,
     StoreUnavailable,
 )
-from django_idempotency.engine.hashing import claim_locks
+from django_idempotency.engine.hashing import SecretMismatch, claim_locks
 from django_idempotency.engine.keeping import keeps
 from django_idempotency.engine.waiting import Patience, waiters
 from django_idempotency.engine.work import (
@@ -75,6 +76,13 @@ def secret_required(sender: Any, kind: str = "view") -> Iterator[None]:
         logger.error("The idempotent %s was refused: %s", _name(sender, kind), exc)
         raise Misconfigured(
             "The idempotency store of this server is not set up, so the request was not processed."
+        ) from exc
+    except SecretMismatch as exc:
+        # Never a lock of this server's own: another server could run the key meanwhile.
+        logger.error("The idempotent %s was refused: %s", _name(sender, kind), exc)
+        raise Misconfigured(
+            "This server's idempotency secret is not its database's, so the request was "
+            "not processed."
         ) from exc
 
 
@@ -376,6 +384,8 @@ class UnitOfWork:
         except _LOST_STORE:
             raise
         except Exception as exc:
+            if records.second_execution(exc):
+                raise self._second_execution() from exc
             if not records.missing_partition(exc):
                 raise
             logger.critical(
@@ -384,6 +394,24 @@ class UnitOfWork:
             )
             raise store_unavailable("No partition accepts today's records.") from exc
         return True
+
+    def _second_execution(self) -> InProgress:
+        """The answer to an execution that the database refused to commit: another one of
+        the same key committed first, which the lock should have prevented. Everything it
+        wrote rolls back; the client's retry gets the first one's answer."""
+        logger.error(
+            "A second execution of one key was refused by the database and rolled back: the "
+            "idempotent %s ran while another execution of the same key did, which the key's "
+            "lock should have prevented (two servers locking with different secrets?). "
+            "Whatever it sent outside the database was sent twice.",
+            _name(self.sender, self.kind),
+        )
+        refused = InProgress(
+            "Another request with this Idempotency-Key completed first; this one was rolled "
+            "back. Retry with the same key to receive its response."
+        )
+        refused.headers["Retry-After"] = str(RETRY_AFTER_SECONDS)
+        return refused
 
     def _misconfigured(self, refused: records.IsolationRefused) -> Misconfigured:
         logger.error(

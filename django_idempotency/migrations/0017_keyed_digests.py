@@ -112,7 +112,7 @@ def _key_plain(apps: Apps, schema_editor: BaseDatabaseSchemaEditor, secret: str)
 
 
 class Migration(migrations.Migration):
-    dependencies = [("django_idempotency", "0015_relay_heartbeats")]
+    dependencies = [("django_idempotency", "0016_one_execution_per_generation")]
 
     operations = [
         migrations.RunPython(

@@ -126,10 +126,15 @@ def in_autocommit(connection: BaseDatabaseWrapper, func: Callable[[BaseDatabaseW
 def create_partition_statements(table: PartitionedTable, day: date) -> list[str]:
     name = table.partition_name(day)
     start, end = day_bounds(day)
+    # Made on the empty table before it is attached: instant, and never attached without.
+    indexes = [
+        sql.format(partition=f'"{name}"', index_prefix=name) for sql in table.partition_indexes
+    ]
     return [
         f'CREATE TABLE IF NOT EXISTS "{name}" '
         f'(LIKE "{table.table}" INCLUDING DEFAULTS INCLUDING CONSTRAINTS '
         f"INCLUDING COMPRESSION)",
+        *indexes,
         f'ALTER TABLE "{table.table}" ATTACH PARTITION "{name}" '
         f"FOR VALUES FROM ('{start.isoformat()}') TO ('{end.isoformat()}')",
         f"COMMENT ON TABLE \"{name}\" IS '{PARTITION_COMMENT}'",

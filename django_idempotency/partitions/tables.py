@@ -42,6 +42,7 @@ class PartitionedTable:
     model: str | None = None
     expired: Callable[[datetime], Q] | None = None
     keep_partition: Callable[[BaseDatabaseWrapper, str], str | None] | None = None
+    partition_indexes: tuple[str, ...] = ()
     _pattern: re.Pattern[str] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -86,6 +87,12 @@ RECORDS = PartitionedTable(
     model="django_idempotency.IdempotencyRecord",
     keep_for=_records_keep_for,
     expired=_records_expired,
+    # Within a partition, one execution per generation of a key: the database refuses a
+    # second one that the lock failed to stop (migration 0016 made it on older partitions).
+    partition_indexes=(
+        'CREATE UNIQUE INDEX IF NOT EXISTS "{index_prefix}_one_execution" '
+        "ON {partition} (key, scope, generation)",
+    ),
 )
 
 # Dotted paths, resolved when maintenance runs, so that this module imports none of the

@@ -108,9 +108,9 @@ def probe(
                 "one lock secret",
                 "fail",
                 ", ".join(f"{base}: {value}" for base, value in secrets.items()),
-                "the servers key their locks differently, so one key can run on each: unset "
-                "IDEMPOTENCY_SECRET_KEY everywhere (the database's shared secret), or set "
-                "the same value on every server",
+                "the servers declare different secrets: those whose IDEMPOTENCY_SECRET_KEY "
+                "is not the database's refuse every keyed request (500 misconfigured); "
+                "remove IDEMPOTENCY_SECRET_KEY everywhere (the database's shared secret)",
             ),
         )
     elif secrets:

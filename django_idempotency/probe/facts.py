@@ -15,7 +15,7 @@ from django.db.backends.base.base import BaseDatabaseWrapper
 from django.utils import timezone
 
 from django_idempotency.conf import conf
-from django_idempotency.engine.hashing import current_secret, keyed_digest
+from django_idempotency.engine.hashing import current_secret, keyed_digest, secret_mismatch
 from django_idempotency.models import OutboxMessage
 from django_idempotency.partitions import catalog
 from django_idempotency.partitions.tables import RECORDS
@@ -56,16 +56,24 @@ def server_facts(using: str) -> list[Fact]:
 
 
 def secret_fingerprint(using: str) -> str:
-    """A digest that is equal on two servers iff they key their locks with one secret."""
-    return keyed_digest(current_secret(using), "probe", "secret").hex()[:16]
+    """A digest that is equal on two servers iff they declare one secret: the database's,
+    or the ``IDEMPOTENCY_SECRET_KEY`` they are set with (refused unless it is the same)."""
+    declared = conf.SECRET_KEY or current_secret(using)
+    return keyed_digest(declared, "probe", "secret").hex()[:16]
 
 
 def _secret(using: str) -> Fact:
+    fingerprint = secret_fingerprint(using)
+    mismatch = secret_mismatch(using)
+    if mismatch is not None:
+        return Fact("lock secret", "fail", fingerprint, mismatch)
     return Fact(
         "lock secret",
         "info",
-        secret_fingerprint(using),
-        "set by IDEMPOTENCY_SECRET_KEY" if conf.SECRET_KEY else "the database's shared secret",
+        fingerprint,
+        "IDEMPOTENCY_SECRET_KEY, the database's secret"
+        if conf.SECRET_KEY
+        else "the database's shared secret",
     )
 
 

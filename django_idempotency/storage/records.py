@@ -80,6 +80,8 @@ class Claimed:
     record: Record | None = None
     # Other databases only: the in-progress row that the claim inserted.
     row_id: int | None = None
+    # WON, STALE: the generation of the execution that starts (migration 0016).
+    generation: int = 0
 
 
 class ClaimRow(NamedTuple):
@@ -95,6 +97,8 @@ class ClaimRow(NamedTuple):
     response_headers: Any
     response_body: bytes | memoryview | None
     body_encoding: str | None
+    # The claim's only (the lookup has no such column).
+    generation: int | None = None
 
     def record(self) -> Record:
         assert self.expires_at is not None and self.created_at is not None
@@ -160,9 +164,14 @@ def claim(
     assert row is not None  # the claim answers every call with one row
     outcome = Outcome(row.outcome)
     if outcome is Outcome.WON:
-        return Claimed(outcome, created_at=row.created_at)
+        return Claimed(outcome, created_at=row.created_at, generation=row.generation or 0)
     if outcome is Outcome.STALE:
-        return Claimed(outcome, created_at=row.created_at, record=row.record())
+        return Claimed(
+            outcome,
+            created_at=row.created_at,
+            record=row.record(),
+            generation=row.generation or 0,
+        )
     if outcome is Outcome.BUSY:
         return Claimed(outcome)
     return Claimed(outcome, record=row.record())
@@ -191,7 +200,7 @@ def _call(connection: BaseDatabaseWrapper, sql: str, params: list[Any]) -> Claim
     """The row a function of the migrations answers, read in binary; None if it has none.
     (psycopg adapts timedelta to interval; django-stubs' parameter types leave it out.)"""
     row = cursors.fetch_one(connection, sql, params)
-    return None if row is None else ClaimRow._make(row)
+    return None if row is None else ClaimRow(*row)
 
 
 def _lookup_plain(
@@ -260,7 +269,7 @@ def reclaim(using: str, stale: Claimed, *, principal: str, key: str) -> Claimed:
     replaces it (other databases)."""
     assert stale.outcome is Outcome.STALE and stale.created_at is not None
     if connections[using].vendor == "postgresql":
-        return Claimed(Outcome.WON, created_at=stale.created_at)
+        return Claimed(Outcome.WON, created_at=stale.created_at, generation=stale.generation)
     IdempotencyRecord.objects.using(using).filter(scope=principal, key=key).delete()
     return _claim_plain(using, principal, key, timedelta(0), stale.created_at, None)
 
@@ -280,12 +289,15 @@ def as_record(obj: IdempotencyRecord) -> Record:
     )
 
 
-_STORE = "SELECT django_idempotency_store(%s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s)"
-_STORE_VERSIONED = "SELECT django_idempotency_store(%s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s)"
+# The last two parameters: the version (null: none) and the generation.
+_STORE = "SELECT django_idempotency_store(%s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s)"
 # psycopg's commit() sends nothing when the server is already idle, so a COMMIT sent
 # with the store saves the transaction's last round trip.
 _STORE_AND_COMMIT = _STORE + "; COMMIT"
-_STORE_VERSIONED_AND_COMMIT = _STORE_VERSIONED + "; COMMIT"
+# SQLSTATE unique_violation, and the suffix of the per-partition index that raises it for a
+# second execution of a key (migration 0016, ``partitions.tables.RECORDS``).
+UNIQUE_VIOLATION_SQLSTATE = "23505"
+ONE_EXECUTION_INDEX_SUFFIX = "_one_execution"
 # Below this, a body's hex literal costs less than psycopg's pipeline, about 0.12 ms of
 # Python per store (the crossover measured between 32 and 64 KiB).
 BINARY_BODY_MIN_BYTES = 32 * 1024
@@ -309,6 +321,8 @@ class Finished:
     body_encoding: str
     # The version its view declares (None: none).
     version: str | None = None
+    # The claim's (``Claimed.generation``).
+    generation: int = 0
 
 
 def store(
@@ -349,11 +363,10 @@ def store(
         json.dumps(record.headers),
         record.body,
         record.body_encoding,
+        record.version,
+        record.generation,
     ]
     store_sql, with_commit = _STORE, _STORE_AND_COMMIT
-    if record.version is not None:
-        store_sql, with_commit = _STORE_VERSIONED, _STORE_VERSIONED_AND_COMMIT
-        params.append(record.version)
     if len(record.body) < BINARY_BODY_MIN_BYTES:
         sql = with_commit if commit else store_sql
         if riders:
@@ -378,6 +391,16 @@ def store(
                 cursor.execute(statement, values)
             cursor.execute(store_sql, params)
             cursor.execute("COMMIT")
+
+
+def second_execution(exc: BaseException) -> bool:
+    """Whether a failed store was refused as a second execution of its key: another
+    execution of the same generation committed first (the lock did not serialise them)."""
+    cause = exc.__cause__ if isinstance(exc, DatabaseError) else None
+    if getattr(cause, "sqlstate", None) != UNIQUE_VIOLATION_SQLSTATE:
+        return False
+    constraint = getattr(getattr(cause, "diag", None), "constraint_name", None) or ""
+    return constraint.endswith(ONE_EXECUTION_INDEX_SUFFIX)
 
 
 def missing_partition(exc: BaseException) -> bool:

@@ -34,6 +34,13 @@ def shared_secret(using: str) -> str:
     return found
 
 
+def reread_secret(using: str) -> str:
+    """The secret of the database ``using``, read from it now (and remembered)."""
+    connection = connections[using]
+    found = _found[(using, str(connection.settings_dict["NAME"]))] = _read(using)
+    return found
+
+
 def forget() -> None:
     """Read the secrets again on next use (a test that migrated a database back and forth)."""
     _found.clear()

@@ -1,6 +1,7 @@
 """Keyed hashes (engine/hashing.py): locks and downstream keys must stay the same across
 versions and settings reloads, so they are checked against HMAC-SHA256 written out here;
-and their secret is the database's unless IDEMPOTENCY_SECRET_KEY overrides it."""
+and their secret is always the database's: IDEMPOTENCY_SECRET_KEY never replaces it, and a
+server whose value differs is refused (SecretMismatch)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,13 @@ from django.db import DEFAULT_DB_ALIAS, connection
 from django.test import override_settings
 from django.test.utils import CaptureQueriesContext
 
-from django_idempotency.engine.hashing import claim_locks, current_secret, keyed_digest, lock_id
+from django_idempotency.engine.hashing import (
+    SecretMismatch,
+    claim_locks,
+    current_secret,
+    keyed_digest,
+    lock_id,
+)
 from django_idempotency.storage import secret
 
 
@@ -44,18 +51,17 @@ def test_keyed_digest_is_hmac_sha256_of_the_joined_parts_under_the_purposes_key(
     assert keyed_digest("two", "lock", "a", "b") == spec("two", "lock", "a", "b")
 
 
-@override_settings(IDEMPOTENCY_SECRET_KEY="first secret")
-def test_the_override_keys_the_lock_without_reading_the_database() -> None:
-    # No django_db mark: a query would raise.
-    assert lock_id(DEFAULT_DB_ALIAS, "a", "b") == spec_lock("first secret", "a", "b")
-
-
-def test_another_override_gives_other_locks_at_once() -> None:
-    with override_settings(IDEMPOTENCY_SECRET_KEY="one"):
-        one = lock_id(DEFAULT_DB_ALIAS, "a", "b")
-    with override_settings(IDEMPOTENCY_SECRET_KEY="two"):
-        two = lock_id(DEFAULT_DB_ALIAS, "a", "b")
-    assert one == spec_lock("one", "a", "b") and two == spec_lock("two", "a", "b")
+@pytest.mark.django_db
+def test_the_override_never_keys_the_lock_and_another_one_is_refused() -> None:
+    made = database_secret()
+    with override_settings(IDEMPOTENCY_SECRET_KEY="first secret"):
+        # What the lock and the downstream keys are made with: the database's, always.
+        assert lock_id(DEFAULT_DB_ALIAS, "a", "b") == spec_lock(made, "a", "b")
+        assert current_secret(DEFAULT_DB_ALIAS) == made
+        with pytest.raises(SecretMismatch, match="remove IDEMPOTENCY_SECRET_KEY"):
+            claim_locks(DEFAULT_DB_ALIAS, "a", "b")
+    with override_settings(IDEMPOTENCY_SECRET_KEY=made):
+        assert claim_locks(DEFAULT_DB_ALIAS, "a", "b") == (spec_lock(made, "a", "b"), ())
 
 
 @pytest.mark.django_db
@@ -104,18 +110,20 @@ def test_an_empty_secrets_table_is_an_error_too(secret_unread: None) -> None:
         current_secret(DEFAULT_DB_ALIAS)
 
 
-@override_settings(IDEMPOTENCY_SECRET_KEY="new")
+@pytest.mark.django_db
 def test_without_fallbacks_a_claim_takes_one_lock() -> None:
-    assert claim_locks(DEFAULT_DB_ALIAS, "a", "b") == (spec_lock("new", "a", "b"), ())
+    assert claim_locks(DEFAULT_DB_ALIAS, "a", "b") == (spec_lock(database_secret(), "a", "b"), ())
 
 
-@override_settings(IDEMPOTENCY_SECRET_KEY="new", IDEMPOTENCY_SECRET_KEY_FALLBACKS=["old", "new"])
+@pytest.mark.django_db
 def test_with_fallbacks_a_claim_also_takes_the_locks_under_each_other_secret() -> None:
-    # "new" again among the fallbacks adds nothing: its lock is the claim's own.
-    assert claim_locks(DEFAULT_DB_ALIAS, "a", "b") == (
-        spec_lock("new", "a", "b"),
-        (spec_lock("old", "a", "b"),),
-    )
+    made = database_secret()
+    # The database's secret again among the fallbacks adds nothing: its lock is the claim's.
+    with override_settings(IDEMPOTENCY_SECRET_KEY_FALLBACKS=["old", made]):
+        assert claim_locks(DEFAULT_DB_ALIAS, "a", "b") == (
+            spec_lock(made, "a", "b"),
+            (spec_lock("old", "a", "b"),),
+        )
 
 
 @pytest.mark.django_db

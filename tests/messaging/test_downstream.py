@@ -8,6 +8,7 @@ from typing import Any
 
 import pytest
 from asgiref.sync import async_to_sync, sync_to_async
+from django.db import connection
 from django.http import HttpRequest, JsonResponse
 from django.test import AsyncClient, Client, override_settings
 from django.urls import path
@@ -19,6 +20,7 @@ from django_idempotency.decorators import idempotent
 from django_idempotency.messaging.downstream import OutsideUnitOfWork, derive_key
 from django_idempotency.models import IdempotencyRecord
 from django_idempotency.rest_framework import IdempotencyMixin
+from django_idempotency.storage import secret
 
 pytestmark = [
     pytest.mark.urls("tests.messaging.test_downstream"),
@@ -120,12 +122,20 @@ def test_the_key_is_uuid_shaped_and_reveals_nothing_of_its_inputs() -> None:
 
 
 def test_the_key_depends_on_the_apps_secret() -> None:
-    # The same request (principal, key and step) under two secrets. Its record is erased in
-    # between, so that the second runs instead of replaying the first's answer.
+    # The same request (principal, key and step) under two secrets of the database. Its
+    # record is erased in between, so that the second runs instead of replaying the first's.
     first = post("/charge/", "k-1").json()["key"]
     IdempotencyRecord.objects.filter(key="k-1").delete()
-    with override_settings(IDEMPOTENCY_SECRET_KEY="another secret"):
+    made = secret.shared_secret("default")
+    try:
+        with connection.cursor() as cursor:
+            cursor.execute("UPDATE django_idempotency_secret SET secret = 'another secret'")
+        secret.forget()
         second = post("/charge/", "k-1").json()["key"]
+    finally:
+        with connection.cursor() as cursor:
+            cursor.execute("UPDATE django_idempotency_secret SET secret = %s", [made])
+        secret.forget()
     assert [first, second] == SENT  # the second ran: no replay
     assert second != first
 
@@ -156,9 +166,15 @@ def test_the_key_depends_on_the_apps_secret_and_not_on_secret_key() -> None:
     # The retry lands on a server with another SECRET_KEY: the same downstream key.
     with override_settings(SECRET_KEY="another server's SECRET_KEY"):
         assert post("/charge/", key, **{"X-Fail": "1"}).status_code == 500
+    # A server set with a secret of its own is refused before the view: it never sends a
+    # key of its own downstream.
     with override_settings(IDEMPOTENCY_SECRET_KEY="a secret of the project's own"):
+        refused = post("/charge/", key)
+        assert refused.status_code == 500 and refused.json()["type"].endswith("misconfigured")
+    # Set with the database's own secret, it derives the key every other server does.
+    with override_settings(IDEMPOTENCY_SECRET_KEY=secret.shared_secret("default")):
         assert post("/charge/", key).status_code == 201
-    assert SENT[0] == SENT[1] != SENT[2]
+    assert len(SENT) == 3 and SENT[0] == SENT[1] == SENT[2]
 
 
 def test_the_drf_mixin_derives_keys_too() -> None:

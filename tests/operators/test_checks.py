@@ -178,6 +178,7 @@ def test_check_ids_are_unique() -> None:
         "django_idempotency.E013",
         "django_idempotency.E014",
         "django_idempotency.E015",
+        "django_idempotency.E016",
         "django_idempotency.E121",
         "django_idempotency.E122",
         "django_idempotency.W121",
@@ -345,6 +346,21 @@ def test_e007_isolation_level_in_options_that_the_claim_refuses(
     assert "READ COMMITTED" in message.hint and "isolation_level" in message.hint
     # Said once: the live check leaves a level set in OPTIONS to this one.
     assert ids(checks.check_isolation(None, databases=["default"])) == []
+
+
+def test_e016_a_secret_key_that_is_not_the_records_databases() -> None:
+    from django_idempotency.storage.secret import shared_secret
+
+    with override_settings(IDEMPOTENCY_SECRET_KEY="a secret of this server's own"):
+        (message,) = checks.check_secret(None, databases=["default"])
+    assert message.id == "django_idempotency.E016"
+    assert "IDEMPOTENCY_SECRET_KEY" in message.msg and "'default'" in message.msg
+    assert "500 misconfigured" in message.msg
+    assert "remove IDEMPOTENCY_SECRET_KEY" in message.hint
+    # Unset, or the database's own: nothing to say.
+    assert checks.check_secret(None, databases=["default"]) == []
+    with override_settings(IDEMPOTENCY_SECRET_KEY=shared_secret("default")):
+        assert checks.check_secret(None, databases=["default"]) == []
 
 
 @pytest.mark.parametrize("level", ["READ_COMMITTED", "READ_UNCOMMITTED"])

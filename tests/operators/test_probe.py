@@ -120,6 +120,7 @@ def test_the_report_passes_on_the_test_database(client: Client) -> None:
     }
 
 
+@pytest.mark.django_db
 def test_the_lock_secrets_fingerprint_follows_the_secret() -> None:
     shared = secret_fingerprint("default")
     with override_settings(IDEMPOTENCY_SECRET_KEY="one"):
@@ -129,6 +130,17 @@ def test_the_lock_secrets_fingerprint_follows_the_secret() -> None:
 
     assert len({shared, one, two}) == 3
     assert "one" not in one and len(one) == 16
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_secret_key_that_is_not_the_databases_fails_the_lock_secret_fact(
+    client: Client,
+) -> None:
+    with override_settings(IDEMPOTENCY_SECRET_KEY="a secret of this server's own"):
+        body = client.get(REPORT, headers=BEARER).json()
+    fact = next(fact for fact in body["facts"] if fact["name"] == "lock secret")
+    assert fact["verdict"] == "fail", fact
+    assert "IDEMPOTENCY_SECRET_KEY" in fact["detail"] and "database" in fact["detail"]
 
 
 @pytest.mark.django_db(transaction=True)

@@ -15,6 +15,7 @@ import pytest
 from django.apps import apps
 from django.core.management import call_command
 from django.db import DatabaseError, connection, transaction
+from django.utils import timezone
 
 from django_idempotency.models import IdempotencyRecord
 from django_idempotency.partitions import apply, catalog
@@ -23,6 +24,7 @@ from django_idempotency.storage import records
 from django_idempotency.storage.records import Outcome
 from tests.factories import IdempotencyRecordFactory, new_key
 from tests.support.claims import claim, store_first
+from tests.support.partitions import execute
 
 
 def fetch_one(sql: str, params: list[object] | None = None) -> tuple[object, ...] | None:
@@ -189,6 +191,10 @@ def test_the_claim_keeps_one_generic_plan_until_its_migration_is_reversed() -> N
     assert fetch_one(config) == generic
 
 
+# The migration that made the claim function as it is.
+LATEST_CLAIM = "0016_one_execution_per_generation"
+
+
 def function_body(migration: str) -> str:
     """The plpgsql body of the claim function that ``migration`` creates."""
     module = importlib.import_module(f"django_idempotency.migrations.{migration}")
@@ -220,7 +226,7 @@ def claim_at_repeatable_read(*, previous: bool = False) -> Outcome:
 @pytest.mark.django_db(transaction=True)
 def test_the_claim_refuses_repeatable_read_until_its_migration_is_reversed() -> None:
     source = "SELECT prosrc FROM pg_proc WHERE oid = 'django_idempotency_claim'::regproc"
-    assert fetch_one(source) == (function_body("0010_response_version_and_tombstones"),)
+    assert fetch_one(source) == (function_body(LATEST_CLAIM),)
     with pytest.raises(records.IsolationRefused):
         claim_at_repeatable_read()
     call_command("migrate", "django_idempotency", "0006", verbosity=0)
@@ -230,9 +236,39 @@ def test_the_claim_refuses_repeatable_read_until_its_migration_is_reversed() -> 
         assert claim_at_repeatable_read(previous=True) is Outcome.WON
     finally:
         call_command("migrate", "django_idempotency", verbosity=0)
-    assert fetch_one(source) == (function_body("0010_response_version_and_tombstones"),)
+    assert fetch_one(source) == (function_body(LATEST_CLAIM),)
     with pytest.raises(records.IsolationRefused):
         claim_at_repeatable_read()
+
+
+@pytest.mark.django_db(transaction=True)
+def test_0016_numbers_the_records_of_a_key_in_one_partition_and_indexes_each_partition() -> None:
+    # Two records of one key in one partition, as a key that ran anew after it expired left
+    # them before the migration.
+    call_command("migrate", "django_idempotency", "0015", verbosity=0)
+    try:
+        key, now = new_key(), timezone.now()
+        for created in (now - timedelta(minutes=2), now - timedelta(minutes=1)):
+            execute(
+                "INSERT INTO django_idempotency_record (scope, key, method, path, fingerprint, "
+                "status, created_at, expires_at) VALUES ('tests:0016', %s, 'POST', '/p', '{}', "
+                "1, %s, %s)",
+                [key, created, created + timedelta(seconds=1)],
+            )
+    finally:
+        call_command("migrate", "django_idempotency", verbosity=0)
+    rows = execute(
+        "SELECT generation FROM django_idempotency_record WHERE key = %s ORDER BY created_at",
+        [key],
+    )
+    assert rows == [(0,), (1,)]
+    # The next execution of the key is the next generation, and stores.
+    with transaction.atomic():
+        claimed = claim("tests:0016", key)
+        assert claimed.outcome is Outcome.WON and claimed.generation == 2
+        store_first("tests:0016", key, claimed, ttl=timedelta(hours=1))
+    today = RECORDS.partition_name(catalog.utc_today())
+    assert fetch_one("SELECT to_regclass(%s) IS NOT NULL", [today + "_one_execution"]) == (True,)
 
 
 def assert_migrated_schema_works() -> None:

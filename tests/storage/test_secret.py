@@ -1,7 +1,8 @@
 """The app's shared secret (storage/secret.py, engine/hashing.py): app servers with different
-``SECRET_KEY`` values on one database serialise a key and derive the same downstream keys;
-a rotation of ``IDEMPOTENCY_SECRET_KEY`` with fallbacks keeps serialising it; a database
-without the secret refuses, loudly, rather than fall back to ``SECRET_KEY``."""
+``SECRET_KEY`` values on one database serialise a key and derive the same downstream keys; a
+server whose ``IDEMPOTENCY_SECRET_KEY`` is not the database's is refused at its claims; an
+upgrade from servers that locked under another secret serialises through the fallbacks; a
+database without the secret refuses, loudly, rather than fall back to ``SECRET_KEY``."""
 
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ from django.db import DEFAULT_DB_ALIAS, connection, connections, transaction
 from django.test import override_settings
 
 from django_idempotency.engine.errors import InProgress, Misconfigured
-from django_idempotency.engine.hashing import claim_locks, lock_id
+from django_idempotency.engine.hashing import claim_locks, keyed_lock, lock_id
 from django_idempotency.engine.unit import UnitOfWork
 from django_idempotency.engine.work import Refuse, Replay, Result, Run, Work
 from django_idempotency.storage import records as storage
@@ -139,17 +140,73 @@ def test_a_retry_on_a_server_with_another_secret_key_sends_the_same_downstream_k
     assert Charge.objects.filter(user=live_user.user).count() == 1
 
 
-# A rotation of IDEMPOTENCY_SECRET_KEY -----------------------------------------------------
+# A server whose IDEMPOTENCY_SECRET_KEY is not the database's ------------------------------
 
-# (IDEMPOTENCY_SECRET_KEY, IDEMPOTENCY_SECRET_KEY_FALLBACKS) of a server, at each step of a
-# rotation from "old" to "new": before it, while it rolls out, after it, and the fallback's
-# removal rolling out.
-BEFORE = ("old", [])
-ROLLING_OUT = ("new", ["old"])
-AFTER = ("new", [])
+OWN_SECRET = "a secret of this server's own, from a vault"
 
 
-def configured(server: tuple[str, list[str]]) -> Any:
+@pytest.fixture(scope="module")
+def own_secret_server(subprocess_env: dict[str, str], processor: str) -> Iterator[GunicornServer]:
+    env = {**subprocess_env, "PAYMENTS_PROCESSOR_URL": processor}
+    with run_gunicorn({**env, "IDEMPOTENCY_SECRET_KEY": OWN_SECRET}, workers=1) as server:
+        yield server
+
+
+def refused_as_misconfigured(response: requests.Response) -> bool:
+    return response.status_code == 500 and response.json()["type"].endswith(Misconfigured.name)
+
+
+@pytest.mark.timeout(120)
+def test_a_server_with_a_secret_of_its_own_never_runs_a_key_another_server_is_running(
+    servers: tuple[GunicornServer, GunicornServer],
+    own_secret_server: GunicornServer,
+    processor: str,
+    live_user: TokenUser,
+) -> None:
+    first, _ = servers
+    key = str(uuid.uuid4())
+    before = processor_stats(processor)["captures"]
+    with ThreadPoolExecutor(1) as pool:
+        slow = pool.submit(charge, first, live_user, key, delay_ms=3000)
+        wait_for(lambda: held_claims() >= 1 or slow.done(), timeout=30)
+        assert not slow.done(), slow.result().text
+        # Under a lock of its own the duplicate would run beside the first (2 captures).
+        duplicate = charge(own_secret_server, live_user, key, delay_ms=3000)
+        answered = slow.result()
+    assert answered.status_code == 201, answered.text
+    assert refused_as_misconfigured(duplicate), duplicate.text
+    # A fresh key is refused too: nothing runs on that server.
+    fresh = charge(own_secret_server, live_user, str(uuid.uuid4()))
+    assert refused_as_misconfigured(fresh), fresh.text
+    assert Charge.objects.filter(user=live_user.user).count() == 1
+    assert processor_stats(processor)["captures"] == before + 1
+
+
+@pytest.mark.timeout(120)
+def test_a_retry_never_reaches_the_processor_under_another_downstream_key(
+    servers: tuple[GunicornServer, GunicornServer],
+    own_secret_server: GunicornServer,
+    processor: str,
+    live_user: TokenUser,
+) -> None:
+    first, second = servers
+    key, body = str(uuid.uuid4()), {"crash_once": uuid.uuid4().hex}
+    before = processor_stats(processor)
+    with pytest.raises(requests.ConnectionError):
+        charge(first, live_user, key, **body)
+    # The retry lands on the server with a secret of its own: refused, nothing captured
+    # (its downstream key would have been another, and the processor would capture again).
+    refused = charge(own_secret_server, live_user, key, **body)
+    assert refused_as_misconfigured(refused), refused.text
+    retried = charge(second, live_user, key, **body)
+    assert retried.status_code == 201, retried.text
+    after = processor_stats(processor)
+    assert after["captures"] == before["captures"] + 1
+    assert after["replays"] == before["replays"] + 1
+    assert Charge.objects.filter(user=live_user.user).count() == 1
+
+
+def configured(server: tuple[str | None, list[str]]) -> Any:
     key, fallbacks = server
     return override_settings(IDEMPOTENCY_SECRET_KEY=key, IDEMPOTENCY_SECRET_KEY_FALLBACKS=fallbacks)
 
@@ -165,11 +222,52 @@ def work(key: str) -> Work:
     )
 
 
+@pytest.mark.django_db
+def test_a_secret_key_that_is_not_the_databases_is_refused_at_the_claim_and_logged(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    with configured((OWN_SECRET, [])), pytest.raises(Misconfigured):
+        UnitOfWork(work(str(uuid.uuid4())), wait=timedelta(0)).open()
+    errors = [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
+    assert any("remove IDEMPOTENCY_SECRET_KEY" in m for m in errors), errors
+
+
+@pytest.mark.django_db
+def test_a_secret_key_equal_to_the_databases_is_accepted() -> None:
+    with configured((secret.shared_secret(DEFAULT_DB_ALIAS), [])):
+        unit = UnitOfWork(work(str(uuid.uuid4())), wait=timedelta(0))
+        decision = unit.open()
+    assert isinstance(decision, Run)
+    unit.fail(RuntimeError("only looking"))
+
+
+@pytest.mark.django_db
+def test_a_secret_changed_in_the_database_is_read_again_before_refusing() -> None:
+    # The process read the database's secret before it changed (restored from a backup,
+    # say); a server set with the new one is not refused for the stale copy.
+    secret.shared_secret(DEFAULT_DB_ALIAS)
+    with connection.cursor() as cursor:  # rolled back with the test
+        cursor.execute("UPDATE django_idempotency_secret SET secret = %s", [OWN_SECRET])
+    try:
+        with configured((OWN_SECRET, [])):
+            assert claim_locks(DEFAULT_DB_ALIAS, "p", "k")[0] == lock_id(DEFAULT_DB_ALIAS, "p", "k")
+            assert secret.shared_secret(DEFAULT_DB_ALIAS) == OWN_SECRET
+    finally:
+        secret.forget()
+
+
+# Servers of an older version in flight: IDEMPOTENCY_SECRET_KEY_FALLBACKS -------------------
+
+# The secret that servers of an older version (which keyed the lock with SECRET_KEY or their
+# own IDEMPOTENCY_SECRET_KEY) lock keys with while the upgrade rolls out.
+OLD = "the secret of the version before"
+
+
 class Holder(threading.Thread):
     """A unit of work of a server configured as ``server``, on its own connection, that
     claims ``key`` and holds it until ``release`` is set, then stores its answer."""
 
-    def __init__(self, server: tuple[str, list[str]], key: str) -> None:
+    def __init__(self, server: tuple[str | None, list[str]], key: str) -> None:
         super().__init__(daemon=True)
         self.server, self.key = server, key
         self.claimed, self.release = threading.Event(), threading.Event()
@@ -194,7 +292,7 @@ class Holder(threading.Thread):
 
 
 @contextlib.contextmanager
-def holding(server: tuple[str, list[str]], key: str) -> Iterator[Holder]:
+def holding(server: tuple[str | None, list[str]], key: str) -> Iterator[Holder]:
     holder = Holder(server, key)
     holder.start()
     assert holder.claimed.wait(30)
@@ -207,7 +305,32 @@ def holding(server: tuple[str, list[str]], key: str) -> Iterator[Holder]:
         assert holder.error is None, holder.error
 
 
-def open_as(server: tuple[str, list[str]], key: str, wait: timedelta = timedelta(0)) -> Any:
+@contextlib.contextmanager
+def held_by_an_older_version(key: str) -> Iterator[None]:
+    """The key's lock as a server of the version before takes it: under ``OLD`` alone."""
+    lock = keyed_lock(OLD, work(key).principal, key)
+    release, taken = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        try:
+            with transaction.atomic(), connection.cursor() as cursor:
+                cursor.execute("SELECT pg_advisory_xact_lock(1768187245, %s)", [lock])
+                taken.set()
+                release.wait(30)
+        finally:
+            connections.close_all()
+
+    with ThreadPoolExecutor(1) as pool:
+        holder = pool.submit(hold)
+        assert taken.wait(30)
+        try:
+            yield
+        finally:
+            release.set()
+            holder.result(30)
+
+
+def open_as(server: tuple[str | None, list[str]], key: str, wait: timedelta = timedelta(0)) -> Any:
     """What a server configured as ``server`` decides for ``key``; rolled back if it runs."""
     with configured(server):
         unit = UnitOfWork(work(key), wait=wait)
@@ -221,19 +344,34 @@ def busy(decision: Any) -> bool:
     return isinstance(decision, Refuse) and isinstance(decision.error, InProgress)
 
 
+UPGRADING = (None, [OLD])
+UPGRADED = (None, [])
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_server_with_the_fallback_serialises_a_key_with_a_server_of_the_older_version() -> None:
+    key = str(uuid.uuid4())
+    with held_by_an_older_version(key):
+        assert busy(open_as(UPGRADING, key))
+
+
+@pytest.mark.django_db(transaction=True)
+def test_without_the_fallback_an_upgrade_in_flight_does_not_serialise_which_is_why_it_exists() -> (
+    None
+):
+    key = str(uuid.uuid4())
+    with held_by_an_older_version(key):
+        assert isinstance(open_as(UPGRADED, key), Run)
+
+
 @pytest.mark.django_db(transaction=True)
 @pytest.mark.parametrize(
     ("holder", "duplicate"),
-    [
-        (BEFORE, ROLLING_OUT),
-        (ROLLING_OUT, BEFORE),
-        (ROLLING_OUT, AFTER),
-        (AFTER, ROLLING_OUT),
-    ],
-    ids=["old-then-rolling", "rolling-then-old", "rolling-then-new", "new-then-rolling"],
+    [(UPGRADING, UPGRADED), (UPGRADED, UPGRADING)],
+    ids=["upgrading-then-upgraded", "upgraded-then-upgrading"],
 )
-def test_servers_on_either_side_of_a_rotation_step_serialise_a_key(
-    holder: tuple[str, list[str]], duplicate: tuple[str, list[str]]
+def test_servers_with_and_without_the_fallback_serialise_a_key(
+    holder: tuple[str | None, list[str]], duplicate: tuple[str | None, list[str]]
 ) -> None:
     key = str(uuid.uuid4())
     with holding(holder, key):
@@ -241,36 +379,31 @@ def test_servers_on_either_side_of_a_rotation_step_serialise_a_key(
 
 
 @pytest.mark.django_db(transaction=True)
-def test_a_rotation_without_fallbacks_does_not_serialise_which_is_why_they_exist() -> None:
-    key = str(uuid.uuid4())
-    with holding(BEFORE, key):
-        assert isinstance(open_as(AFTER, key), Run)
-
-
-@pytest.mark.django_db(transaction=True)
 def test_with_fallbacks_a_duplicate_waits_for_the_holder_and_replays() -> None:
     key = str(uuid.uuid4())
-    with holding(BEFORE, key) as holder:
+    with holding(UPGRADED, key) as holder:
         threading.Timer(0.5, holder.release.set).start()
-        decision = open_as(ROLLING_OUT, key, wait=timedelta(seconds=20))
+        decision = open_as(UPGRADING, key, wait=timedelta(seconds=20))
     assert isinstance(decision, Replay) and decision.sent_body() == b"first"
 
 
 @pytest.mark.django_db(transaction=True)
-@pytest.mark.parametrize("blocked", ["old", "new"])
-def test_servers_rotating_opposite_ways_never_deadlock(blocked: str) -> None:
-    # A server rotating ahead ("new", fallback "old") and one rotating back ("old", fallback
-    # "new") both take a key's two locks. A third connection holds one of them; the first
-    # server queues behind it, then the second. Were the two locks taken in each server's own
-    # order, one of the two runs would end with each server holding the lock the other waits
-    # for: PostgreSQL's "deadlock detected". In one order, they run one after the other.
+@pytest.mark.parametrize("blocked", ["database", "old"])
+def test_servers_with_different_fallbacks_never_deadlock(blocked: str) -> None:
+    # Two servers take a key's locks under the database's secret and under OLD (and one of
+    # them under a third). A third connection holds one of the shared locks; the first server
+    # queues behind it, then the second. Were the locks taken in each server's own order, one
+    # of the two runs would end with each server holding the lock the other waits for:
+    # PostgreSQL's "deadlock detected". In one order, they run one after the other.
     key, principal = str(uuid.uuid4()), "tests:rotation"
     claims = []
-    for server in (ROLLING_OUT, ("old", ["new"])):
+    for server in (UPGRADING, (None, ["another", OLD])):
         with configured(server):  # the settings are the process's: worked out here
             claims.append(claim_locks(DEFAULT_DB_ALIAS, principal, key))
-    with configured((blocked, [])):
+    if blocked == "database":
         held = lock_id(DEFAULT_DB_ALIAS, principal, key)
+    else:
+        held = keyed_lock(OLD, principal, key)
 
     def run(lock: int, also: tuple[int, ...]) -> storage.Outcome:
         try:

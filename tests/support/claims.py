@@ -50,7 +50,7 @@ def store_body(scope: str, key: str, body: bytes, *, commit: bool) -> None:
             principal=scope, key=key, method="POST", path="/drf/", fingerprint={"body": "x"},
             created_at=claimed.created_at, expires_at=claimed.created_at + timedelta(hours=24),
             code=201, headers=[["Content-Type", "application/octet-stream"]], body=body,
-            body_encoding="",
+            body_encoding="", generation=claimed.generation,
         ),
         row_id=None,
         commit=commit,
@@ -64,6 +64,7 @@ def store_first(scope: str, key: str, claimed: storage.Claimed, *, ttl: timedelt
         principal=scope, key=key, method="POST", path="/drf/", fingerprint={"body": "x"},
         created_at=claimed.created_at, expires_at=claimed.created_at + ttl, code=201,
         headers=[["Content-Type", "text/plain"]], body=b"first", body_encoding="",
+        generation=claimed.generation,
     )  # fmt: skip
     storage.store(DEFAULT_DB_ALIAS, finished, row_id=claimed.row_id, commit=False)
 
