@@ -270,8 +270,12 @@ def test_a_partition_holding_an_unpublished_message_is_never_dropped_however_old
     with transaction.atomic():
         ids = [enqueue_task("tests.noop") for _ in range(3)]
     with connection.cursor() as cursor:
-        # Yesterday's rows, as if written then.
-        cursor.execute(f"UPDATE {outbox.TABLE} SET created_at = created_at - interval '1 day'")
+        # Yesterday's rows, as if written then (at noon of the day named above, whenever
+        # they were written: midnight UTC may have passed since).
+        cursor.execute(
+            f"UPDATE {outbox.TABLE} SET created_at = %s",
+            [datetime(old_day.year, old_day.month, old_day.day, 12, tzinfo=UTC)],
+        )
     assert outbox.keep_partition(connection, partition) == "holds 3 unpublished messages"
     OutboxMessage.objects.filter(id__in=ids[:2]).update(published_at=datetime.now(UTC))
     assert outbox.keep_partition(connection, partition) == "holds 1 unpublished message"
