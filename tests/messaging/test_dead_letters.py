@@ -121,5 +121,9 @@ def test_a_partition_holding_a_dead_letter_is_never_dropped() -> None:
     apply.create_partition(connection, outbox.OUTBOX, old_day, retry_for=timedelta(seconds=5))
     make_dead()
     with connection.cursor() as cursor:
-        cursor.execute(f"UPDATE {outbox.TABLE} SET created_at = created_at - interval '1 day'")
+        # Noon of that day, whenever it was written (midnight UTC may have passed since).
+        cursor.execute(
+            f"UPDATE {outbox.TABLE} SET created_at = %s",
+            [datetime(old_day.year, old_day.month, old_day.day, 12, tzinfo=UTC)],
+        )
     assert outbox.keep_partition(connection, partition) == "holds 1 unpublished message"

@@ -24,6 +24,7 @@ from django_idempotency.http.endpoints import idempotent_endpoints
 from django_idempotency.messaging.cdc import emit_event
 from django_idempotency.messaging.outbox import enqueue_event, enqueue_task
 from django_idempotency.models import IdempotencyRecord, OutboxEvent, OutboxMessage, RelayHeartbeat
+from django_idempotency.partitions import catalog
 from django_idempotency.partitions.catalog import day_bounds, utc_today
 from django_idempotency.partitions.tables import RECORDS
 from tests.factories import IdempotencyRecordFactory, new_key
@@ -118,8 +119,10 @@ def test_search_for_something_that_is_no_key_finds_nothing(superuser_client):
     assert listed(response) == []
 
 
-def test_created_filter_offers_the_partition_days_and_prunes_to_one(superuser_client):
+def test_created_filter_offers_the_partition_days_and_prunes_to_one(superuser_client, monkeypatch):
+    # The filter's day is the test's: a midnight UTC passed during the test moves neither.
     today = utc_today()
+    monkeypatch.setattr(catalog, "utc_today", lambda: today)
     yesterday = today - timedelta(days=1)
     start, _ = day_bounds(yesterday)
     old = IdempotencyRecordFactory(created_at=start + timedelta(hours=3))

@@ -30,7 +30,8 @@ from tests.support.partitions import detach_and_drop, execute, today
 ROOT = Path(__file__).resolve().parents[2]
 TABLE = RECORDS.table
 
-pytestmark = pytest.mark.django_db
+# The database's clock frozen, its partitions as the migration made them that day.
+pytestmark = [pytest.mark.django_db, pytest.mark.usefixtures("database_clock")]
 
 
 def partition_messages() -> list[CheckMessage]:

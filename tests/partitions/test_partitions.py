@@ -23,6 +23,7 @@ from hypothesis import strategies as st
 import django_idempotency
 from django_idempotency.partitions import apply, catalog, tables
 from django_idempotency.partitions.catalog import Partition, day_bounds
+from django_idempotency.partitions.catalog import database_now as read_database_clock
 from django_idempotency.partitions.plan import TablePlan, plan_table
 from django_idempotency.partitions.tables import RECORDS, PartitionedTable
 from tests.factories import ScriptFactory, new_key
@@ -101,8 +102,16 @@ def test_migrations_import_nothing_from_the_package(path: Path) -> None:
 
 def test_the_migration_made_yesterday_to_a_week_ahead_with_our_comment(db: None) -> None:
     found = {p.name: p for p in catalog.list_partitions(connection, RECORDS)}
+    # The migration ran when the session began: today, or yesterday in a session that has
+    # crossed midnight UTC since.
+    migrated_on = [
+        day
+        for day in (today(), today() - timedelta(days=1))
+        if all(partition_name(day + timedelta(days=n)) in found for n in range(-1, 8))
+    ]
+    assert migrated_on, sorted(found)
     for offset in range(-1, 8):
-        day = today() + timedelta(days=offset)
+        day = migrated_on[0] + timedelta(days=offset)
         made = found[partition_name(day)]
         assert (made.lower, made.upper) == day_bounds(day)
         assert made.comment == catalog.PARTITION_COMMENT and made.live
@@ -326,14 +335,14 @@ def test_the_last_record_of_a_partition_is_found_until_the_plan_drops_it(
     assert claim(dropped_at) not in ("found", "expired")
 
 
-def test_plan_is_the_same_whatever_time_zone(db: None) -> None:
+def test_plan_is_the_same_whatever_time_zone(database_clock: datetime) -> None:
     found = catalog.list_partitions(connection, RECORDS)
-    now = catalog.database_now(connection)
+    now = database_clock
     expected = plan_for(found, now=now, ahead=9)
     for zone in ("Pacific/Kiritimati", "Pacific/Pago_Pago", "Europe/Berlin"):
         with override_settings(TIME_ZONE=zone):
             execute("SET LOCAL TIME ZONE %s", [zone])
-            local_now = catalog.database_now(connection)
+            local_now = read_database_clock(connection)  # the real one, not the frozen
             plan = plan_for(catalog.list_partitions(connection, RECORDS), now=now, ahead=9)
         assert plan == expected
         assert abs(local_now - now) < timedelta(minutes=5)
@@ -406,7 +415,9 @@ def test_a_request_without_todays_partition_is_503_and_runs_no_ddl(
 ) -> None:
     """CONTRACT 10, issue 8: the request path never creates a partition; it fails closed
     and says so loudly, and the check and maintenance put things right."""
-    detach_and_drop(today())
+    # Tomorrow's too: the request is stamped by the database's own clock, which may have
+    # passed midnight since the test began.
+    detach_and_drop(today(), today() + timedelta(days=1))
     before = table_states()
     script = ScriptFactory()
     with caplog.at_level(logging.WARNING):

@@ -27,6 +27,7 @@ from testproject.payments.models import Charge, FaultTag, Refund
 from testproject.payments.serializers import ChargeSerializer
 from testproject.payments.views import create_payment
 from tests.conftest import unmeasured
+from tests.project.test_quickstart import check_the_quickstart_transcripts
 
 pytestmark = pytest.mark.django_db
 
@@ -293,7 +294,7 @@ def test_a_second_smoke_run_says_its_own_charge_apart_from_earlier_ones() -> Non
 
 
 @pytest.mark.django_db(transaction=True)
-def test_demo_serves_the_api_and_its_styled_admin_until_stopped(
+def test_demo_serves_the_api_the_quickstart_transcripts_and_its_styled_admin_until_stopped(
     subprocess_env: dict[str, str],
 ) -> None:
     with socket.socket() as probe:
@@ -301,9 +302,12 @@ def test_demo_serves_the_api_and_its_styled_admin_until_stopped(
         port = probe.getsockname()[1]
     base = f"http://127.0.0.1:{port}"
     demo = subprocess.Popen(
-        [sys.executable, "manage.py", "demo", "--workers", "1", "--port", str(port)],
+        # Two sync workers (the demo's own 4 start too slowly on a busy 2-core machine):
+        # the quickstart's in-progress answer needs a second one. The test project's
+        # settings, as the demo runs, not the tests'.
+        [sys.executable, "manage.py", "demo", "--workers", "2", "--port", str(port)],
         cwd=ROOT,
-        env=unmeasured(subprocess_env),
+        env={**unmeasured(subprocess_env), "DJANGO_SETTINGS_MODULE": "testproject.settings"},
         stdout=subprocess.PIPE,
         stderr=subprocess.DEVNULL,
         text=True,
@@ -323,6 +327,7 @@ def test_demo_serves_the_api_and_its_styled_admin_until_stopped(
         assert login.status_code == 200 and "/static/admin/css/base.css" in login.text
         assert stylesheet.status_code == 200
         assert count.status_code == 200
+        check_the_quickstart_transcripts(base)
     finally:
         demo.terminate()  # SIGTERM stops gunicorn with the demo
         code = demo.wait(timeout=60)

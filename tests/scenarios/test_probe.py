@@ -134,14 +134,20 @@ def test_transaction_pooling_with_server_side_cursors_fails(
     assert "DISABLE_SERVER_SIDE_CURSORS" in pooler["detail"]
 
 
-def test_a_decorator_above_a_views_authentication_fails_the_system_checks(
-    gunicorn_server: Servers, subprocess_env: dict[str, str]
-) -> None:
-    # The test-only views, among them @idempotent above @api_view (E014).
+@pytest.fixture(scope="module")
+def views_probe(gunicorn_server: Servers) -> Iterator[str]:
+    """The probe URL of one gunicorn serving the test-only views, among them @idempotent
+    above @api_view (E014), for the tests below: they only read from it."""
     with app_servers(
         gunicorn_server, {"DJANGO_SETTINGS_MODULE": "tests.support.views_settings"}
     ) as urls:
-        code, report = run_probe(subprocess_env, *urls, duplicates=4)
+        yield urls[0]
+
+
+def test_a_decorator_above_a_views_authentication_fails_the_system_checks(
+    views_probe: str, subprocess_env: dict[str, str]
+) -> None:
+    code, report = run_probe(subprocess_env, views_probe, duplicates=4)
 
     assert code == 1
     failed = {line["name"] for line in report["lines"] if line["verdict"] == "fail"}
@@ -149,17 +155,15 @@ def test_a_decorator_above_a_views_authentication_fails_the_system_checks(
 
 
 def test_a_plain_view_with_idempotent_above_its_authentication_fails_its_endpoint_line(
-    gunicorn_server: Servers, subprocess_env: dict[str, str], make_token_user: Any
+    views_probe: str, subprocess_env: dict[str, str], make_token_user: Any
 ) -> None:
     user = make_token_user()
-    views = {"DJANGO_SETTINGS_MODULE": "tests.support.views_settings"}
     extra = (
         "--endpoint", "/iban/above-token-required/",
         "--endpoint", "/iban/below-token-required/",
         "--header", f"Authorization: Token {user.token}",
     )  # fmt: skip
-    with app_servers(gunicorn_server, views) as urls:
-        code, report = run_probe(subprocess_env, *urls, duplicates=4, extra=extra)
+    code, report = run_probe(subprocess_env, views_probe, duplicates=4, extra=extra)
 
     endpoints = {line["name"]: line for line in report["lines"] if line["name"].startswith("end")}
     assert code == 1

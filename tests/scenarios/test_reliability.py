@@ -25,7 +25,8 @@ from tests.reliability.report import Report
 from tests.reliability.run import run
 
 # The run takes about 25 s on two shared cores (40 s when they are busy); leave it room.
-pytestmark = pytest.mark.timeout(240)
+# A fault profile: out of the README's command, in one CI cell (pyproject's markers).
+pytestmark = [pytest.mark.profile, pytest.mark.timeout(240)]
 
 
 @pytest.fixture(scope="module")

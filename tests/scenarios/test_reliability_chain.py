@@ -61,6 +61,8 @@ def report(tmp_path_factory: pytest.TempPathFactory) -> Report:
 
 # About 20 s on two shared cores (half a minute when they are busy); leave it room.
 run_timeout = pytest.mark.timeout(300)
+# A fault profile: out of the README's command, in one CI cell (pyproject's markers).
+pytestmark = pytest.mark.profile
 
 
 @run_timeout

@@ -137,6 +137,9 @@ def test_the_functions_read_only_the_partitions_their_window_can_hold(call: Any)
     def keep(notice: Any) -> None:
         plans.append(notice.message_primary or "")
 
+    # The database's day, read before the lookup runs on its clock: a midnight UTC passed
+    # in between moves the window a day on, still inside the one computed here.
+    today = catalog.database_now(connection).date()
     pgconn.add_notice_handler(keep)
     try:
         with transaction.atomic(), connection.cursor() as cursor:
@@ -158,7 +161,6 @@ def test_the_functions_read_only_the_partitions_their_window_can_hold(call: Any)
         pgconn.remove_notice_handler(keep)
     (lookup,) = [plan for plan in plans if "FROM django_idempotency_record r" in plan]
     scanned = set(re.findall(r" on (django_idempotency_record_p\d{8}) ", lookup))
-    today = catalog.utc_today()
     # The window is a day: yesterday's partition and today's, never the week ahead.
     window = {RECORDS.partition_name(today + timedelta(days=n)) for n in (-1, 0, 1)}
     assert scanned and scanned <= window, lookup
@@ -272,10 +274,17 @@ def test_0016_numbers_the_records_of_a_key_in_one_partition_and_indexes_each_par
 
 
 def assert_migrated_schema_works() -> None:
-    today = catalog.utc_today()
     attached = {p.name for p in catalog.list_partitions(connection, RECORDS) if p.attached}
+    # The migration ran on the database's day, today or (midnight UTC passed since)
+    # yesterday.
+    today = catalog.database_now(connection).date()
+    (migrated_on,) = [
+        day
+        for day in (today, today - timedelta(days=1))
+        if RECORDS.partition_name(day + timedelta(days=7)) in attached
+    ][:1]
     for offset in range(-1, 8):
-        name = RECORDS.partition_name(today + timedelta(days=offset))
+        name = RECORDS.partition_name(migrated_on + timedelta(days=offset))
         assert name in attached
         assert fetch_one("SELECT obj_description(%s::regclass, 'pg_class')", [name]) == (
             catalog.PARTITION_COMMENT,

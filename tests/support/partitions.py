@@ -9,7 +9,8 @@ from typing import Any
 import pytest
 from django.db import connection, connections
 
-from django_idempotency.partitions import apply, catalog
+from django_idempotency.conf import conf
+from django_idempotency.partitions import apply, catalog, tables
 from django_idempotency.partitions.tables import RECORDS, PartitionedTable
 
 TABLE = RECORDS.table
@@ -64,7 +65,30 @@ def make_partitions(*days: date, table: PartitionedTable = RECORDS) -> list[str]
 
 
 def today() -> date:
+    """The database's day: the test's frozen one under ``database_clock``."""
     return catalog.database_now(connection).date()
+
+
+@pytest.fixture
+def database_clock(db: None, monkeypatch: pytest.MonkeyPatch) -> datetime:
+    """The database's clock, as maintenance, the checks and ``today()`` read it, frozen at
+    the instant the test starts, with every registered table's partitions from the day
+    before to ``IDEMPOTENCY_PARTITIONS_AHEAD`` days ahead of that instant, as the migration
+    makes them.
+
+    The test database was migrated when the session began, and its ``now()`` goes on: a
+    test that computed its days on one side of midnight UTC and ran maintenance on the
+    other used to find a day more or less to create and drop. Rows the database stamps
+    itself still take its real ``now()``, which the partitions made here cover until a
+    week after the test started."""
+    now = catalog.database_now(connection)
+    monkeypatch.setattr(catalog, "database_now", lambda connection: now)
+    day = now.date()
+    days = [day + timedelta(days=n) for n in range(-1, conf.PARTITIONS_AHEAD + 1)]
+    for table in tables.registered():
+        if catalog.table_kind(connection, table) == "partitioned":
+            make_partitions(*days, table=table)
+    return now
 
 
 def detach_and_drop(*days: date) -> None:
@@ -74,8 +98,9 @@ def detach_and_drop(*days: date) -> None:
 
 
 @pytest.fixture
-def partition_sandbox(transactional_db: None) -> Iterator[None]:
-    """Give back, after a test that commits DDL, the partitions the test started with."""
+def partition_sandbox(transactional_db: None, database_clock: datetime) -> Iterator[None]:
+    """Give back, after a test that commits DDL, the partitions the test started with (the
+    database's clock is frozen for the test: ``database_clock``)."""
     before = table_states()
     yield
     for conn in connections.all():
