@@ -131,7 +131,7 @@ class IdempotentOperation(_Idempotent):
             return super()._run_checks(request)
         with failing_closed():  # authentication usually queries the same database
             error = super()._run_checks(request)
-        return error or _unsupported(self, request) or _open(claim, request)
+        return error or _unsupported_keyed(self, request, claim) or _open(claim, request)
 
 
 class AsyncIdempotentOperation(_Idempotent, AsyncOperation):
@@ -158,7 +158,7 @@ class AsyncIdempotentOperation(_Idempotent, AsyncOperation):
             return await super()._run_checks(request)
         with failing_closed():
             error = await super()._run_checks(request)
-        return error or _unsupported(self, request) or await _aopen(claim, request)
+        return error or _unsupported_keyed(self, request, claim) or await _aopen(claim, request)
 
 
 _subclasses: dict[type[Operation], type[Operation]] = {}
@@ -187,7 +187,7 @@ def _claim_for(operation: Any, request: HttpRequest) -> _Claim | HttpResponse | 
     except IdempotencyError as error:  # settings of the wrong type
         return problem_response(error)
     unit = RequestUnit(request, policy, sender=operation.view_func)
-    if not unit.covered:
+    if not unit.covered and not unit.keyless:
         return None
     claim = _Claim(unit)
     setattr(request, _CLAIM, claim)
@@ -196,6 +196,11 @@ def _claim_for(operation: Any, request: HttpRequest) -> _Claim | HttpResponse | 
 
 # Where an operation's parameters come from when it parses a multipart body.
 _FORM_SOURCES = frozenset({"form", "file"})
+
+
+def _unsupported_keyed(operation: Any, request: HttpRequest, claim: _Claim) -> HttpResponse | None:
+    # A keyless request reads no body of ours: Ninja answers for its own.
+    return _unsupported(operation, request) if claim.unit.covered else None
 
 
 def _unsupported(operation: Any, request: HttpRequest) -> HttpResponse | None:
@@ -219,12 +224,17 @@ def _unsupported(operation: Any, request: HttpRequest) -> HttpResponse | None:
 def _open(claim: _Claim, request: HttpRequest) -> HttpResponse | None:
     """Claim the key now that the client is authenticated: None to run the view, or the
     replay or refusal to answer with."""
-    decision = claim.unit.open(principal_request=_principal_request(request, claim.unit.policy))
+    unit = claim.unit
+    if unit.keyless:  # no key, no principal: the operation runs in a transaction
+        return _decided(claim, unit.open())
+    decision = unit.open(principal_request=_principal_request(request, unit.policy))
     return _decided(claim, decision)
 
 
 async def _aopen(claim: _Claim, request: HttpRequest) -> HttpResponse | None:
     """``_open`` for an async operation: a duplicate waits on the event loop."""
+    if claim.unit.keyless:
+        return _decided(claim, await claim.unit.aopen())
     principal_request = await sync_to_async(_principal_request)(request, claim.unit.policy)
     decision = await claim.unit.aopen(principal_request=principal_request)
     return _decided(claim, decision)
