@@ -11,10 +11,9 @@ from contextvars import ContextVar
 from typing import Any
 
 from django.core.exceptions import ImproperlyConfigured
-from django.db import transaction
+from django.db import InterfaceError, OperationalError, transaction
 
 from django_idempotency.engine.errors import RolledBack
-from django_idempotency.engine.unit import failing_closed
 from django_idempotency.engine.work import view_name
 from django_idempotency.storage import records
 
@@ -41,8 +40,20 @@ class KeylessWork:
     def open(self) -> None:
         self._thread = threading.get_ident()
         self._steps = self._transaction()
-        with failing_closed():  # BEGIN needs the connection
+        try:
             next(self._steps)
+        except (OperationalError, InterfaceError) as exc:
+            # The records' database is out of reach (records kept apart from the view's
+            # writes): nothing is claimed without a key, so the request runs as it would
+            # without the app, with no transaction of ours, rather than being refused.
+            self._steps = None
+            logger.warning(
+                "The records' database %r is unreachable, so the protected view %s runs a "
+                "request without a key outside a transaction of ours (%s).",
+                self.using,
+                view_name(self.sender),
+                exc,
+            )
 
     def close(self, status: int) -> None:
         """Commit, or roll back a 5xx. Raises RolledBack for a 2xx or 3xx whose transaction

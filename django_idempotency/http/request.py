@@ -384,6 +384,7 @@ class RequestUnit:
             work, self._keyless = self._keyless, None
             if work is not None:
                 work.fail(exc)
+                self._explain_durable(exc)
             return None
         self._unit = None
         try:
@@ -402,14 +403,17 @@ class RequestUnit:
                 view_name(self.sender),
             )
             return self.respond(Refuse(lost))
+        self._explain_durable(exc)
+        return None
+
+    def _explain_durable(self, exc: BaseException) -> None:
         if isinstance(exc, RuntimeError) and "durable atomic block" in str(exc):
             raise ImproperlyConfigured(
                 f"The idempotent view {view_name(self.sender)} opens "
                 "transaction.atomic(durable=True), "
-                "which cannot run inside the request's transaction that holds the key. Use a "
-                "plain transaction.atomic() in this view."
+                "which cannot run inside the request's transaction (the one that holds the "
+                "key, or a keyless request's). Use a plain transaction.atomic() in this view."
             ) from exc
-        return None
 
 
 @instrumentation.traced_replay
