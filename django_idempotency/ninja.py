@@ -129,9 +129,11 @@ class IdempotentOperation(_Idempotent):
         claim: _Claim | None = getattr(request, _CLAIM, None)
         if claim is None:
             return super()._run_checks(request)
+        if claim.unit.keyless:  # Ninja's own behaviour, then a transaction of its own
+            return super()._run_checks(request) or _open(claim, request)
         with failing_closed():  # authentication usually queries the same database
             error = super()._run_checks(request)
-        return error or _unsupported_keyed(self, request, claim) or _open(claim, request)
+        return error or _unsupported(self, request) or _open(claim, request)
 
 
 class AsyncIdempotentOperation(_Idempotent, AsyncOperation):
@@ -156,9 +158,11 @@ class AsyncIdempotentOperation(_Idempotent, AsyncOperation):
         claim: _Claim | None = getattr(request, _CLAIM, None)
         if claim is None:
             return await super()._run_checks(request)
+        if claim.unit.keyless:
+            return await super()._run_checks(request) or await _aopen(claim, request)
         with failing_closed():
             error = await super()._run_checks(request)
-        return error or _unsupported_keyed(self, request, claim) or await _aopen(claim, request)
+        return error or _unsupported(self, request) or await _aopen(claim, request)
 
 
 _subclasses: dict[type[Operation], type[Operation]] = {}
@@ -196,11 +200,6 @@ def _claim_for(operation: Any, request: HttpRequest) -> _Claim | HttpResponse | 
 
 # Where an operation's parameters come from when it parses a multipart body.
 _FORM_SOURCES = frozenset({"form", "file"})
-
-
-def _unsupported_keyed(operation: Any, request: HttpRequest, claim: _Claim) -> HttpResponse | None:
-    # A keyless request reads no body of ours: Ninja answers for its own.
-    return _unsupported(operation, request) if claim.unit.covered else None
 
 
 def _unsupported(operation: Any, request: HttpRequest) -> HttpResponse | None:

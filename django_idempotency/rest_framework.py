@@ -114,12 +114,15 @@ class IdempotencyMixin:
             sender=type(self),
             model=written_model(self),
         )
-        if not unit.covered and not unit.keyless:
+        if not unit.covered:
+            # Django's and DRF's own behaviour; a keyless request of a protected method then
+            # runs in a transaction of its own.
             super().initial(request, *args, **kwargs)  # type: ignore[misc]
-            return
-        with failing_closed():  # authentication usually queries the same database
-            super().initial(request, *args, **kwargs)  # type: ignore[misc]
-        if unit.covered:
+            if not unit.keyless:
+                return
+        else:
+            with failing_closed():  # authentication usually queries the same database
+                super().initial(request, *args, **kwargs)  # type: ignore[misc]
             require_parser(request)
         renderers = getattr(self, "renderer_classes", ())
         media_type = request.accepted_media_type if len(renderers) > 1 else None
