@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 import requests
+from asgiref.sync import sync_to_async
 from django.http import HttpRequest, JsonResponse
 from django.urls import path
 from django.views.decorators.csrf import csrf_exempt
@@ -49,7 +50,20 @@ def plain_charge(request: HttpRequest) -> JsonResponse:
     return JsonResponse({"status": status}, status=status)
 
 
-urlpatterns = [path("charges/", ChargeCreate.as_view()), path("plain/", plain_charge)]
+@csrf_exempt
+@idempotent(allow_anonymous=True)
+async def async_charge(request: HttpRequest) -> JsonResponse:
+    # Django's async ORM runs on the request's one sync thread, where the transaction is.
+    await sync_to_async(enqueue_event)("charge.created", {"async": True})
+    status = int(request.GET.get("status", "201"))
+    return JsonResponse({"status": status}, status=status)
+
+
+urlpatterns = [
+    path("charges/", ChargeCreate.as_view()),
+    path("plain/", plain_charge),
+    path("async/", async_charge),
+]
 
 
 def post(base: str, user: Any, body: dict[str, Any], key: str | None) -> requests.Response:
@@ -89,11 +103,12 @@ def test_a_keyless_request_that_fails_after_enqueueing_leaves_nothing(
     assert not Charge.objects.exists() and not OutboxMessage.objects.exists()
 
 
+@pytest.mark.parametrize("view", ["plain", "async"])
 @pytest.mark.parametrize(("status", "kept"), [(201, 1), (400, 1), (503, 0)])
 def test_a_keyless_plain_view_commits_its_messages_unless_it_answers_5xx(
-    live_server: Any, status: int, kept: int
+    live_server: Any, status: int, kept: int, view: str
 ) -> None:
-    answer = requests.post(f"{live_server.url}/plain/?status={status}", json={}, timeout=30)
+    answer = requests.post(f"{live_server.url}/{view}/?status={status}", json={}, timeout=30)
 
     assert answer.status_code == status
     assert OutboxMessage.objects.count() == kept

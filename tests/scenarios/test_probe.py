@@ -137,7 +137,8 @@ def test_transaction_pooling_with_server_side_cursors_fails(
 def test_a_decorator_above_a_views_authentication_fails_the_system_checks(
     gunicorn_server: Servers, subprocess_env: dict[str, str]
 ) -> None:
-    # The test-only views, among them @idempotent above @api_view (E014).
+    # The test-only views, among them @idempotent above @api_view (E014), and views open to
+    # anonymous clients that did not opt in to their keys (E016: /plain/identified/, ...).
     with app_servers(
         gunicorn_server, {"DJANGO_SETTINGS_MODULE": "tests.support.views_settings"}
     ) as urls:
@@ -145,7 +146,10 @@ def test_a_decorator_above_a_views_authentication_fails_the_system_checks(
 
     assert code == 1
     failed = {line["name"] for line in report["lines"] if line["verdict"] == "fail"}
-    assert failed == {"system check django_idempotency.E014"}, report
+    assert failed == {
+        "system check django_idempotency.E014",
+        "system check django_idempotency.E016",
+    }, report
 
 
 def test_a_plain_view_with_idempotent_above_its_authentication_fails_its_endpoint_line(
