@@ -53,6 +53,8 @@ def idempotent(view: Any = None, **options: Unpack[ViewOptions]) -> Any:
                 return problems.problem_response(error)
             # Django's request, under DRF's too: the key and body are read from it.
             unit = RequestUnit(getattr(request, "_request", request), policy, sender=func)
+            if unit.keyless:  # runs in a transaction, with nothing of ours read or stored
+                return unit
             if not unit.covered:
                 return None
             refused = _unsupported(request)

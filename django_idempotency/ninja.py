@@ -129,6 +129,8 @@ class IdempotentOperation(_Idempotent):
         claim: _Claim | None = getattr(request, _CLAIM, None)
         if claim is None:
             return super()._run_checks(request)
+        if claim.unit.keyless:  # Ninja's own behaviour, then a transaction of its own
+            return super()._run_checks(request) or _open(claim, request)
         with failing_closed():  # authentication usually queries the same database
             error = super()._run_checks(request)
         return error or _unsupported(self, request) or _open(claim, request)
@@ -156,6 +158,8 @@ class AsyncIdempotentOperation(_Idempotent, AsyncOperation):
         claim: _Claim | None = getattr(request, _CLAIM, None)
         if claim is None:
             return await super()._run_checks(request)
+        if claim.unit.keyless:
+            return await super()._run_checks(request) or await _aopen(claim, request)
         with failing_closed():
             error = await super()._run_checks(request)
         return error or _unsupported(self, request) or await _aopen(claim, request)
@@ -187,7 +191,7 @@ def _claim_for(operation: Any, request: HttpRequest) -> _Claim | HttpResponse | 
     except IdempotencyError as error:  # settings of the wrong type
         return problem_response(error)
     unit = RequestUnit(request, policy, sender=operation.view_func)
-    if not unit.covered:
+    if not unit.covered and not unit.keyless:
         return None
     claim = _Claim(unit)
     setattr(request, _CLAIM, claim)
@@ -219,12 +223,17 @@ def _unsupported(operation: Any, request: HttpRequest) -> HttpResponse | None:
 def _open(claim: _Claim, request: HttpRequest) -> HttpResponse | None:
     """Claim the key now that the client is authenticated: None to run the view, or the
     replay or refusal to answer with."""
-    decision = claim.unit.open(principal_request=_principal_request(request, claim.unit.policy))
+    unit = claim.unit
+    if unit.keyless:  # no key, no principal: the operation runs in a transaction
+        return _decided(claim, unit.open())
+    decision = unit.open(principal_request=_principal_request(request, unit.policy))
     return _decided(claim, decision)
 
 
 async def _aopen(claim: _Claim, request: HttpRequest) -> HttpResponse | None:
     """``_open`` for an async operation: a duplicate waits on the event loop."""
+    if claim.unit.keyless:
+        return _decided(claim, await claim.unit.aopen())
     principal_request = await sync_to_async(_principal_request)(request, claim.unit.policy)
     decision = await claim.unit.aopen(principal_request=principal_request)
     return _decided(claim, decision)

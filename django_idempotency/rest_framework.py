@@ -32,7 +32,7 @@ from django_idempotency.http.options import (
     policy_for,
 )
 from django_idempotency.http.problems import PROBLEM_CONTENT_TYPE, problem_response
-from django_idempotency.http.request import Answer, RequestUnit
+from django_idempotency.http.request import Answer, Probed, RequestUnit
 
 
 class Answered(Exception):
@@ -115,11 +115,15 @@ class IdempotencyMixin:
             model=written_model(self),
         )
         if not unit.covered:
+            # Django's and DRF's own behaviour; a keyless request of a protected method then
+            # runs in a transaction of its own.
             super().initial(request, *args, **kwargs)  # type: ignore[misc]
-            return
-        with failing_closed():  # authentication usually queries the same database
-            super().initial(request, *args, **kwargs)  # type: ignore[misc]
-        require_parser(request)
+            if not unit.keyless:
+                return
+        else:
+            with failing_closed():  # authentication usually queries the same database
+                super().initial(request, *args, **kwargs)  # type: ignore[misc]
+            require_parser(request)
         renderers = getattr(self, "renderer_classes", ())
         media_type = request.accepted_media_type if len(renderers) > 1 else None
         method = (request.method or "").lower()
@@ -130,7 +134,7 @@ class IdempotencyMixin:
             setattr(self, method, self._claiming(handler, unit, media_type))
             return
         decision = unit.open(principal_request=request, media_type=media_type)
-        if isinstance(decision, Replay):
+        if isinstance(decision, Replay | Probed):
             self._check_object_permissions()
         self._hold(unit, decision)
 
@@ -143,7 +147,7 @@ class IdempotencyMixin:
 
         async def claimed(request: Request, *args: Any, **kwargs: Any) -> Any:
             decision = await unit.aopen(principal_request=request, media_type=media_type)
-            if isinstance(decision, Replay):
+            if isinstance(decision, Replay | Probed):
                 await sync_to_async(self._check_object_permissions)()
             self._hold(unit, decision)
             return await handler(request, *args, **kwargs)
@@ -158,7 +162,8 @@ class IdempotencyMixin:
 
     def _check_object_permissions(self) -> None:
         # A detail route checks permissions on its object inside the handler, which a
-        # replay skips: check them here, so a replay never outlives a revoked permission.
+        # replay (and a probe) skips: check them here, so a replay never outlives a revoked
+        # permission, and a probe meets what the request would.
         kwargs = getattr(self, "kwargs", {}) or {}
         lookup = getattr(self, "lookup_url_kwarg", None) or getattr(self, "lookup_field", None)
         if lookup and lookup in kwargs and hasattr(self, "get_object"):

@@ -9,7 +9,6 @@ from typing import Any
 
 import pytest
 import requests
-from django.contrib.auth.models import AnonymousUser
 from django.http import HttpRequest, JsonResponse
 from django.test import Client, RequestFactory
 
@@ -35,8 +34,16 @@ def call(view: Any, *, key: str | None, tag: str, body: Any = None, **headers: s
         f"/counted/?tag={tag}", json.dumps(body or {}), content_type="application/json",
         headers=headers,
     )  # fmt: skip
-    request.user = AnonymousUser()
+    request.user = caller()
     return view(request)
+
+
+def caller() -> Any:
+    """The user the requests of ``call()`` come from: an anonymous caller's key is refused
+    on a view that did not opt in to anonymous keys."""
+    from django.contrib.auth import get_user_model
+
+    return get_user_model().objects.get_or_create(username="caller")[0]
 
 
 def test_decorator_keeps_the_view_name_and_docstring() -> None:
@@ -66,7 +73,7 @@ def test_ttl_keyword_sets_the_expiry_within_max_ttl() -> None:
 
 def test_wait_keyword_sets_how_long_a_duplicate_waits() -> None:
     key, tag = new_key(), new_key()
-    with held_claim("anonymous", key):
+    with held_claim(f"user:{caller().pk}", key):
         response = call(idempotent(wait=timedelta(0))(counted), key=key, tag=tag)
     assert response.status_code == 409
     assert problem(response)["type"].endswith("in-progress")
@@ -185,11 +192,53 @@ def test_idempotent_above_authentication_never_replays_one_users_response_to_ano
     for answer in answers:
         assert "DE89" not in answer.text and "alice" not in answer.text
         assert answer.headers.get("Idempotent-Replayed") != "true"
-    assert answers[0].status_code == 500  # bob, with credentials
-    assert answers[1].status_code in (401, 403)  # no credentials: the view's own answer
-    # Nothing of Alice's was ever stored, under any principal.
-    stored = IdempotencyRecord.objects.filter(key=key)
-    assert all(record.response_code >= 400 for record in stored)
+    # Bob with his credentials, and a client with none: refused before the claim alike, so
+    # no 401 is stored under a shared anonymous scope either.
+    assert [a.status_code for a in answers] == [500, 500]
+    assert not IdempotencyRecord.objects.filter(key=key).exists()
+
+
+def post_api_key(base_url: str, path: str, key: str, api_key: str | None) -> requests.Response:
+    headers = {"Idempotency-Key": key}
+    if api_key is not None:
+        headers["X-Api-Key"] = api_key
+    return requests.post(f"{base_url}{path}", json={}, headers=headers, timeout=30)
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_view_authenticating_by_api_key_after_the_claim_replays_nobody_anything(
+    views_server: str,
+) -> None:
+    # Issue 29: Alice's 201 was replayed to Bob, to a client with no API key and to one with
+    # a wrong key, and a 401 was stored under the shared anonymous scope.
+    key = new_key()
+    answers = {
+        who: post_api_key(views_server, "/api-key/above/", key, api_key)
+        for who, api_key in [("alice", "alice-key"), ("bob", "bob-key"), ("none", None),
+                             ("wrong", "wrong-key"), ("alice again", "alice-key")]
+    }  # fmt: skip
+    for who, answer in answers.items():
+        assert answer.status_code == 500, (who, answer.text)
+        assert answer.json()["type"].endswith("misconfigured")
+        assert answer.headers.get("Idempotent-Replayed") != "true"
+    assert not IdempotencyRecord.objects.filter(key=key).exists()
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_principal_callable_below_the_api_key_check_scopes_each_client(
+    views_server: str,
+) -> None:
+    key = new_key()
+    alice = post_api_key(views_server, "/api-key/scoped/", key, "alice-key")
+    bob = post_api_key(views_server, "/api-key/scoped/", key, "bob-key")
+    retry = post_api_key(views_server, "/api-key/scoped/", key, "alice-key")
+    refused = [post_api_key(views_server, "/api-key/scoped/", key, k) for k in (None, "wrong")]
+    assert (alice.status_code, bob.status_code) == (201, 201)
+    assert alice.json()["client"] == "alice" and bob.json()["client"] == "bob"
+    assert retry.headers.get("Idempotent-Replayed") == "true" and retry.json() == alice.json()
+    assert [r.status_code for r in refused] == [401, 401]
+    scopes = set(IdempotencyRecord.objects.filter(key=key).values_list("scope", flat=True))
+    assert scopes == {"client:alice", "client:bob"}
 
 
 @pytest.mark.parametrize("path", ["/iban/below-token-required/", "/iban/below-api-view/"])

@@ -291,7 +291,7 @@ def by_name_scoped(request: HttpRequest, tag: str) -> Any:
 
 
 @tests_api.post("/open/", auth=None)
-@idempotent_operation
+@idempotent_operation(allow_anonymous=True)
 def open_to_all(request: HttpRequest, tag: str) -> Any:
     return counted(request, tag)
 

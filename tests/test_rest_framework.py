@@ -217,6 +217,7 @@ class BodyKeyAuthentication(BaseAuthentication):
 class ReadsBodyFirst(IdempotencyMixin, APIView):
     authentication_classes = [BodyKeyAuthentication]
     permission_classes = [AllowAny]
+    idempotency_allow_anonymous = True
     parser_classes = [JSONParser, MultiPartParser]
 
     def post(self, request: Any) -> Response:

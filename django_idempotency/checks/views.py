@@ -1,5 +1,6 @@
 """What each idempotent view of the URLconf risks: a claim before authentication (E014), a
-shared anonymous principal (W004), a durable block (W005), records away from its writes (E012)."""
+view reachable anonymously with no scope for anonymous keys (E017), a durable block (W005),
+records away from its writes (E012)."""
 
 from __future__ import annotations
 
@@ -51,15 +52,18 @@ def check_views(app_configs: Sequence[AppConfig] | None, **kwargs: Any) -> list[
             )
         if shared:
             messages.append(
-                CheckWarning(
-                    f"The idempotent view {_routes(shared)} ({label}) lets anonymous clients "
-                    "in, and all of them share one principal: one anonymous client's key can "
-                    "replay another's response.",
-                    hint="Require authentication on this view, or give it a principal "
-                    "callable (idempotency_principal / principal=) that tells anonymous "
-                    "clients apart, such as by an API client id; or, where shared anonymous "
-                    "keys are meant, set allow_anonymous=True.",
-                    id="django_idempotency.W004",
+                Error(
+                    f"The idempotent view {_routes(shared)} ({label}) can be reached by "
+                    "anonymous clients, and gives their keys no scope of their own: each of "
+                    "their keyed requests is refused (500 misconfigured), since all of them "
+                    "would share one principal and replay each other's responses.",
+                    hint="Require authentication before the claim (DRF permission classes, "
+                    "Ninja auth, login_required or the view's own authentication decorator "
+                    "above @idempotent), or give the view a principal callable "
+                    "(idempotency_principal / principal=) that tells anonymous clients "
+                    "apart, such as by API client; or, where anonymous keys are meant (a "
+                    "receiver scoped by its key), set allow_anonymous=True.",
+                    id="django_idempotency.E017",
                 )
             )
         if _opens_durable_block(handler):
@@ -85,11 +89,7 @@ def _by_view(endpoints: list[Any]) -> list[list[Any]]:
 
 def _shares_anonymous_principal(endpoint: Any) -> bool:
     policy = endpoint.policy
-    return (
-        policy.principal is None
-        and not policy.allow_anonymous
-        and _open_to_anonymous(endpoint.view)
-    )
+    return policy.principal is None and not policy.allow_anonymous and _open_to_anonymous(endpoint)
 
 
 def _routes(endpoints: list[Any]) -> str:
@@ -116,18 +116,48 @@ def _claims_before_authentication(endpoint: Any) -> bool:
     return hasattr(view_class, "permission_classes") or issubclass(view_class, AccessMixin)
 
 
-def _open_to_anonymous(view: Any) -> bool:
+def _open_to_anonymous(endpoint: Any) -> bool:
     """A DRF view (a class, or ``@api_view``'s) whose permissions all allow anonymous
-    clients, or a Ninja operation without ``auth``; plain views cannot be judged from
-    outside (their decorators decide)."""
+    clients, a Ninja operation without ``auth``, or a plain function view that nothing
+    but Django's own view decorators wraps above ``@idempotent``. Plain class views, and
+    functions under decorators of other kinds, cannot be judged from outside: their
+    anonymous keys are refused when they come."""
+    view = endpoint.view
     if hasattr(view, "auth_callbacks") and hasattr(view, "view_func"):  # Ninja's operation
         return not view.auth_callbacks
     permissions = getattr(view, "permission_classes", None)
-    if permissions is None:
-        return False
-    from rest_framework.permissions import AllowAny
+    if permissions is not None:
+        from rest_framework.permissions import AllowAny
 
-    return all(permission is AllowAny for permission in permissions)
+        return all(permission is AllowAny for permission in permissions)
+    return _nothing_authenticates(endpoint.callback)
+
+
+# Where the wrappers of Django's own view decorators are defined (csrf_exempt,
+# require_POST, never_cache, ...): none of them authenticates.
+_DJANGO_VIEW_DECORATORS = "django/views/decorators/"
+_IDEMPOTENT_WRAPPERS = "django_idempotency/decorators.py"
+_LOGIN_REQUIRED = "django.contrib.auth.middleware.LoginRequiredMiddleware"
+
+
+def _nothing_authenticates(callback: Any) -> bool:
+    """Whether the URLconf calls this function view's ``@idempotent`` wrapper through
+    Django's own view decorators only, and no LoginRequiredMiddleware guards it."""
+    guarded = _LOGIN_REQUIRED in settings.MIDDLEWARE and getattr(callback, "login_required", True)
+    if callback is None or guarded:
+        return False
+    func = callback
+    while func is not None:
+        code = getattr(func, "__code__", None)
+        if code is None:
+            return False
+        where = code.co_filename.replace("\\", "/")
+        if where.endswith(_IDEMPOTENT_WRAPPERS):
+            return True
+        if _DJANGO_VIEW_DECORATORS not in where:
+            return False  # a decorator of another kind may authenticate
+        func = getattr(func, "__wrapped__", None)
+    return False
 
 
 def _opens_durable_block(handler: Any) -> bool:

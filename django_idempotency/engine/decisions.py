@@ -66,13 +66,7 @@ def decide(
     if changed:
         logger.info("Idempotency key %s reused with different %s", short(work.key), changed)
         signals.key_reused.send_robust(sender, request=context, differing=changed, **about)
-        return Refuse(
-            KeyReused(
-                "This Idempotency-Key was already used for a different request. Use a new "
-                "key for a new request.",
-                differing=changed,
-            )
-        )
+        return Refuse(key_reused(changed))
     try:
         record = sealing.opened(record, ring, scope=work.principal, key=work.key)
     except sealing.NotSealed as exc:
@@ -112,6 +106,15 @@ def decide(
         sender, request=context, status=record.response_code, **about
     )
     return Replay.of(record)
+
+
+def key_reused(changed: list[str]) -> KeyReused:
+    """The refusal of a key stored for another request, which differs in ``changed``."""
+    return KeyReused(
+        "This Idempotency-Key was already used for a different request. Use a new key for a "
+        "new request.",
+        differing=changed,
+    )
 
 
 def unstale(using: str, work: Work, claimed: records.Claimed) -> records.Claimed:

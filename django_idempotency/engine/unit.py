@@ -19,7 +19,7 @@ from django.db import InterfaceError, OperationalError, connections, router, tra
 
 from django_idempotency.conf import conf
 from django_idempotency.engine import instrumentation, record
-from django_idempotency.engine.decisions import decide, unstale
+from django_idempotency.engine.decisions import decide, key_reused, unstale
 from django_idempotency.engine.errors import (
     RETRY_AFTER_SECONDS,
     InProgress,
@@ -32,6 +32,7 @@ from django_idempotency.engine.keeping import keeps
 from django_idempotency.engine.waiting import Patience, waiters
 from django_idempotency.engine.work import (
     Decision,
+    Refuse,
     Result,
     Run,
     Work,
@@ -311,6 +312,17 @@ class UnitOfWork:
             claimed, work, sender=self.sender, context=self.context, waited=waited, ring=ring
         )
         return False
+
+    def probe(self) -> Refuse | None:
+        """What a probe request of this work meets, with nothing claimed: ``Refuse`` when
+        the key's stored record is another request's (a reused key, 422, as a real request
+        would be answered); None when the key would be claimed, or replayed."""
+        window = max(conf.MAX_TTL, self.work.ttl) + conf.EXPIRED_WINDOW
+        found = self._lookup(window)
+        with secret_required(self.sender, self.kind):
+            work = self.work.keyed(self.using)
+        changed = None if found is None else work.differing(found.fingerprint)
+        return Refuse(key_reused(changed)) if changed else None
 
     def _lookup(self, window: timedelta) -> records.Record | None:
         """The key's stored record of this version, read without the lock."""

@@ -34,6 +34,8 @@ class Endpoint:
     view: Any
     policy: Policy
     handler: Any
+    # What the URLconf calls, with the decorators around the view: what runs before it.
+    callback: Any = None
 
 
 # (methods protected, view, policy, handler)
@@ -157,7 +159,7 @@ def idempotent_endpoints() -> list[Endpoint]:
         if found:
             routes.add(route)
             sql_regex = script_prefix + _NAMED_GROUP.sub("(", regex)
-            endpoints += [Endpoint(route, sql_regex, *entry) for entry in found]
+            endpoints += [Endpoint(route, sql_regex, *entry, callback=callback) for entry in found]
     return endpoints
 
 

@@ -124,8 +124,10 @@ def credentials_of(request: HttpRequest) -> str | None:
     ``Authorization`` header of any scheme, or the session cookie of a logged-in session
     (one whose session holds a user); None when it carries neither.
 
-    Asked only about a request whose principal is the anonymous one: with credentials, the
-    key would be claimed before the view's own authentication had said who the client is.
+    Asked only for the log of a refused anonymous key: with these credentials, the key was
+    most likely claimed before the view's own authentication had said who the client is.
+    Credentials of other kinds (an API key header) cannot be recognised; the refusal does
+    not depend on them.
     """
     if request.META.get("HTTP_AUTHORIZATION", "").strip(_OWS):
         return "an Authorization header"

@@ -27,6 +27,7 @@ from django_idempotency.engine.errors import (
     MissingKey,
     PrincipalMissing,
 )
+from django_idempotency.engine.keyless import KeylessWork
 from django_idempotency.engine.unit import UnitOfWork, failing_closed, secret_required
 from django_idempotency.engine.work import Decision, Refuse, Replay, Result, Run, Work, view_name
 from django_idempotency.http.identity import (
@@ -43,13 +44,21 @@ from django_idempotency.models import IdempotencyRecord
 
 logger = logging.getLogger("django_idempotency")
 # A request of the deployment probe's (``manage.py idempotency_probe --endpoint``): with the
-# probe token, a protected view's checks run (key, principal, the credentials' order, the
-# fingerprint) and the answer is 204 without a claim: the view never runs.
+# probe token, a protected view's checks run (key, principal, the fingerprint against the
+# key's stored one, DRF's object permissions) and the answer is 204 without a claim: the
+# view never runs.
 PROBE_HEADER = "Idempotency-Probe"
 
 
+PROBE_PRINCIPAL_HEADER = "Idempotency-Probe-Principal"
+
+
 class Probed:
-    """The answer to a probe request that passed the view's checks."""
+    """The answer to a probe request that passed the view's checks; ``anonymous``: its key
+    would be claimed under the anonymous principal (a view with ``allow_anonymous``)."""
+
+    def __init__(self, *, anonymous: bool = False) -> None:
+        self.anonymous = anonymous
 
 
 def is_probe_token(given: str | None) -> bool:
@@ -134,10 +143,15 @@ class RequestUnit:
         # A duplicate's wait counts from its arrival, not from the claim.
         self.arrived = time.monotonic()
         # A key_from view's key is read only in open(), after the view's own checks.
-        self.covered = request.method in policy.methods and (
+        protected = request.method in policy.methods
+        self.covered = protected and (
             policy.required or policy.key_from is not None or policy.header_meta in request.META
         )
+        # A protected method without a key runs in a transaction too (the outbox needs one),
+        # with nothing claimed or stored; open() begins it.
+        self.keyless = protected and not self.covered
         self._unit: UnitOfWork | None = None
+        self._keyless: KeylessWork | None = None
         self._headers: dict[str, str] = {}
 
     def open(self, *, principal_request: Any = None, media_type: str | None = None) -> Answer:
@@ -146,8 +160,11 @@ class RequestUnit:
         negotiated one when the view can answer in several. A duplicate that may wait
         waits here, on this thread, within the process's waiter cap.
 
-        ``Run`` with nothing claimed when the view's ``key_from`` found no key and the view
-        does not require one: the request runs unprotected, as one without a key header."""
+        ``Run`` with nothing claimed when the request has no key (a key header, or what the
+        view's ``key_from`` reads) and the view does not require one: the request runs in a
+        transaction of its own, with nothing stored."""
+        if self.keyless:
+            return self._run_keyless()
         unit = self._unit_or_refusal(principal_request, media_type)
         if isinstance(unit, Refuse | Run | Probed):
             return unit
@@ -162,6 +179,9 @@ class RequestUnit:
     ) -> Answer:
         """``open()`` for an async view: a duplicate that may wait sleeps on the event loop
         between claims, holding no thread and no database connection (under ASGI)."""
+        if self.keyless:
+            # On the request's one sync thread, where the view's async ORM calls run.
+            return await sync_to_async(self._run_keyless)()
         unit = await sync_to_async(self._unit_or_refusal)(principal_request, media_type)
         if isinstance(unit, Refuse | Run | Probed):
             return unit
@@ -182,11 +202,22 @@ class RequestUnit:
             instrumentation.refused(self.sender, error)
             return self._refuse(error)
         if unit is None:
-            return Run()
+            return self._run_keyless()
         if self._probing():
             self._unit = None  # nothing was claimed: nothing to close
-            return Probed()
+            try:
+                refused = unit.probe()
+            except IdempotencyError as error:
+                return self._refuse(error)
+            if refused is not None:
+                return self._refuse(refused.error)
+            return Probed(anonymous=unit.work.principal == ANONYMOUS)
         return unit
+
+    def _run_keyless(self) -> Run:
+        work = self._keyless = KeylessWork(self._database(), self.sender)
+        work.open()
+        return Run()
 
     def _probing(self) -> bool:
         return is_probe_token(self.request.headers.get(PROBE_HEADER))
@@ -220,11 +251,8 @@ class RequestUnit:
             # (which keys a principal stored as a digest) read the first time.
             with failing_closed(), secret_required(self.sender):
                 principal = principal_for(principal_request, policy.principal, using)
-                carried = (
-                    credentials_of(request)
-                    if principal == ANONYMOUS and not policy.allow_anonymous
-                    else None
-                )
+                if principal == ANONYMOUS and not policy.allow_anonymous:
+                    raise self._anonymous(credentials_of(request))
         except PrincipalMissing:
             logger.error(
                 "The principal callable of view %s returned no principal; the request was "
@@ -232,24 +260,6 @@ class RequestUnit:
                 view_name(self.sender),
             )
             raise
-        if carried is not None:
-            logger.error(
-                "The idempotent view %s (%s %s) got a key from a request that carries %s, but "
-                "whose principal is the anonymous one: the key is claimed before the view's "
-                "own authentication runs, so every caller would share one scope and replay "
-                "each other's responses; the request was refused. Put @idempotent below the "
-                "view's authentication decorator (below @api_view for DRF), or set "
-                "allow_anonymous=True on a view whose keys are meant to be anonymous (a "
-                "receiver scoped otherwise).",
-                view_name(self.sender),
-                request.method,
-                request.path,
-                carried,
-            )
-            raise Misconfigured(
-                f"The request carries {carried}, but this endpoint claimed its key before "
-                "authenticating it, so the request was not processed."
-            )
         messages = fingerprint_messages(
             request, policy.exclude_fields, policy.fingerprint_headers, media_type=media_type
         )
@@ -283,6 +293,32 @@ class RequestUnit:
             poll=True,
         )
 
+    def _anonymous(self, carried: str | None) -> Misconfigured:
+        """The refusal of a keyed request whose principal is the anonymous one, on a view
+        that did not opt in: whatever it carries (an API key header is as invisible here as
+        none), every such caller would share one scope and replay each other's responses."""
+        request = self.request
+        logger.error(
+            "The idempotent view %s (%s %s) got a key from a request whose principal is the "
+            "anonymous one%s; the request was refused, since every anonymous caller would "
+            "share one scope and replay each other's responses. Authenticate before the "
+            "claim (put @idempotent below the view's authentication decorator, below "
+            "@api_view for DRF, and let it set request.user), or give the view a principal "
+            "callable (principal= / idempotency_principal / IDEMPOTENCY_PRINCIPAL) that "
+            "scopes its clients, such as by API client; or set allow_anonymous=True on a "
+            "view whose keys are meant to be anonymous (a receiver scoped by its key).",
+            view_name(self.sender),
+            request.method,
+            request.path,
+            "" if carried is None else f" although it carries {carried}",
+        )
+        carries = "" if carried is None else f" (the request carries {carried})"
+        return Misconfigured(
+            "This endpoint takes idempotency keys only from identified clients, and it had "
+            f"not identified this request's client when it read the key{carries}, so the "
+            "request was not processed."
+        )
+
     def _database(self) -> str:
         """Where the records of this request live: the view's write database, so that the
         claim, the view's writes and the record commit together (per shard)."""
@@ -297,8 +333,8 @@ class RequestUnit:
         """Store the response and commit; the response to send (a problem when the work
         did not commit)."""
         unit = self._unit
-        if unit is None:  # run unprotected: key_from found no key
-            return response
+        if unit is None:
+            return self._close_keyless(response)
         try:
             result = _result(response)
         except BaseException as exc:
@@ -320,12 +356,24 @@ class RequestUnit:
             )
         return response
 
+    def _close_keyless(self, response: HttpResponseBase) -> HttpResponseBase:
+        work, self._keyless = self._keyless, None
+        if work is None:
+            return response
+        try:
+            work.close(response.status_code)
+        except IdempotencyError as error:
+            return self.respond(self._refuse(error))
+        return response
+
     def respond(self, decision: Replay | Refuse | Probed) -> HttpResponse:
         """The response to send instead of running the view: the replay, the refusal, or a
         probe's answer."""
         if isinstance(decision, Probed):
             response = HttpResponse(status=204)
             response[PROBE_HEADER] = "passed"
+            # The probe's client reports an anonymous claim when it sent credentials.
+            response[PROBE_PRINCIPAL_HEADER] = "anonymous" if decision.anonymous else "identified"
             return response
         if isinstance(decision, Replay):
             deflate = accepts_deflate(self.request.META.get("HTTP_ACCEPT_ENCODING", ""))
@@ -337,6 +385,10 @@ class RequestUnit:
         send instead of the view's exception, when there is one: a lost connection's 503."""
         unit = self._unit
         if unit is None:
+            work, self._keyless = self._keyless, None
+            if work is not None:
+                work.fail(exc)
+                self._explain_durable(exc)
             return None
         self._unit = None
         try:
@@ -355,14 +407,17 @@ class RequestUnit:
                 view_name(self.sender),
             )
             return self.respond(Refuse(lost))
+        self._explain_durable(exc)
+        return None
+
+    def _explain_durable(self, exc: BaseException) -> None:
         if isinstance(exc, RuntimeError) and "durable atomic block" in str(exc):
             raise ImproperlyConfigured(
                 f"The idempotent view {view_name(self.sender)} opens "
                 "transaction.atomic(durable=True), "
-                "which cannot run inside the request's transaction that holds the key. Use a "
-                "plain transaction.atomic() in this view."
+                "which cannot run inside the request's transaction (the one that holds the "
+                "key, or a keyless request's). Use a plain transaction.atomic() in this view."
             ) from exc
-        return None
 
 
 @instrumentation.traced_replay

@@ -113,9 +113,11 @@ def in_transaction(
     if not connections[alias].in_atomic_block:
         raise NotInTransaction(
             f"The outbox writes its row in the current transaction on database {alias!r}, and "
-            f"there is none: call {calls} inside transaction.atomic() "
-            "(a protected view or an exactly-once task already is), so that the message is "
-            "published if and only if your writes commit."
+            f"there is none: call {calls} inside transaction.atomic(), so that the message "
+            "is published if and only if your writes commit. A protected view's POST and "
+            "PATCH (its protected methods, with a key or without one) and an exactly-once "
+            "task run in one on the database of their records; other methods, other views, "
+            "and writes to another database need their own."
         )
     return alias
 

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any
 from celery import Task
 from celery.result import AsyncResult
 
+from django_idempotency.engine.keyless import current_keyless
 from django_idempotency.engine.unit import current_unit
 from django_idempotency.messaging.outbox import OutboxError, enqueue_task
 
@@ -37,7 +38,8 @@ class OutboxTask(_TaskBase):
         kwargs: dict[str, Any] | None = None,
         **options: Any,
     ) -> AsyncResult[Any]:
-        unit = current_unit.get()
+        # A protected view's request, with a key or without one, or an exactly-once task.
+        unit = current_unit.get() or current_keyless.get()
         # The outbox's own option: a call sent at once goes out in call order, as before.
         ordering_key = options.pop("ordering_key", None)
         if unit is None:

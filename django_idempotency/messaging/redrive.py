@@ -3,7 +3,6 @@ it (the broker lost it) is put back to be published again (``docs/outbox.md``)."
 
 from __future__ import annotations
 
-import contextlib
 import logging
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -18,7 +17,6 @@ from django_idempotency.conf import conf
 from django_idempotency.messaging import leases
 from django_idempotency.messaging.destinations import Destinations
 from django_idempotency.messaging.leases import Message
-from django_idempotency.messaging.outbox import task_name
 from django_idempotency.models import IdempotencyRecord, OutboxMessage
 from django_idempotency.storage import records
 
@@ -35,8 +33,6 @@ GIVEN_UP = (
     "(IDEMPOTENCY_OUTBOX_REDRIVE_LIMIT, or the consumer records' retention): a dead letter, "
     "not published again until requeued (manage.py idempotency_outbox requeue)."
 )
-# Task names the relay's app did not know, already named in a warning.
-_unknown: set[str] = set()
 
 
 @dataclass
@@ -53,24 +49,20 @@ class RedriveResult:
 class Redrive:
     """Checks the published messages of one outbox database against their consumers' records."""
 
-    def __init__(self, app: Any, using: str, destinations: Destinations | None = None) -> None:
-        self.app = app
+    def __init__(self, using: str, destinations: Destinations) -> None:
         self.using = using
-        # Destinations that say where their consumers record a message (Django Tasks).
         self.destinations = destinations
-        self._recording = destinations is not None and any(
-            d.redrives and hasattr(d, "consumer_principal") for d in destinations
-        )
+        # Each destination redrives through its own means (its Celery app's tasks, the Tasks
+        # runner's records), whatever the order in which the settings list them.
+        self._redriving = [d for d in destinations if d.redrives]
         self.records_using = router.db_for_write(IdempotencyRecord)
-        self._principals: dict[str, str | None] = {}
-        self._tasks_imported = False
 
     @property
     def after(self) -> timedelta | None:
         """How long after a publish to check; None when the redrive is off (or the relay
         publishes to no destination whose consumers keep records: a Celery app's exactly-once
         tasks, Django Tasks)."""
-        if conf.OUTBOX_REDRIVE_LIMIT <= 0 or (self.app is None and not self._recording):
+        if conf.OUTBOX_REDRIVE_LIMIT <= 0 or not self._redriving:
             return None
         return conf.OUTBOX_REDRIVE_AFTER
 
@@ -83,44 +75,19 @@ class Redrive:
 
     def principal(self, kind: int, name: str, options: dict[str, Any] | None = None) -> str | None:
         """The principal under which the exactly-once consumer of such a message records it,
-        or None when its task is not exactly-once (or not known to the relay's app)."""
-        if self._recording and self.destinations is not None:
-            destination = self.destinations.for_row(kind, name, options or {})
-            recorded_as = getattr(destination, "consumer_principal", None)
-            if recorded_as is not None:
-                return recorded_as(kind, name) if destination.redrives else None
-        if self.app is None:
-            return None
-        called = task_name(kind, name)
-        with contextlib.suppress(KeyError):
-            return self._principals[called]
-        # Imported here: Celery is an optional extra, and the relay has it.
-        from django_idempotency.messaging.consumers import ExactlyOnceTask, consumer_principal
-
-        self.import_tasks()
-        task = self.app.tasks.get(called)
-        if task is None and called not in _unknown:
-            _unknown.add(called)  # said once per process, not per relay
-            logger.warning(
-                "Task %s is not registered in the relay's Celery app, so its messages are "
-                "never published again if the broker loses them.",
-                called,
-            )
-        found = consumer_principal(task) if isinstance(task, ExactlyOnceTask) else None
-        self._principals[called] = found
-        return found
+        asked of the message's own destination; None when no consumer records it."""
+        destination = self.destinations.for_row(kind, name, options or {})
+        return destination.consumer_principal(kind, name) if destination.redrives else None
 
     def import_tasks(self) -> None:
-        """Import the project's task modules (Celery's autodiscovery), which the relay has
-        no other reason to import, once; a running relay does it before its first pass, so
-        that the first batch is not held up by it."""
-        if self._tasks_imported or self.after is None or self.app is None:
+        """Let the Celery destinations import the project's task modules, once, before a
+        running relay's first pass (the redrive asks their apps about the tasks)."""
+        if self.after is None:
             return
-        self._tasks_imported = True
-        try:
-            self.app.loader.import_default_modules()
-        except Exception:  # the worker fails on it too; the relay still publishes
-            logger.exception("The relay could not import the project's Celery tasks.")
+        for destination in self._redriving:
+            prepare = getattr(type(destination), "import_tasks", None)
+            if prepare is not None:
+                prepare(destination)
 
     def to_check(self, messages: Iterable[Message]) -> list[str]:
         """The ids, among ``messages`` just published, whose consumer record is to be checked."""

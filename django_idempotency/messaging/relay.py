@@ -76,11 +76,9 @@ class Relay:
         self.using = using or router.db_for_write(OutboxMessage)
         # ``app``: the Celery app of the Celery destinations that name none of their own.
         self.destinations = Destinations(app=app)
-        # The redrive reads the consumers' records of the tasks of the first Celery app.
-        self.app = next((getattr(d, "app", None) for d in self.destinations if d.redrives), None)
         self.batch_size = batch_size or conf.OUTBOX_BATCH_SIZE
         self.owner = owner or default_owner()
-        self.redrive = Redrive(self.app, self.using, self.destinations)
+        self.redrive = Redrive(self.using, self.destinations)
         self.stopping = threading.Event()
         self.heartbeat = Heartbeat(self.using, self.owner, timezone.now())
         self._listener: Any = None

@@ -140,20 +140,37 @@ def _endpoint(
     name = f"endpoint {path}"
     try:
         with urllib.request.urlopen(request, timeout=timeout) as response:
-            status, probed, body = response.status, response.headers.get("Idempotency-Probe"), b""
+            status, body = response.status, b""
+            probed = response.headers.get("Idempotency-Probe")
+            principal = response.headers.get("Idempotency-Probe-Principal")
     except urllib.error.HTTPError as error:
-        status, probed, body = error.code, None, error.read()
+        status, probed, principal, body = error.code, None, None, error.read()
     except OSError as exc:
         return Fact(name, "fail", "no answer", str(exc))
     if status == 204 and probed == "passed":
+        if principal == "anonymous" and credentials:
+            return Fact(
+                name,
+                "fail",
+                "claimed as anonymous",
+                f"the probe sent credentials ({', '.join(sorted(credentials))}), yet the key "
+                "is claimed under the anonymous principal, shared by every client of this "
+                "view (allow_anonymous=True): authenticate before the claim (@idempotent "
+                "below the view's authentication), or give the view a principal callable",
+            )
+        if principal == "anonymous":
+            return Fact(name, "pass", "checks passed", "anonymous keys, as the view allows")
         return Fact(name, "pass", "checks passed", "the key is claimed after authentication")
     answer = Answer(status, False, body)
     detail = answer.problem()
     if "misconfigured" in detail:
         detail += (
-            ": is @idempotent above the view's own authentication? Put it below "
-            "(docs/view-styles.md)"
+            ": the key is claimed for an anonymous client (the server's error log names the "
+            "view): is @idempotent above the view's own authentication (put it below, "
+            "docs/view-styles.md), or does the view need a principal callable?"
         )
+    elif "reused" in detail:
+        detail += ": the key is stored for another request"
     elif status in (401, 403):
         detail = "the credentials were refused: pass the headers of a real client (--header)"
     elif status == 405:

@@ -896,6 +896,9 @@ def test_a_durable_block_in_an_idempotent_view_is_a_clear_error_naming_it(client
     with pytest.raises(ImproperlyConfigured, match=r"durable=True"):
         send(client, "POST", path, ScriptFactory(durable=True), key=new_key())
     assert not IdempotencyRecord.objects.exists()
+    # A keyless request runs in a transaction too (the outbox needs one): the same error.
+    with pytest.raises(ImproperlyConfigured, match=r"durable=True"):
+        send(client, "POST", path, ScriptFactory(durable=True))
 
 
 @pytest.mark.django_db

@@ -345,7 +345,7 @@ def test_a_redelivered_message_answered_from_the_store_is_counted(collect: Any) 
 
 
 @csrf_exempt
-@idempotent
+@idempotent(allow_anonymous=True)
 async def async_charge(request: HttpRequest) -> JsonResponse:
     group = await Group.objects.acreate(name=f"async:{uuid.uuid4().hex}")
     return JsonResponse({"group": group.pk}, status=201)

@@ -1015,47 +1015,49 @@ def test_an_anonymous_key_with_an_authorization_header_of_any_scheme_is_refused(
     client: Any, authorization: str, caplog: pytest.LogCaptureFixture
 ) -> None:
     script, key = ScriptFactory(), new_key()
-    response = send(client, "POST", "/plain/", script, key=key,
+    response = send(client, "POST", "/plain/identified/", script, key=key,
                     headers={"Authorization": authorization})  # fmt: skip
     assert misconfigured(response)
+    assert "an Authorization header" in problem(response)["detail"]
     assert CALLS[script["tag"]] == 0
     assert not IdempotencyRecord.objects.filter(key=key).exists()
     (logged,) = [r for r in caplog.records if r.levelname == "ERROR" and "anonymous" in r.message]
-    assert "tests.support.views._plain" in logged.message and "POST /plain/" in logged.message
+    assert "tests.support.views._plain" in logged.message
+    assert "POST /plain/identified/" in logged.message
     assert "below the view's authentication decorator" in logged.message
-    assert "allow_anonymous=True" in logged.message
+    assert "principal callable" in logged.message and "allow_anonymous=True" in logged.message
+
+
+@pytest.mark.parametrize(
+    "headers",
+    [{}, {"Authorization": " "}, {"X-Api-Key": "alice-key"}, {"X-Api-Key": "wrong"},
+     {"Cookie": "sessionid=no-such-session"}],
+    ids=["nothing", "empty-authorization", "api-key", "wrong-api-key", "unknown-session"],
+)  # fmt: skip
+@pytest.mark.parametrize("path", ["/plain/identified/", "/drf/identified/", "/drf/token-only/"])
+@pytest.mark.django_db
+def test_an_anonymous_key_is_refused_whatever_it_carries_unless_the_view_opts_in(
+    client: Any, path: str, headers: dict[str, str], caplog: pytest.LogCaptureFixture
+) -> None:
+    # Credentials the app cannot recognise (an API key header) or none at all: the key would
+    # be claimed in one scope shared by every anonymous caller, so it is refused.
+    script, key = ScriptFactory(), new_key()
+    response = send(client, "POST", path, script, key=key, headers=headers)
+    assert misconfigured(response)
+    assert CALLS[script["tag"]] == 0
+    assert not IdempotencyRecord.objects.filter(key=key).exists()
+    assert any(f"POST {path}" in r.message for r in caplog.records if r.levelname == "ERROR")
+    # Without a key, nothing is claimed: the view runs.
+    assert send(client, "POST", path, script).status_code == 201
 
 
 @pytest.mark.django_db
-def test_an_empty_authorization_header_carries_no_credentials(client: Any) -> None:
-    script = ScriptFactory()
-    response = send(client, "POST", "/plain/", script, key=new_key(),
-                    headers={"Authorization": " "})  # fmt: skip
-    assert response.status_code == 201
-    assert CALLS[script["tag"]] == 1
-
-
-@pytest.mark.django_db
-def test_an_anonymous_key_without_credentials_still_runs_in_the_anonymous_scope(
+def test_an_anonymous_key_runs_in_the_anonymous_scope_where_the_view_allows_it(
     client: Any,
 ) -> None:
     script, key = ScriptFactory(), new_key()
-    assert send(client, "POST", "/plain/", script, key=key).status_code == 201
+    assert send(client, "POST", "/plain/anonymous-keys/", script, key=key).status_code == 201
     assert IdempotencyRecord.objects.get(key=key).scope == ANONYMOUS
-
-
-@pytest.mark.django_db
-def test_an_anonymous_session_cookie_carries_no_credentials(client: Any) -> None:
-    # A session with data but no user (a cart, a language), and a cookie naming no session.
-    session = client.session
-    session["cart"] = [1, 2]
-    session.save()
-    client.cookies["sessionid"] = session.session_key
-    script = ScriptFactory()
-    assert send(client, "POST", "/drf/token-only/", script, key=new_key()).status_code == 201
-    client.cookies["sessionid"] = "no-such-session"
-    assert send(client, "POST", "/drf/token-only/", script, key=new_key()).status_code == 201
-    assert CALLS[script["tag"]] == 2
 
 
 @pytest.mark.django_db
@@ -1079,7 +1081,7 @@ def test_a_logged_in_session_without_authentication_middleware_is_refused() -> N
     client, script = logged_in_client(), ScriptFactory()
     without = [m for m in MIDDLEWARE if not m.endswith("AuthenticationMiddleware")]
     with override_settings(MIDDLEWARE=without):
-        response = send(client, "POST", "/plain/", script, key=new_key())
+        response = send(client, "POST", "/plain/identified/", script, key=new_key())
     assert misconfigured(response)
     assert CALLS[script["tag"]] == 0
 

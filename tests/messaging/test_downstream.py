@@ -47,7 +47,7 @@ def charge(request: HttpRequest) -> JsonResponse:
 
 
 @csrf_exempt
-@idempotent
+@idempotent(allow_anonymous=True)
 async def charge_async(request: HttpRequest) -> JsonResponse:
     key = derive_key("capture")
     # Also from the sync thread that holds the claim.
@@ -58,6 +58,7 @@ async def charge_async(request: HttpRequest) -> JsonResponse:
 class ChargeView(IdempotencyMixin, APIView):
     authentication_classes: list[Any] = []
     permission_classes: list[Any] = []
+    idempotency_allow_anonymous = True
 
     def post(self, request: Any) -> Response:
         return Response({"key": derive_key("capture")}, status=201)

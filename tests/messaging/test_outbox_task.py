@@ -111,3 +111,16 @@ def test_outside_a_unit_of_work_delay_goes_to_the_broker_as_before(broker_calls:
     assert not OutboxMessage.objects.exists()
     (call,) = broker_calls.call_args_list
     assert call.args[1:3] == ((7,), {"note": "now"})
+
+
+def test_a_keyless_request_to_a_protected_view_sends_delay_through_the_outbox_too(
+    client: Client, broker_calls: Any
+) -> None:
+    answered = client.post("/charge/")
+    (row,) = OutboxMessage.objects.all()
+    assert answered.status_code == 201 and answered.json()["task_id"] == str(row.id)
+    broker_calls.assert_not_called()
+    with pytest.raises(RuntimeError):
+        client.post("/charge/?fail=1")
+    assert OutboxMessage.objects.count() == 1
+    broker_calls.assert_not_called()

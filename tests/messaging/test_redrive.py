@@ -383,3 +383,30 @@ def test_on_sqlite_the_redrive_checks_and_publishes_again(
     assert abs(result["waits"] - 660) < 5  # its countdown, then REDRIVE_AFTER
     assert result["again"] == [result["first"]] and result["pending"] == 1
     assert result["redrives"] == 1 and abs(result["waits_again"] - 1260) < 5  # doubled
+
+
+CELERY = {"BACKEND": "django_idempotency.messaging.destinations.celery.CeleryDestination"}
+TASKS = {"BACKEND": "django_idempotency.messaging.destinations.tasks.TasksDestination"}
+
+
+@pytest.mark.parametrize(
+    "destinations",
+    [{"tasks": TASKS, "default": CELERY}, {"default": CELERY, "tasks": TASKS}],
+    ids=["tasks-listed-first", "celery-listed-first"],
+)
+@override_settings(IDEMPOTENCY_OUTBOX_REDRIVE_AFTER=SOON)
+def test_the_redrive_checks_celery_consumers_whatever_the_order_of_the_destinations(
+    app: Celery, private_redis: RedisServer, destinations: dict[str, Any]
+) -> None:
+    # A redriving destination without a Celery app (Django Tasks) listed before the Celery
+    # one once left the relay without an app to ask: a message the broker lost stayed lost.
+    with override_settings(IDEMPOTENCY_OUTBOX_DESTINATIONS=destinations):
+        relay = Relay(app=app)
+        message_id = enqueue()
+        assert relay.drain() == 1
+        assert OutboxMessage.objects.get().redrive_at is not None
+        lose_everything(private_redis)
+        result = check_when_due(relay)
+    assert result.republished == [message_id]
+    expected = consumer_principal(app.tasks[EXACTLY_ONCE])
+    assert relay.redrive.principal(OutboxMessage.Kind.TASK, EXACTLY_ONCE) == expected

@@ -186,7 +186,7 @@ def test_check_ids_are_unique() -> None:
         "django_idempotency.W001",
         "django_idempotency.W002",
         "django_idempotency.W003",
-        "django_idempotency.W004",
+        "django_idempotency.E017",
         "django_idempotency.W005",
         "django_idempotency.W008",
         "django_idempotency.W009",
@@ -589,12 +589,52 @@ def routes_in(check_id: str) -> set[str]:
 
 
 @pytest.mark.urls("tests.support.urls")
-def test_w004_an_idempotent_view_open_to_anonymous_clients_without_a_principal_callable() -> None:
-    warned = routes_in("django_idempotency.W004")
-    assert "/drf/" in warned  # AllowAny, no principal callable
-    assert "/drf/guarded/" not in warned  # IsAuthenticated
-    assert "/drf/tenant/" not in warned  # a principal callable
-    assert "/drf/durable/" not in warned
+def test_e017_an_idempotent_view_open_to_anonymous_clients_without_a_principal_callable() -> None:
+    errors = [m for m in checks.check_views(None) if m.id == "django_idempotency.E017"]
+    assert all(isinstance(m, Error) for m in errors)
+    refused = routes_in("django_idempotency.E017")
+    assert "/drf/identified/" in refused  # AllowAny, no principal callable, no opt-in
+    assert "/drf/" not in refused  # AllowAny, allow_anonymous
+    assert "/drf/guarded/" not in refused  # IsAuthenticated
+    assert "/drf/tenant/" not in refused  # a principal callable
+    assert "/drf/durable/" not in refused
+    # A plain function view: nothing but Django's own view decorators above @idempotent.
+    assert "/plain/identified/" in refused  # csrf_exempt only
+    assert "/iban/above-token-required/" in refused  # its authentication runs after the claim
+    assert "/plain/" not in refused  # allow_anonymous
+    assert "/plain/tenant/" not in refused  # a principal callable
+    assert "/plain/login/" not in refused  # login_required above
+    assert "/iban/below-token-required/" not in refused  # its own authentication above
+
+
+@pytest.mark.urls("tests.support.urls")
+def test_e017_respects_login_required_middleware_and_login_not_required() -> None:
+    from django.conf import settings
+    from django.contrib.auth import decorators
+    from django.urls import path
+    from django.views.decorators.csrf import csrf_exempt
+
+    from django_idempotency.decorators import idempotent
+
+    login_not_required = getattr(decorators, "login_not_required", None)
+    if login_not_required is None:
+        pytest.skip("LoginRequiredMiddleware is new in Django 5.1")
+
+    from tests.support import views
+
+    middleware = [*settings.MIDDLEWARE, "django.contrib.auth.middleware.LoginRequiredMiddleware"]
+
+    def plain() -> Any:  # login_not_required marks the function it is given
+        return csrf_exempt(idempotent(views._plain))
+
+    class URLs:
+        urlpatterns = [
+            path("guarded/", plain()),
+            path("open/", login_not_required(plain())),
+        ]
+
+    with override_settings(MIDDLEWARE=middleware, ROOT_URLCONF=URLs):
+        assert routes_in("django_idempotency.E017") == {"/open/"}
 
 
 @pytest.mark.urls("tests.support.urls")
@@ -710,9 +750,10 @@ def test_manage_py_check_reports_settings_of_the_wrong_type_without_a_traceback(
 
 
 @pytest.mark.urls("tests.support.urls")
-def test_w004_sees_every_view_style_and_allow_anonymous_silences_it() -> None:
-    warned = routes_in("django_idempotency.W004")
-    assert "/drf/api-view/" in warned  # @api_view with AllowAny
+def test_e017_sees_every_view_style_and_allow_anonymous_silences_it() -> None:
+    warned = routes_in("django_idempotency.E017")
+    assert "/drf/api-view/identified/" in warned  # @api_view with AllowAny
+    assert "/drf/api-view/" not in warned  # ... with allow_anonymous=True
     assert "/drf/method-decorated/" in warned  # method_decorator on an AllowAny APIView
     assert "/drf/token-only/" in warned
     assert "/drf/anonymous-keys/" not in warned  # idempotency_allow_anonymous
@@ -864,11 +905,11 @@ def test_the_test_project_under_asgi_uses_a_bounded_pool() -> None:
 
 
 @pytest.mark.urls("tests.support.router_urls")
-def test_w004_once_for_a_viewset_naming_its_routes_without_regex_escapes() -> None:
+def test_e017_once_for_a_viewset_naming_its_routes_without_regex_escapes() -> None:
     from django_idempotency.http.endpoints import idempotent_endpoints
 
     routes = [endpoint.route for endpoint in idempotent_endpoints()]
-    (warning,) = [m for m in checks.check_views(None) if m.id == "django_idempotency.W004"]
+    (warning,) = [m for m in checks.check_views(None) if m.id == "django_idempotency.E017"]
 
     assert "/groups.<format>/" in routes and "/groups/<pk>.<format>/" in routes
     assert not [route for route in routes if "\\" in route]

@@ -230,3 +230,99 @@ def test_without_the_probe_token_the_header_changes_nothing(
     assert response.status_code == 200
     assert "Idempotency-Probe" not in response.headers
     assert IdempotencyRecord.objects.count() == 1
+
+
+# What a probe request meets is what the request would meet (issue 29): the object's
+# permissions, the key's stored fingerprint, and whose key it is.
+
+
+def patch_charge(user: Any, pk: int, key: str, description: str, probe: bool) -> Any:
+    headers = {**user.headers, "Idempotency-Key": key}
+    if probe:
+        headers["Idempotency-Probe"] = TOKEN
+    return Client().patch(
+        f"/api/charges/{pk}/", {"description": description},
+        content_type="application/json", headers=headers,
+    )  # fmt: skip
+
+
+def test_a_probe_runs_the_views_object_permissions(make_token_user: Any) -> None:
+    from testproject.payments.models import Charge
+
+    alice, bob = make_token_user("alice"), make_token_user("bob")
+    charge = Charge.objects.create(amount=2499, currency="inr", user=alice.user)
+
+    bobs = patch_charge(bob, charge.pk, new_key(), "mine now", probe=True)
+    alices = patch_charge(alice, charge.pk, new_key(), "hers", probe=True)
+
+    assert bobs.status_code == 403  # as Bob's real PATCH is answered
+    assert "Idempotency-Probe" not in bobs.headers
+    assert alices.status_code == 204 and alices.headers["Idempotency-Probe"] == "passed"
+    assert alices.headers["Idempotency-Probe-Principal"] == "identified"
+    charge.refresh_from_db()
+    assert charge.description == ""
+    assert not IdempotencyRecord.objects.exists()
+
+
+def test_a_probe_with_a_key_stored_for_another_request_is_answered_422(
+    make_token_user: Any,
+) -> None:
+    from testproject.payments.models import Charge
+
+    alice = make_token_user("alice")
+    charge = Charge.objects.create(amount=2499, currency="inr", user=alice.user)
+    key = new_key()
+    assert patch_charge(alice, charge.pk, key, "first", probe=False).status_code == 200
+
+    reused = patch_charge(alice, charge.pk, key, "another body", probe=True)
+    same = patch_charge(alice, charge.pk, key, "first", probe=True)
+
+    assert reused.status_code == 422
+    assert reused.json()["type"].endswith("key-reused")
+    assert same.status_code == 204  # the retry of the stored request: a real one replays
+    assert IdempotencyRecord.objects.filter(key=key).count() == 1
+
+
+@pytest.mark.urls("tests.support.urls")
+def test_a_probe_says_when_a_view_claims_under_the_anonymous_principal(client: Client) -> None:
+    headers = {**PROBED, "Idempotency-Key": new_key(), "X-Api-Key": "alice-key"}
+    opted_in = client.post(
+        "/plain/anonymous-keys/", {}, content_type="application/json", headers=headers
+    )
+    refused = Client(raise_request_exception=False).post(
+        "/plain/identified/", {}, content_type="application/json", headers=headers
+    )
+    assert opted_in.status_code == 204
+    assert opted_in.headers["Idempotency-Probe-Principal"] == "anonymous"
+    assert refused.status_code == 500 and refused.json()["type"].endswith("misconfigured")
+
+
+def new_key() -> str:
+    return f"probe-test-{uuid.uuid4()}"
+
+
+@pytest.mark.parametrize(
+    ("principal", "credentials", "verdict"),
+    [("anonymous", {"X-Api-Key": "k"}, "fail"), ("anonymous", {}, "pass"),
+     ("identified", {"X-Api-Key": "k"}, "pass")],
+)  # fmt: skip
+def test_the_probe_fails_an_endpoint_that_claims_as_anonymous_although_it_sent_credentials(
+    monkeypatch: pytest.MonkeyPatch, principal: str, credentials: dict[str, str], verdict: str
+) -> None:
+    from django_idempotency.probe import drive
+
+    class Answered:
+        status = 204
+        headers = {"Idempotency-Probe": "passed", "Idempotency-Probe-Principal": principal}
+
+        def __enter__(self) -> Any:
+            return self
+
+        def __exit__(self, *exc: object) -> None:
+            return None
+
+    monkeypatch.setattr(drive.urllib.request, "urlopen", lambda *a, **k: Answered())
+    fact = drive._endpoint("http://app/idempotency/probe/", "/api/x/", TOKEN, credentials, 5)
+    assert fact.verdict == verdict
+    if verdict == "fail":
+        assert "X-Api-Key" in fact.detail and "principal callable" in fact.detail

@@ -137,7 +137,9 @@ def test_transaction_pooling_with_server_side_cursors_fails(
 @pytest.fixture(scope="module")
 def views_probe(gunicorn_server: Servers) -> Iterator[str]:
     """The probe URL of one gunicorn serving the test-only views, among them @idempotent
-    above @api_view (E014), for the tests below: they only read from it."""
+    above @api_view (E014) and views open to
+    anonymous clients that did not opt in to their keys (E017: /plain/identified/, ...), for the
+    tests below: they only read from it."""
     with app_servers(
         gunicorn_server, {"DJANGO_SETTINGS_MODULE": "tests.support.views_settings"}
     ) as urls:
@@ -151,7 +153,10 @@ def test_a_decorator_above_a_views_authentication_fails_the_system_checks(
 
     assert code == 1
     failed = {line["name"] for line in report["lines"] if line["verdict"] == "fail"}
-    assert failed == {"system check django_idempotency.E014"}, report
+    assert failed == {
+        "system check django_idempotency.E014",
+        "system check django_idempotency.E017",
+    }, report
 
 
 def test_a_plain_view_with_idempotent_above_its_authentication_fails_its_endpoint_line(

@@ -11,6 +11,7 @@ from tests.support.views import GroupViewSet
 
 class OpenGroupViewSet(GroupViewSet):
     permission_classes = [AllowAny]
+    idempotency_allow_anonymous = False
 
 
 router = DefaultRouter()

@@ -202,6 +202,9 @@ class ScriptedView(IdempotencyMixin, APIView):
 
     authentication_classes = [TokenAuthentication, SessionAuthentication]
     permission_classes = [AllowAny]
+    # The tests' anonymous clients send keys of their own (uuid4): anonymous keys are meant
+    # here. /drf/identified/ is the view that did not opt in.
+    idempotency_allow_anonymous = True
     parser_classes = [JSONParser, FormParser, MultiPartParser]
 
     def handle(self, request: Request) -> HttpResponseBase:
@@ -221,6 +224,7 @@ class AsyncScriptedView(IdempotencyMixin, AsyncAPIView):
     authentication_classes = [TokenAuthentication, SessionAuthentication]
     permission_classes = [AllowAny]
     parser_classes = [JSONParser, FormParser, MultiPartParser]
+    idempotency_allow_anonymous = True
 
     async def post(self, request: Request) -> HttpResponseBase:
         data = request.data if isinstance(request.data, Mapping) else {}
@@ -276,7 +280,7 @@ class JSONOnlyView(ScriptedView):
 
 @api_view(["POST"])
 @permission_classes([AllowAny])
-@idempotent
+@idempotent(allow_anonymous=True)
 def api_view_charge(request: Request) -> Response:
     """DRF's function-based views with @idempotent under @api_view."""
     script = dict(request.data) if isinstance(request.data, Mapping) else {}
@@ -286,8 +290,16 @@ def api_view_charge(request: Request) -> Response:
 
 @api_view(["POST"])
 @permission_classes([AllowAny])
-@renderer_classes([JSONRenderer, PlainTextRenderer])
 @idempotent
+def api_view_identified(request: Request) -> Response:
+    """An @api_view function open to anonymous clients that did not opt in to their keys."""
+    return Response({"ran": True}, status=201)
+
+
+@api_view(["POST"])
+@permission_classes([AllowAny])
+@renderer_classes([JSONRenderer, PlainTextRenderer])
+@idempotent(allow_anonymous=True)
 def api_view_negotiated(request: Request) -> Response:
     """An @api_view function that answers in JSON or plain text, as the client asks."""
     script = dict(request.data) if isinstance(request.data, Mapping) else {}
@@ -316,6 +328,7 @@ class Upload(IdempotencyMixin, APIView):
 
     permission_classes = [AllowAny]
     parser_classes = [FormParser, MultiPartParser]
+    idempotency_allow_anonymous = True
 
     def post(self, request: Request) -> Response:
         tag = request.query_params.get("tag", "upload")
@@ -361,6 +374,7 @@ class Tracing:
 
 class TracedView(IdempotencyMixin, Tracing, APIView):
     permission_classes = [AllowAny]
+    idempotency_allow_anonymous = True
 
     def post(self, request: Request) -> Response:
         TRACE.append("post")
@@ -376,6 +390,7 @@ class GroupSerializer(serializers.ModelSerializer[Group]):
 
 class GroupViewSet(IdempotencyMixin, viewsets.ModelViewSet[Group]):
     permission_classes = [AllowAny, DenyObjectOnHeader]
+    idempotency_allow_anonymous = True
     serializer_class = GroupSerializer
     queryset = Group.objects.all()
 
@@ -429,15 +444,20 @@ def _plain(request: HttpRequest) -> HttpResponseBase:
 
 
 # The Django test client does not enforce CSRF, but a live server (requests) would.
-plain = csrf_exempt(idempotent(_plain))
-plain_required = csrf_exempt(idempotent(required=True)(_plain))
-plain_put_only = csrf_exempt(idempotent(methods=["PUT"])(_plain))
+# Anonymous keys are meant on the test views that anonymous clients call (each test sends
+# keys of its own); plain_identified is the view that did not opt in.
+plain = csrf_exempt(idempotent(allow_anonymous=True)(_plain))
+plain_identified = csrf_exempt(idempotent(_plain))
+plain_required = csrf_exempt(idempotent(required=True, allow_anonymous=True)(_plain))
+plain_put_only = csrf_exempt(idempotent(methods=["PUT"], allow_anonymous=True)(_plain))
 plain_tenant = csrf_exempt(idempotent(principal=tenant_principal)(_plain))
-plain_excluding = csrf_exempt(idempotent(exclude_fields=["client_ts", "meta.sent_at"])(_plain))
+plain_excluding = csrf_exempt(
+    idempotent(exclude_fields=["client_ts", "meta.sent_at"], allow_anonymous=True)(_plain)
+)
 
 
 @csrf_exempt
-@idempotent
+@idempotent(allow_anonymous=True)
 def plain_json_only(request: HttpRequest) -> HttpResponseBase:
     """A plain view that parses its body as JSON, whatever the content type says."""
     CALLS.hit("json-only")
@@ -454,9 +474,10 @@ plain_login_required = csrf_exempt(login_required(idempotent(_plain)))
 
 class TokenOnlyView(ScriptedView):
     """Open to anonymous clients, and authenticates by token only: a logged-in session
-    cookie does not make its client known."""
+    cookie does not make its client known. Anonymous keys are not meant."""
 
     authentication_classes = [TokenAuthentication]
+    idempotency_allow_anonymous = False
 
 
 class AnonymousKeysView(TokenOnlyView):
@@ -498,6 +519,39 @@ def _token_api_view(view: Any) -> Any:
     )
 
 
+# Clients known by an X-Api-Key header, as some APIs authenticate: nothing sets request.user.
+API_KEYS = {"alice-key": "alice", "bob-key": "bob"}
+
+
+def api_key_required(view: Any) -> Any:
+    """The view's own authentication by ``X-Api-Key``: 401 without a known key."""
+
+    @functools.wraps(view)
+    def wrapper(request: HttpRequest, *args: Any, **kwargs: Any) -> HttpResponseBase:
+        client = API_KEYS.get(request.headers.get("X-Api-Key", ""))
+        if client is None:
+            return JsonResponse({"detail": "Send a known X-Api-Key."}, status=401)
+        request.api_client = client  # type: ignore[attr-defined]
+        return view(request, *args, **kwargs)
+
+    return wrapper
+
+
+def api_client(request: Any) -> str:
+    """A principal callable: the API client that api_key_required found."""
+    return f"client:{request.api_client}"
+
+
+def _created(request: HttpRequest) -> JsonResponse:
+    client = getattr(request, "api_client", "?")
+    return JsonResponse({"id": CALLS.hit(f"api-key:{client}"), "client": client}, status=201)
+
+
+# @idempotent above the API-key check (the claim comes first: every client is anonymous),
+# and the fix: below it, with a principal callable naming the client.
+api_key_above = csrf_exempt(idempotent(api_key_required(_created)))
+api_key_scoped = csrf_exempt(api_key_required(idempotent(principal=api_client)(_created)))
+
 # Misplaced on purpose: @idempotent above the view's own authentication claims the key
 # before anyone is authenticated, so every caller is the anonymous principal.
 iban_above_token_required = csrf_exempt(idempotent(token_required(_iban)))
@@ -508,7 +562,7 @@ iban_below_api_view = _token_api_view(idempotent(_iban_drf))
 
 
 @method_decorator(csrf_exempt, name="dispatch")
-@method_decorator(idempotent, name="post")
+@method_decorator(idempotent(allow_anonymous=True), name="post")
 class MethodDecoratedView(View):
     """A plain class-based view whose POST is idempotent."""
 
@@ -525,7 +579,7 @@ class DispatchDecoratedView(APIView):
 
 
 @method_decorator(csrf_exempt, name="dispatch")
-@method_decorator(idempotent, name="dispatch")
+@method_decorator(idempotent(allow_anonymous=True), name="dispatch")
 class DispatchDecoratedPlainView(View):
     """A plain class view that authenticates nowhere: idempotent on dispatch() is fine."""
 

@@ -46,9 +46,14 @@ class Destination(Protocol):
 
     name: str
     # Whether the relay checks the exactly-once consumer's record of what it published here
-    # (the redrive: Celery, and Django Tasks, whose destination says where the record is by
-    # a ``consumer_principal(kind, name)`` method); other destinations' consumers keep none.
+    # (the redrive: Celery, and Django Tasks), through ``consumer_principal``; other
+    # destinations' consumers keep none.
     redrives: bool
+
+    def consumer_principal(self, kind: int, name: str) -> str | None:
+        """The records' principal under which the exactly-once consumer of such a message
+        records it, found by this destination's own means (its Celery app's tasks, the
+        Tasks runner's); None when no consumer records it. Asked only when ``redrives``."""
 
     def open(self) -> None:
         """Connect, if not connected yet (the relay calls it before each batch)."""

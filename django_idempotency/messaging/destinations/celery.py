@@ -4,6 +4,7 @@ the message id as task id, on one producer, a Redis batch as one pipeline (``pub
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -12,7 +13,12 @@ from django.utils.module_loading import import_string
 
 from django_idempotency.messaging.destinations import Publication, Stopping
 from django_idempotency.messaging.leases import Message
+from django_idempotency.messaging.outbox import task_name
 from django_idempotency.messaging.publishing import Broker, celery_app
+
+logger = logging.getLogger("django_idempotency.relay")
+# Task names a Celery destination's app did not know, already named in a warning.
+_unknown: set[str] = set()
 
 
 class CeleryDestination:
@@ -26,6 +32,8 @@ class CeleryDestination:
         path = options.get("app")
         self.app = import_string(path) if path else (app if app is not None else celery_app())
         self.broker = Broker(self.app, name)
+        self._principals: dict[str, str | None] = {}
+        self._tasks_imported = False
 
     @staticmethod
     def validate(name: str, options: Mapping[str, Any]) -> None:
@@ -38,6 +46,41 @@ class CeleryDestination:
 
     def open(self) -> None:
         self.broker.producer()
+
+    def consumer_principal(self, kind: int, name: str) -> str | None:
+        """The records' principal of the exactly-once task of this app that consumes such a
+        message; None when its task is not exactly-once, or not known to this app."""
+        called = task_name(kind, name)
+        with contextlib.suppress(KeyError):
+            return self._principals[called]
+        from django_idempotency.messaging.consumers import ExactlyOnceTask, consumer_principal
+
+        self.import_tasks()
+        task = self.app.tasks.get(called)
+        if task is None and called not in _unknown:
+            _unknown.add(called)  # said once per process, not per relay
+            logger.warning(
+                "Task %s is not registered in the Celery app %r of outbox destination %r, so "
+                "its messages are never published again if the broker loses them.",
+                called,
+                self.app.main,
+                self.name,
+            )
+        found = consumer_principal(task) if isinstance(task, ExactlyOnceTask) else None
+        self._principals[called] = found
+        return found
+
+    def import_tasks(self) -> None:
+        """Import the project's task modules (Celery's autodiscovery), which the relay has
+        no other reason to import, once; before a running relay's first pass, so that the
+        first batch is not held up by it."""
+        if self._tasks_imported:
+            return
+        self._tasks_imported = True
+        try:
+            self.app.loader.import_default_modules()
+        except Exception:  # the worker fails on it too; the relay still publishes
+            logger.exception("The relay could not import the project's Celery tasks.")
 
     def describe(self) -> str:
         return f"Celery app {self.app.main!r} to {self.broker.url()}"
