@@ -109,6 +109,9 @@ check(
     bobs.text,
 )
 check(events("invoice.created") == 2, "create: one invoice per principal and key")
+# Keys are optional (the default): a keyless create runs, and enqueues, as a keyed one does.
+keyless = http.post(INVOICES, json=body, headers=ALICE)
+check(keyless.status_code == 201, "create without a key: 201", keyless.status_code)
 detail = f"{INVOICES}{invoice}/"
 k = key()
 twice(
