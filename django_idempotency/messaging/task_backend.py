@@ -12,6 +12,7 @@ from django.utils import timezone
 from django.utils.module_loading import import_string
 
 from django_idempotency.conf import conf
+from django_idempotency.messaging.destinations import DEFAULT
 from django_idempotency.messaging.destinations import TASKS as TASKS_DESTINATION
 from django_idempotency.messaging.outbox import NotInTransaction, in_transaction, write_message
 from django_idempotency.messaging.tasks_framework import (
@@ -26,7 +27,8 @@ from django_idempotency.models import OutboxMessage
 P = ParamSpec("P")
 R = TypeVar("R")
 
-# The outbox destination its messages go to, unless OPTIONS["destination"] names another.
+# The outbox destination its messages go to, unless OPTIONS["destination"] names another, or
+# the project has no such destination and its default one is the Tasks destination (no Celery).
 DEFAULT_DESTINATION = "tasks"
 OPTIONS = frozenset({"backend", "destination", "using"})
 
@@ -43,8 +45,26 @@ class OutboxBackend(BaseTaskBackend):
     def __init__(self, alias: str, params: dict[str, Any]) -> None:
         super().__init__(alias, params)
         self.real_alias: str | None = self.options.get("backend")
-        self.destination: str = self.options.get("destination", DEFAULT_DESTINATION)
+        self.named_destination: str | None = self.options.get("destination")
         self.using: str | None = self.options.get("using")
+
+    @property
+    def destination(self) -> str:
+        """The outbox destination of its messages. Unnamed: ``"tasks"``; in a project without
+        Celery, whose only ``"default"`` destination is the Tasks one, that one (read at call
+        time, as every setting is)."""
+        if self.named_destination is not None:
+            return self.named_destination
+        declared = conf.OUTBOX_DESTINATIONS
+        default = declared.get(DEFAULT)
+        backend = default.get("BACKEND") if isinstance(default, dict) else None
+        if (
+            DEFAULT_DESTINATION not in declared
+            and isinstance(backend, str)
+            and _is_tasks_destination(backend)
+        ):
+            return DEFAULT
+        return DEFAULT_DESTINATION
 
     # The real backend's features are this backend's (none while it is misconfigured).
     @property

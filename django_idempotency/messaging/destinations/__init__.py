@@ -139,7 +139,9 @@ def configured() -> dict[str, tuple[Any, Mapping[str, Any]]]:
     if DEFAULT not in destinations:
         raise ImproperlyConfigured(
             f"IDEMPOTENCY_OUTBOX_DESTINATIONS has no {DEFAULT!r} destination, which takes "
-            "every message that no route of IDEMPOTENCY_OUTBOX_ROUTES names."
+            "every message that no route of IDEMPOTENCY_OUTBOX_ROUTES names (in a project "
+            "without Celery whose messages all go to Django's Tasks framework, name that one "
+            f'{DEFAULT!r}: {{{DEFAULT!r}: {{"BACKEND": {TASKS!r}}}}}).'
         )
     for name, value in destinations.items():
         path, options = _spec(name, value)
