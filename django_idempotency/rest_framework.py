@@ -71,6 +71,7 @@ class IdempotencyMixin:
     idempotency_using: str | Callable[[HttpRequest], str] | None = None
     idempotency_allow_anonymous: bool | None = None
     idempotency_response_version: str | None = None
+    idempotency_rerun_other_versions: bool | None = None
 
     _idempotency: RequestUnit | None = None
     _closes_after_dispatch = False

@@ -24,8 +24,10 @@ class Work:
     path: str
     fingerprint: dict[str, str]
     ttl: timedelta
-    # The version of the responses the work makes: a record of another is expired.
+    # The version of the responses the work makes: a record of another is never replayed
+    # and, unless ``rerun_other_versions``, the same request on it is refused (410).
     version: str | None = None
+    rerun_other_versions: bool = False
 
 
 @dataclass(frozen=True, slots=True)

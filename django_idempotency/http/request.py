@@ -268,6 +268,7 @@ class RequestUnit:
             fingerprint=parts,
             ttl=policy.ttl,
             version=policy.version,
+            rerun_other_versions=policy.rerun_other_versions,
         )
         return UnitOfWork(
             work,

@@ -189,6 +189,7 @@ def test_check_ids_are_unique() -> None:
         "django_idempotency.W008",
         "django_idempotency.W009",
         "django_idempotency.W010",
+        "django_idempotency.W021",
         "django_idempotency.E101",
         "django_idempotency.W101",
         "django_idempotency.W102",
@@ -578,6 +579,14 @@ def test_w004_an_idempotent_view_open_to_anonymous_clients_without_a_principal_c
     assert "/drf/guarded/" not in warned  # IsAuthenticated
     assert "/drf/tenant/" not in warned  # a principal callable
     assert "/drf/durable/" not in warned
+
+
+@pytest.mark.urls("tests.support.urls")
+def test_w021_names_each_view_that_runs_a_key_anew_after_a_version_change() -> None:
+    assert routes_in("django_idempotency.W021") == {"/drf/rerun-versions/"}
+    (warning,) = [m for m in checks.check_views(None) if m.id == "django_idempotency.W021"]
+    assert "(tests.support.views.GuardedView)" in warning.msg
+    assert "rerun_other_versions" in warning.hint
 
 
 @pytest.mark.urls("tests.support.urls")
