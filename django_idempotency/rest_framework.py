@@ -75,6 +75,7 @@ class IdempotencyMixin:
 
     _idempotency: RequestUnit | None = None
     _closes_after_dispatch = False
+    http_method_names: list[str]
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -120,12 +121,16 @@ class IdempotencyMixin:
             return
         with failing_closed():  # authentication usually queries the same database
             super().initial(request, *args, **kwargs)  # type: ignore[misc]
+        method = (request.method or "").lower()
+        handler = getattr(self, method, None) if method in self.http_method_names else None
+        if handler is None:
+            # DRF answers 405 right after initial(): nothing is claimed, so the key stays
+            # free for the request the client meant.
+            return
         require_parser(request)
         renderers = getattr(self, "renderer_classes", ())
         media_type = request.accepted_media_type if len(renderers) > 1 else None
-        method = (request.method or "").lower()
-        handler = getattr(self, method, None)
-        if getattr(self, "view_is_async", False) and handler is not None:
+        if getattr(self, "view_is_async", False):
             # adrf runs initial() on a thread: claim in the handler instead, on the event
             # loop, where a duplicate waits without holding a thread.
             setattr(self, method, self._claiming(handler, unit, media_type))
