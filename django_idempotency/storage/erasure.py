@@ -13,7 +13,7 @@ from functools import lru_cache
 from django.db import connections, transaction
 
 from django_idempotency import signals
-from django_idempotency.models import IdempotencyRecord
+from django_idempotency.models import IdempotencyRecord, StoredErrorCount
 
 logger = logging.getLogger("django_idempotency")
 
@@ -46,6 +46,8 @@ def erase(using: str, principal: str, *, batch: int) -> int:
     transaction per batch; returns how many. Logged, and signalled (``records_erased``).
     Running it again erases nothing more."""
     started = time.monotonic()
+    # The principal's count of stored 4xx names it too (rows of a minute or two).
+    StoredErrorCount.objects.using(using).filter(scope=principal).delete()
     erased = sum(_batches(using, principal, batch))
     # The log names the tombstones' principal, not the erased one.
     logger.info(

@@ -12,7 +12,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from django_idempotency.conf import conf
-from django_idempotency.models import IdempotencyRecord
+from django_idempotency.models import IdempotencyRecord, StoredErrorCount
 from tests.conftest import GunicornServer, TokenUser
 from tests.factories import new_key
 from tests.support.payments import post
@@ -56,3 +56,16 @@ def test_the_bound_on_stored_4xx_holds_across_two_server_processes(
     assert limit == 100
     stored = IdempotencyRecord.objects.filter(key__in=keys).count()
     assert stored == limit
+
+
+def test_erasure_removes_the_principals_count_of_stored_4xx() -> None:
+    from django_idempotency.engine import keeping
+    from django_idempotency.storage.erasure import erase
+
+    for _ in range(3):
+        keeping.error_budget.take("default", "user:alice")
+    keeping.error_budget.take("default", "user:bob")
+
+    erase("default", "user:alice", batch=10)
+
+    assert list(StoredErrorCount.objects.values_list("scope", "stored")) == [("user:bob", 1)]
