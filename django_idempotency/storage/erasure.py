@@ -47,7 +47,7 @@ def erase(using: str, principal: str, *, batch: int) -> int:
     Running it again erases nothing more."""
     started = time.monotonic()
     # The principal's count of stored 4xx names it too (rows of a minute or two).
-    StoredErrorCount.objects.using(using).filter(scope=principal).delete()
+    StoredErrorCount._default_manager.using(using).filter(scope=principal).delete()
     erased = sum(_batches(using, principal, batch))
     # The log names the tombstones' principal, not the erased one.
     logger.info(
