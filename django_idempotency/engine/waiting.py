@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ast
 import functools
+import logging
 import os
 import shlex
 import sys
@@ -20,6 +21,8 @@ from django_idempotency.conf import conf
 # longest: a short holder is seen soon, a long one costs a few cheap claims a second.
 FIRST_PAUSE = 0.05
 LONGEST_PAUSE = 0.5
+
+logger = logging.getLogger("django_idempotency")
 
 
 class _Waiters:
@@ -65,10 +68,26 @@ def waiter_limit() -> int:
         # sync worker, uWSGI without threads): a waiting request would hold all of it.
         return 0
     limit = conf.MAX_WAITERS
-    threads, _ = server_threads()
+    threads, source = server_threads()
     if threads is not None:
+        if limit >= threads:
+            _warn_once(limit, threads, source)
         limit = min(limit, threads - 1)
     return max(limit, 0)
+
+
+@functools.lru_cache(maxsize=4)
+def _warn_once(cap: int, threads: int, source: str) -> None:
+    # W008 at run time: `manage.py check` cannot see gunicorn's command line, this process can.
+    logger.warning(
+        "IDEMPOTENCY_MAX_WAITERS is %d, but a server process has %d request thread(s) (%s): "
+        "waiting duplicates and the request they wait for could hold every thread "
+        "(django_idempotency.W008). Set IDEMPOTENCY_MAX_WAITERS to %d or fewer.",
+        cap,
+        threads,
+        source,
+        max(threads // 2, 0),
+    )
 
 
 def server_threads() -> tuple[int | None, str]:
