@@ -82,11 +82,12 @@ def _warn_once(cap: int, threads: int, source: str) -> None:
     logger.warning(
         "IDEMPOTENCY_MAX_WAITERS is %d, but a server process has %d request thread(s) (%s): "
         "waiting duplicates and the request they wait for could hold every thread "
-        "(django_idempotency.W008). Set IDEMPOTENCY_MAX_WAITERS to %d or fewer.",
+        "(django_idempotency.W008). Set IDEMPOTENCY_MAX_WAITERS to %d or fewer (leave a thread "
+        "for each slow request you expect at once).",
         cap,
         threads,
         source,
-        max(threads // 2, 0),
+        max(threads - 1, 0),
     )
 
 

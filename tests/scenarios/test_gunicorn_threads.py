@@ -40,4 +40,4 @@ def test_a_cap_as_high_as_the_command_lines_threads_is_w008_in_the_workers_log(
     # The duplicate waited (a waiter slot, capped at 3 of 4 threads) and got the replay.
     assert duplicate.status_code == 201 and duplicate.headers["Idempotent-Replayed"] == "true"
     assert log.count(WARNING) == 1, log[-3000:]
-    assert "Set IDEMPOTENCY_MAX_WAITERS to 2 or fewer" in log
+    assert "Set IDEMPOTENCY_MAX_WAITERS to 3 or fewer" in log
