@@ -55,7 +55,9 @@ def idempotent(view: Any = None, **options: Unpack[ViewOptions]) -> Any:
             unit = RequestUnit(getattr(request, "_request", request), policy, sender=func)
             if unit.keyless:  # runs in a transaction, with nothing of ours read or stored
                 return unit
-            if not unit.covered:
+            if not unit.covered or not offers(func, request.method or ""):
+                # A method the view does not have: it answers 405 itself, and nothing is
+                # claimed, so the key stays free for the request the client meant.
                 return None
             refused = _unsupported(request)
             return unit if refused is None else refused
@@ -120,6 +122,31 @@ def idempotent(view: Any = None, **options: Unpack[ViewOptions]) -> Any:
         return wrapper  # type: ignore[no-any-return]
 
     return decorate(view) if view is not None else decorate
+
+
+def offers(view: Any, method: str) -> bool:
+    """Whether the view that ``view`` wraps has a handler for ``method``, where that can be
+    known before running it: a class-based view's ``http_method_names`` and handlers (the
+    function ``as_view()`` made, or ``dispatch()`` under ``method_decorator``), Django's
+    ``require_http_methods`` (and ``require_POST``, ...) inside; else True."""
+    from django.views import View as ClassView
+
+    name = method.lower()
+    target = view
+    while target is not None:
+        owner = getattr(target, "view_class", None)
+        # method_decorator() hands the decorator a partial of the bound method.
+        bound = getattr(getattr(target, "func", None), "__self__", None)
+        if owner is None and isinstance(bound, ClassView):
+            owner = bound
+        if owner is not None:
+            return name in owner.http_method_names and hasattr(owner, name)
+        code = getattr(target, "__code__", None)
+        if code is not None and "request_method_list" in code.co_freevars:
+            cell = target.__closure__[code.co_freevars.index("request_method_list")]
+            return method in cell.cell_contents
+        target = getattr(target, "__wrapped__", None)
+    return True
 
 
 def _drf_view(request: Any) -> Any:

@@ -202,3 +202,25 @@ class ProbeRow(models.Model):
 
     def __str__(self) -> str:
         return f"probe {self.key} on {self.server}"
+
+
+class StoredErrorCount(models.Model):
+    """How many 4xx a principal stored in one minute, counted by every server process on the
+    records' database (``engine/keeping.py``): past IDEMPOTENCY_MAX_STORED_ERRORS_PER_MINUTE
+    a 4xx is answered but not stored. Rows of past minutes are deleted as the minutes pass."""
+
+    scope = models.CharField(_("principal"), max_length=255)
+    # Minutes since the epoch: one integer, whatever the database's time types.
+    minute = models.BigIntegerField(_("minute"))
+    stored = models.IntegerField(_("4xx stored"), default=0)
+
+    class Meta:
+        db_table = "django_idempotency_error_count"
+        verbose_name = _("stored 4xx count")
+        verbose_name_plural = _("stored 4xx counts")
+        constraints = [
+            models.UniqueConstraint(fields=["scope", "minute"], name="idempotency_error_count")
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.scope}: {self.stored} 4xx in minute {self.minute}"

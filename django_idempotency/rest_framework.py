@@ -71,9 +71,11 @@ class IdempotencyMixin:
     idempotency_using: str | Callable[[HttpRequest], str] | None = None
     idempotency_allow_anonymous: bool | None = None
     idempotency_response_version: str | None = None
+    idempotency_rerun_other_versions: bool | None = None
 
     _idempotency: RequestUnit | None = None
     _closes_after_dispatch = False
+    http_method_names: list[str]
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -114,21 +116,25 @@ class IdempotencyMixin:
             sender=type(self),
             model=written_model(self),
         )
+        method = (request.method or "").lower()
+        handler = getattr(self, method, None) if method in self.http_method_names else None
         if not unit.covered:
             # Django's and DRF's own behaviour; a keyless request of a protected method then
             # runs in a transaction of its own.
             super().initial(request, *args, **kwargs)  # type: ignore[misc]
-            if not unit.keyless:
+            if not unit.keyless or handler is None:
                 return
         else:
             with failing_closed():  # authentication usually queries the same database
                 super().initial(request, *args, **kwargs)  # type: ignore[misc]
+            if handler is None:
+                # DRF answers 405 right after initial(): nothing is claimed, so the key stays
+                # free for the request the client meant.
+                return
             require_parser(request)
         renderers = getattr(self, "renderer_classes", ())
         media_type = request.accepted_media_type if len(renderers) > 1 else None
-        method = (request.method or "").lower()
-        handler = getattr(self, method, None)
-        if getattr(self, "view_is_async", False) and handler is not None:
+        if getattr(self, "view_is_async", False):
             # adrf runs initial() on a thread: claim in the handler instead, on the event
             # loop, where a duplicate waits without holding a thread.
             setattr(self, method, self._claiming(handler, unit, media_type))

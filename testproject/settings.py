@@ -186,6 +186,9 @@ IDEMPOTENCY_PROBE_TOKEN = os.environ.get("IDEMPOTENCY_PROBE_TOKEN") or None
 # Unset, every server keys its locks with the database's shared secret (as it should); the
 # probe's tests set it per server to show the probe failing on two secrets.
 IDEMPOTENCY_SECRET_KEY = os.environ.get("IDEMPOTENCY_SECRET_KEY") or None
+# The version of the responses of views that declare none (the refunds view); the version
+# tests run servers on several at once, as a rolling deploy does.
+IDEMPOTENCY_RESPONSE_VERSION = os.environ.get("IDEMPOTENCY_RESPONSE_VERSION") or None
 
 CELERY_BROKER_URL = os.environ.get("CELERY_BROKER_URL", "memory://")
 if CELERY_BROKER_URL.startswith("filesystem://"):

@@ -212,12 +212,14 @@ def broker_from_settings_only() -> Iterator[None]:
 
 @pytest.fixture(autouse=True)
 def fresh_error_budget(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Each test starts a new minute of stored 4xx per principal
-    (``IDEMPOTENCY_MAX_STORED_ERRORS_PER_MINUTE``): the suite sends far more than the bound
-    as one anonymous principal, and a test must not depend on what ran before it."""
+    """Each test counts its stored 4xx per principal (``IDEMPOTENCY_MAX_STORED_ERRORS_PER_MINUTE``)
+    in one minute, whatever the clock does meanwhile (no test depends on a minute's end); the
+    counts of a test's transaction roll back with it, so the suite's many anonymous 4xx do not
+    carry over from test to test."""
     from django_idempotency.engine import keeping
 
-    monkeypatch.setattr(keeping, "error_budget", keeping._ErrorBudget())
+    minute = time.time()
+    monkeypatch.setattr(keeping, "error_budget", keeping._ErrorBudget(clock=lambda: minute))
 
 
 @pytest.fixture(scope="session")

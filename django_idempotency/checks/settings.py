@@ -1,14 +1,17 @@
 """The IDEMPOTENCY_* settings as written: types (E013), header (E002), durations (E003, E004),
-error format (E005), methods (E006), integers (E008), paths (E009, E011), beat (W001, E001)."""
+error format (E005), methods (E006), integers (E008), paths (E009, E011), beat (W001, E001),
+unknown names (W020), values outside their allowed set (E020), waiting that cannot (W022)."""
 
 from __future__ import annotations
 
+import difflib
 import re
 from collections.abc import Sequence
 from datetime import timedelta
 from typing import Any
 
 from django.apps import AppConfig, apps
+from django.conf import settings
 from django.core.checks import CheckMessage, Error, register
 from django.core.checks import Warning as CheckWarning
 from django.utils.module_loading import import_string
@@ -16,11 +19,18 @@ from django.utils.module_loading import import_string
 from django_idempotency import beat
 from django_idempotency.checks.base import as_written, ours
 from django_idempotency.conf import KINDS, conf, wrong_type
+from django_idempotency.engine.waiting import server_threads
 from django_idempotency.http.problems import ERROR_FORMATS
 
 # RFC 9110 token characters, less "_": WSGI servers drop header names with underscores.
 HEADER_NAME = re.compile(r"[!#$%&'*+\-.^`|~0-9A-Za-z]+")
 SAFE_METHODS = frozenset({"GET", "HEAD", "OPTIONS", "TRACE"})
+# The unsafe methods of RFC 9110 and RFC 5789 that a Django view can be asked for (CONNECT
+# never reaches one).
+UNSAFE_METHODS = frozenset({"POST", "PUT", "PATCH", "DELETE"})
+# The statuses a view's response can have that IDEMPOTENCY_UNSTORED_STATUSES may list: a
+# 1xx-3xx there would roll back every success of that status, and anything else never matches.
+UNSTORED_RANGE = range(400, 600)
 # (setting, smallest value allowed)
 DURATIONS = (
     ("TTL", timedelta.resolution),
@@ -149,6 +159,9 @@ def check_settings(app_configs: Sequence[AppConfig] | None, **kwargs: Any) -> li
                     id="django_idempotency.E008",
                 )
             )
+    messages += _unknown_settings()
+    messages += _outside_allowed_sets(invalid)
+    messages += _waiting_that_cannot_wait(invalid)
     messages += _function_setting(
         "PRINCIPAL",
         invalid,
@@ -165,6 +178,111 @@ def check_settings(app_configs: Sequence[AppConfig] | None, **kwargs: Any) -> li
         id="django_idempotency.E011",
     )
     return messages
+
+
+def _unknown_settings() -> list[CheckMessage]:
+    """An ``IDEMPOTENCY_*`` setting the app does not read: most likely a misspelling, which
+    would otherwise leave the setting it meant at its default without a word."""
+    messages: list[CheckMessage] = []
+    for name in sorted(n for n in dir(settings) if n.startswith("IDEMPOTENCY_")):
+        suffix = name.removeprefix("IDEMPOTENCY_")
+        if suffix in KINDS:
+            continue
+        # Without the prefix every name shares, which would make anything look close.
+        nearest = [f"IDEMPOTENCY_{n}" for n in difflib.get_close_matches(suffix, KINDS, n=1)]
+        guess = f" Did you mean {nearest[0]}?" if nearest else ""
+        messages.append(
+            CheckWarning(
+                f"{name} is not a setting of django-idempotency, so it has no effect.{guess}",
+                hint=(f"Rename it to {nearest[0]}, or remove it" if nearest else "Remove it")
+                + " (the settings: docs/settings.md; another package's: docs/migrating.md).",
+                id="django_idempotency.W020",
+            )
+        )
+    return messages
+
+
+def _outside_allowed_sets(invalid: set[str]) -> list[CheckMessage]:
+    """Values of the right type that no request can mean: an unknown method, a status no
+    response has (or a success, whose every answer would be rolled back), a header name no
+    request or response can carry."""
+    problems: list[tuple[str, str, str]] = []
+    methods = as_written("METHODS")
+    if methods is not None and "METHODS" not in invalid:
+        unknown = [m for m in methods if m.upper() not in SAFE_METHODS | UNSAFE_METHODS]
+        if unknown:
+            problems.append(
+                (
+                    "METHODS",
+                    f"{unknown!r}: not an HTTP method a view can be asked for",
+                    'List unsafe methods only, among "POST", "PUT", "PATCH" and "DELETE".',
+                )
+            )
+    statuses = as_written("UNSTORED_STATUSES")
+    if statuses is not None and "UNSTORED_STATUSES" not in invalid:
+        outside = [s for s in statuses if s not in UNSTORED_RANGE]
+        if outside:
+            problems.append(
+                (
+                    "UNSTORED_STATUSES",
+                    f"{outside!r}: not a 4xx or 5xx status",
+                    "List 4xx statuses that mean 'try again' (the default: 408, 409, 425, "
+                    "429); a success listed here would roll back every answer of that status.",
+                )
+            )
+    for name in ("FINGERPRINT_HEADERS", "REPLAY_HEADERS"):
+        headers = as_written(name)
+        if headers is None or name in invalid:
+            continue
+        bad = [h for h in headers if not HEADER_NAME.fullmatch(h)]
+        if bad:
+            problems.append(
+                (
+                    name,
+                    f"{bad!r}: not an HTTP header name",
+                    'Use header names as sent, letters, digits and hyphens ("X-Account"); '
+                    "web servers drop names with an underscore.",
+                )
+            )
+    return [
+        Error(
+            f"IDEMPOTENCY_{name} {said}.",
+            hint=hint,
+            id="django_idempotency.E020",
+        )
+        for name, said, hint in problems
+    ]
+
+
+def _waiting_that_cannot_wait(invalid: set[str]) -> list[CheckMessage]:
+    """IDEMPOTENCY_WAIT set where no sync request may wait: waiting on a thread is opt-in
+    twice (IDEMPOTENCY_MAX_WAITERS), and a server of one thread per process never waits."""
+    wait = as_written("WAIT")
+    if (
+        not isinstance(wait, timedelta)
+        or wait <= timedelta(0)
+        or invalid & {"WAIT", "MAX_WAITERS", "SERVER_THREADS"}
+    ):
+        return []
+    cap = conf.MAX_WAITERS
+    threads, source = server_threads()
+    if cap > 0:
+        if threads != 1:
+            return []
+        why = f"a server process has one request thread ({source}), which never waits"
+    elif getattr(settings, "ASGI_APPLICATION", None):
+        return []  # async views under ASGI wait without a cap: waiting works there
+    else:
+        why = "IDEMPOTENCY_MAX_WAITERS is 0 (its default), so no sync view waits"
+    return [
+        CheckWarning(
+            f"IDEMPOTENCY_WAIT is {wait}, but {why}: duplicates get 409 at once.",
+            hint="Set IDEMPOTENCY_MAX_WAITERS to how many requests of a process may wait at "
+            "once, below its thread count (and IDEMPOTENCY_SERVER_THREADS to that count), or "
+            "remove IDEMPOTENCY_WAIT (docs/settings.md, waiting without starving the server).",
+            id="django_idempotency.W022",
+        )
+    ]
 
 
 def _function_setting(name: str, invalid: set[str], *, hint: str, id: str) -> list[CheckMessage]:

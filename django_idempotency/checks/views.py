@@ -1,6 +1,6 @@
 """What each idempotent view of the URLconf risks: a claim before authentication (E014), a
 view reachable anonymously with no scope for anonymous keys (E017), a durable block (W005),
-records away from its writes (E012)."""
+records away from its writes (E012), a key run again after a version change (W021)."""
 
 from __future__ import annotations
 
@@ -75,6 +75,21 @@ def check_views(app_configs: Sequence[AppConfig] | None, **kwargs: Any) -> list[
                     "instead of running.",
                     hint="Use a plain transaction.atomic() in an idempotent view.",
                     id="django_idempotency.W005",
+                )
+            )
+        rerun = [e for e in endpoints if e.policy.rerun_other_versions]
+        if rerun:
+            messages.append(
+                CheckWarning(
+                    f"The idempotent view {_routes(rerun)} ({label}) runs a key's request "
+                    "again when its record was stored under another response version "
+                    "(rerun_other_versions): after a version change, a retry of a request "
+                    "that already took effect takes effect a second time.",
+                    hint="Keep this only where the view's effect is itself idempotent (it "
+                    "sets state rather than adding to it); otherwise remove "
+                    "rerun_other_versions, and such retries get 410 "
+                    "response-version-changed.",
+                    id="django_idempotency.W021",
                 )
             )
     return messages

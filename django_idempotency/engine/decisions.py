@@ -4,11 +4,9 @@ expired, reused), each logged and signalled."""
 from __future__ import annotations
 
 import logging
-from datetime import timedelta
 from typing import Any
 
 from django_idempotency import signals
-from django_idempotency.conf import conf
 from django_idempotency.engine.errors import (
     RETRY_AFTER_SECONDS,
     IdempotencyError,
@@ -16,6 +14,7 @@ from django_idempotency.engine.errors import (
     KeyExpired,
     KeyReused,
     Misconfigured,
+    VersionChanged,
 )
 from django_idempotency.engine.work import Decision, Refuse, Replay, Work
 from django_idempotency.storage import records, sealing
@@ -62,6 +61,21 @@ def decide(
             )
         )
     assert record is not None
+    if claimed.outcome is records.Outcome.STALE:
+        # unstale() kept it: the same request, already run under another version.
+        logger.info(
+            "Idempotency key %s has a record of another response version than %r; refused "
+            "(410) rather than run again",
+            short(work.key),
+            work.version,
+        )
+        return Refuse(
+            VersionChanged(
+                "This Idempotency-Key's request was already processed, but its response was "
+                "stored under another response version and cannot be replayed; it was not "
+                "processed again. Look the resource up (GET) instead of retrying.",
+            )
+        )
     changed = work.differing(record.fingerprint)
     if changed:
         logger.info("Idempotency key %s reused with different %s", short(work.key), changed)
@@ -118,12 +132,13 @@ def key_reused(changed: list[str]) -> KeyReused:
 
 
 def unstale(using: str, work: Work, claimed: records.Claimed) -> records.Claimed:
-    """A record of another version (contract 8): expired for the same request (410 where a
-    window is configured, else the key runs anew); another request on the key is a reused
-    key, whatever the versions (a view's version is no other view's)."""
+    """A record of another version (contract 8): another request on the key is a reused
+    key, whatever the versions (a view's version is no other view's); the same request
+    stays stale (410 response-version-changed: its work ran, and never runs again), unless
+    the view opted in to running anew (its effect is itself idempotent)."""
     assert claimed.record is not None
     if work.differing(claimed.record.fingerprint):
         return records.Claimed(records.Outcome.FOUND, record=claimed.record)
-    if timedelta(0) < conf.EXPIRED_WINDOW:
-        return records.Claimed(records.Outcome.EXPIRED, record=claimed.record)
-    return records.reclaim(using, claimed, principal=work.principal, key=work.key)
+    if work.rerun_other_versions:
+        return records.reclaim(using, claimed, principal=work.principal, key=work.key)
+    return claimed

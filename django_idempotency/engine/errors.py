@@ -66,6 +66,15 @@ class KeyExpired(IdempotencyError):
     outcome = EXPIRED
 
 
+class VersionChanged(IdempotencyError):
+    # The key's work ran under another response version: its effect stands, but its
+    # response is not one this server may replay (contract 8).
+    status, name = 410, "response-version-changed"
+    title = "The stored response is of another version"
+    stripe_status, stripe_code = 410, "idempotency_response_version_changed"
+    outcome = EXPIRED
+
+
 class StoreUnavailable(IdempotencyError):
     status, name, title = 503, "store-unavailable", "The idempotency store is unavailable"
     stripe_status, stripe_type, stripe_code = 503, "api_error", "idempotency_store_unavailable"

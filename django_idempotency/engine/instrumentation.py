@@ -174,7 +174,7 @@ def _instruments() -> _Instruments:
         errors_limited=meter.create_counter(
             ERRORS_LIMITED,
             "{principal}",
-            "Principals past IDEMPOTENCY_MAX_STORED_ERRORS_PER_MINUTE in a process, once a "
+            "Principals past IDEMPOTENCY_MAX_STORED_ERRORS_PER_MINUTE, once a "
             "minute each: their further 4xx are answered but not stored.",
         ),
     )

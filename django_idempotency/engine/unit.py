@@ -385,7 +385,7 @@ class UnitOfWork:
             # A 4xx from a transaction that cannot commit: answered, not stored.
             transaction.set_rollback(True, using=using)
             return False
-        if not keeps(result, self.work.principal, self.sender):
+        if not keeps(result, self.work.principal, self.sender, using):
             # Not stored means the retry runs the work again, so nothing it wrote may
             # stay either.
             transaction.set_rollback(True, using=using)

@@ -3,11 +3,17 @@ and the per-process cap on requests that wait on a thread of their own."""
 
 from __future__ import annotations
 
+import ast
+import functools
+import logging
 import os
-import re
+import shlex
+import sys
 import threading
 import time
+from collections.abc import Sequence
 from datetime import timedelta
+from pathlib import Path
 
 from django_idempotency.conf import conf
 
@@ -15,7 +21,8 @@ from django_idempotency.conf import conf
 # longest: a short holder is seen soon, a long one costs a few cheap claims a second.
 FIRST_PAUSE = 0.05
 LONGEST_PAUSE = 0.5
-GUNICORN_THREADS = re.compile(r"--threads[= ]+(\d+)")
+
+logger = logging.getLogger("django_idempotency")
 
 
 class _Waiters:
@@ -61,25 +68,132 @@ def waiter_limit() -> int:
         # sync worker, uWSGI without threads): a waiting request would hold all of it.
         return 0
     limit = conf.MAX_WAITERS
-    threads, _ = server_threads()
+    threads, source = server_threads()
     if threads is not None:
+        if limit >= threads:
+            _warn_once(limit, threads, source)
         limit = min(limit, threads - 1)
     return max(limit, 0)
 
 
+@functools.lru_cache(maxsize=4)
+def _warn_once(cap: int, threads: int, source: str) -> None:
+    # W008 at run time: `manage.py check` cannot see gunicorn's command line, this process can.
+    logger.warning(
+        "IDEMPOTENCY_MAX_WAITERS is %d, but a server process has %d request thread(s) (%s): "
+        "waiting duplicates and the request they wait for could hold every thread "
+        "(django_idempotency.W008). Set IDEMPOTENCY_MAX_WAITERS to %d or fewer (leave a thread "
+        "for each slow request you expect at once).",
+        cap,
+        threads,
+        source,
+        max(threads - 1, 0),
+    )
+
+
 def server_threads() -> tuple[int | None, str]:
     """The request threads of one server process, and where that was learnt:
-    IDEMPOTENCY_SERVER_THREADS, else gunicorn's ``--threads`` in GUNICORN_CMD_ARGS; None
-    when neither says."""
+    IDEMPOTENCY_SERVER_THREADS, else gunicorn's ``threads`` wherever gunicorn takes it (its
+    command line when this process is gunicorn's, GUNICORN_CMD_ARGS, its config file); None
+    when nothing says."""
     threads = conf.SERVER_THREADS
     if threads is not None:
         return threads, "IDEMPOTENCY_SERVER_THREADS"
-    args = os.environ.get("GUNICORN_CMD_ARGS")
-    if args is None:
-        return None, ""
-    found = GUNICORN_THREADS.search(args)
-    # gunicorn's default is one thread (its sync worker).
-    return (int(found.group(1)) if found else 1), "GUNICORN_CMD_ARGS"
+    # Cached per input: a waiting request asks on every wait.
+    return _gunicorn_threads(tuple(sys.argv), os.environ.get("GUNICORN_CMD_ARGS"), os.getcwd())
+
+
+def _under_gunicorn(argv: Sequence[str]) -> bool:
+    # `gunicorn ...` or `python -m gunicorn ...` (argv[0] is then gunicorn/__main__.py).
+    program = Path(argv[0]) if argv else Path()
+    return program.name == "gunicorn" or program.parent.name == "gunicorn"
+
+
+@functools.lru_cache(maxsize=8)
+def _gunicorn_threads(
+    argv: tuple[str, ...], env_args: str | None, cwd: str
+) -> tuple[int | None, str]:
+    """gunicorn's ``threads`` in its own order of precedence: the command line, then
+    GUNICORN_CMD_ARGS, then the config file (``-c``, else ``gunicorn.conf.py`` in the working
+    directory); its default, one thread, when gunicorn is known to serve and none says."""
+    command = _options(argv[1:]) if _under_gunicorn(argv) else None
+    environment = _options(shlex.split(env_args)) if env_args is not None else None
+    for options, source in (
+        (command, "gunicorn's command line"),
+        (environment, "GUNICORN_CMD_ARGS"),
+    ):
+        if options is not None and options.threads is not None:
+            return options.threads, source
+    config = next((o.config for o in (command, environment) if o is not None and o.config), None)
+    path = Path(cwd, config.removeprefix("file:")) if config else Path(cwd, "gunicorn.conf.py")
+    if not (config or "").startswith("python:") and path.is_file():
+        threads = _config_file_threads(path)
+        if threads is not None:
+            return threads, str(path)
+        if "threads" in path.read_text(errors="replace"):
+            return None, ""  # set, but not as a number we can read without running the file
+        return 1, str(path)
+    if command is not None or environment is not None:
+        return 1, "gunicorn's command line" if command is not None else "GUNICORN_CMD_ARGS"
+    return None, ""
+
+
+class _Options:
+    __slots__ = ("config", "threads")
+
+    def __init__(self, threads: int | None, config: str | None) -> None:
+        self.threads, self.config = threads, config
+
+
+def _options(args: Sequence[str]) -> _Options:
+    """``--threads`` and ``-c``/``--config`` of gunicorn arguments, as gunicorn's own parser
+    reads them (abbreviations such as ``--thread`` included) when gunicorn is installed."""
+    try:
+        from gunicorn.config import Config  # type: ignore[import-untyped]
+    except ImportError:
+        return _options_by_hand(args)
+    parser = Config().parser()
+    try:
+        found, _ = parser.parse_known_args(list(args))
+    except (SystemExit, ValueError):  # arguments gunicorn itself would refuse
+        return _Options(None, None)
+    threads = getattr(found, "threads", None)
+    return _Options(int(threads) if threads is not None else None, getattr(found, "config", None))
+
+
+def _options_by_hand(args: Sequence[str]) -> _Options:
+    threads: int | None = None
+    config: str | None = None
+    pending = ""
+    for arg in args:
+        name, eq, value = arg.partition("=")
+        if pending:
+            name, value, eq, pending = pending, arg, "=", ""
+        if name in ("--threads", "-c", "--config") and not eq:
+            pending = name
+            continue
+        if name == "--threads" and value.isdigit():
+            threads = int(value)
+        elif name in ("-c", "--config"):
+            config = value
+    return _Options(threads, config)
+
+
+def _config_file_threads(path: Path) -> int | None:
+    """``threads = N`` in a gunicorn config file, read without running the file."""
+    try:
+        tree = ast.parse(path.read_text(errors="replace"))
+    except (OSError, SyntaxError, ValueError):
+        return None
+    for node in tree.body:
+        if (
+            isinstance(node, ast.Assign)
+            and any(isinstance(t, ast.Name) and t.id == "threads" for t in node.targets)
+            and isinstance(node.value, ast.Constant)
+            and isinstance(node.value.value, int)
+        ):
+            return node.value.value
+    return None
 
 
 waiters = _Waiters()

@@ -26,8 +26,11 @@ class Work:
     path: str
     fingerprint: dict[str, str]
     ttl: timedelta
-    # The version of the responses the work makes: a record of another is expired.
+    # The version of the responses the work makes: a record of another is never replayed
+    # and, unless ``rerun_other_versions``, the same request on it is refused (410).
     version: str | None = None
+    rerun_other_versions: bool = False
+
     # What each fingerprint part digests (``engine.fingerprints``): the unit keys them into
     # ``fingerprint`` when it opens (where it reads the database's secret anyway), and
     # digests them plain only to compare with a record stored before keyed digests.

@@ -42,12 +42,16 @@ class ViewOptions(TypedDict, total=False):
     # The database of the view's writes (an alias, or a callable of the request), where its
     # records must live for the one-transaction guarantee; by default the router's.
     using: str | Callable[[HttpRequest], str] | None
-    # Keys of anonymous clients are meant (a receiver scoped otherwise): no refusal of an
-    # anonymous request that carries credentials, and no warning W004.
+    # Keys of anonymous clients are meant (a receiver scoped otherwise): no refusal of a
+    # keyed request under the anonymous principal, and no error E017.
     allow_anonymous: bool | None
     # The version of the view's responses ("2026-11"): a record stored under another version
-    # is expired. Changing it is a deploy step (docs/data-you-keep.md).
+    # is never replayed, and the same request on it gets 410 response-version-changed.
+    # Changing it is a deploy step (docs/data-you-keep.md).
     response_version: str | None
+    # Run such a request anew instead, for a view whose effect is itself idempotent (a PUT
+    # of a whole resource): warning W021 names each view that does.
+    rerun_other_versions: bool | None
 
 
 OPTION_NAMES: tuple[str, ...] = tuple(ViewOptions.__annotations__)
@@ -69,6 +73,7 @@ class Policy:
     allow_anonymous: bool
     key_from: KeyFunc | None
     version: str | None
+    rerun_other_versions: bool
     # The key's header, and as it appears in request.META.
     header: str
     header_meta: str
@@ -108,6 +113,7 @@ def resolve(options: ViewOptions) -> Policy:
         allow_anonymous=bool(options.get("allow_anonymous")),
         key_from=getattr(key_from, "__func__", key_from),
         version=options.get("response_version") or conf.RESPONSE_VERSION,
+        rerun_other_versions=bool(options.get("rerun_other_versions")),
         header=header,
         header_meta="HTTP_" + header.upper().replace("-", "_"),
     )

@@ -16,6 +16,7 @@ from django_idempotency.engine.errors import (
     KeyReused,
     MissingKey,
     StoreUnavailable,
+    VersionChanged,
 )
 from django_idempotency.http.options import Policy
 
@@ -67,4 +68,6 @@ def possible_errors(policy: Policy) -> list[type[IdempotencyError]]:
         errors.insert(0, MissingKey)
     if conf.EXPIRED_WINDOW:
         errors.append(KeyExpired)
+    if policy.version is not None and not policy.rerun_other_versions:
+        errors.append(VersionChanged)
     return errors

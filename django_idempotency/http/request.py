@@ -281,6 +281,7 @@ class RequestUnit:
             fingerprint={},  # keyed by the unit when it opens
             ttl=policy.ttl,
             version=policy.version,
+            rerun_other_versions=policy.rerun_other_versions,
             messages=messages,
         )
         return UnitOfWork(

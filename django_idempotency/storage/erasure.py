@@ -17,7 +17,7 @@ from typing import Any
 from django.db import connections, transaction
 
 from django_idempotency import signals
-from django_idempotency.models import IdempotencyRecord
+from django_idempotency.models import IdempotencyRecord, StoredErrorCount
 from django_idempotency.storage import digests
 
 logger = logging.getLogger("django_idempotency")
@@ -102,6 +102,8 @@ def erase(using: str, principal: str, *, batch: int, wait: timedelta = WAIT) -> 
     (after logging and signalling what it erased) if some still run. Logged, and signalled
     (``records_erased``). Running it again erases nothing more."""
     started = time.monotonic()
+    # The principal's count of stored 4xx names it too (rows of a minute or two).
+    StoredErrorCount._default_manager.using(using).filter(scope=principal).delete()
     in_flight = _in_flight(using, principal)
     erased = sum(_batches(using, principal, batch))
     pending = _wait_for(using, principal, in_flight, wait) if in_flight else 0

@@ -191,6 +191,10 @@ def test_check_ids_are_unique() -> None:
         "django_idempotency.W008",
         "django_idempotency.W009",
         "django_idempotency.W010",
+        "django_idempotency.W020",
+        "django_idempotency.E020",
+        "django_idempotency.W021",
+        "django_idempotency.W022",
         "django_idempotency.E101",
         "django_idempotency.W101",
         "django_idempotency.W102",
@@ -284,10 +288,14 @@ def test_zero_waits_and_no_expired_window_are_fine() -> None:
     ("overrides", "named"),
     [
         ({"IDEMPOTENCY_TTL": timedelta(hours=48)}, "IDEMPOTENCY_TTL (2 days, 0:00:00)"),
-        ({"IDEMPOTENCY_WAIT": timedelta(seconds=30)}, "IDEMPOTENCY_WAIT (0:00:30)"),
+        (
+            # With a waiter cap: a wait no request can take is another warning (W022).
+            {"IDEMPOTENCY_WAIT": timedelta(seconds=30), "IDEMPOTENCY_MAX_WAITERS": 2},
+            "IDEMPOTENCY_WAIT (0:00:30)",
+        ),
     ],
 )
-def test_e004_a_default_beyond_its_maximum(overrides: dict[str, timedelta], named: str) -> None:
+def test_e004_a_default_beyond_its_maximum(overrides: dict[str, Any], named: str) -> None:
     with override_settings(**overrides):
         (message,) = checks.check_settings(None)
     assert message.id == "django_idempotency.E004"
@@ -638,6 +646,14 @@ def test_e017_respects_login_required_middleware_and_login_not_required() -> Non
 
 
 @pytest.mark.urls("tests.support.urls")
+def test_w021_names_each_view_that_runs_a_key_anew_after_a_version_change() -> None:
+    assert routes_in("django_idempotency.W021") == {"/drf/rerun-versions/"}
+    (warning,) = [m for m in checks.check_views(None) if m.id == "django_idempotency.W021"]
+    assert "(tests.support.views.GuardedView)" in warning.msg
+    assert "rerun_other_versions" in warning.hint
+
+
+@pytest.mark.urls("tests.support.urls")
 def test_w005_an_idempotent_view_that_opens_a_durable_block() -> None:
     durable = [m for m in checks.check_views(None) if m.id == "django_idempotency.W005"]
     assert len(durable) == 1
@@ -774,6 +790,101 @@ def test_e014_idempotent_outside_the_views_own_authentication() -> None:
     assert "below @api_view" in errors[0].hint
 
 
+# Settings the app does not know, and values outside their allowed set (W020, E020), and
+# waiting that cannot wait (W022).
+
+
+@pytest.mark.parametrize(
+    ("name", "nearest"),
+    [
+        ("IDEMPOTENCY_REQUIRD", "IDEMPOTENCY_REQUIRED"),
+        ("IDEMPOTENCY_METHOD", "IDEMPOTENCY_METHODS"),
+        ("IDEMPOTENCY_MAX_WAITER", "IDEMPOTENCY_MAX_WAITERS"),
+        ("IDEMPOTENCY_ENCRYPTION_KEY", "IDEMPOTENCY_ENCRYPTION_KEYS"),
+        # Another package's setting, left behind by a migration: named, nothing guessed.
+        ("IDEMPOTENCY_KEY_EXEMPT_PATH_RE", None),
+    ],
+)
+def test_w020_an_unknown_setting_names_the_nearest_known_one(name: str, nearest: str) -> None:
+    with override_settings(**{name: True}):
+        (message,) = [m for m in checks.check_settings(None) if m.id == "django_idempotency.W020"]
+    assert message.msg.startswith(f"{name} is not a setting of django-idempotency")
+    if nearest:
+        assert message.msg.endswith(f"Did you mean {nearest}?")
+        assert f"Rename it to {nearest}" in message.hint
+    else:
+        assert "Did you mean" not in message.msg
+
+
+def test_manage_py_check_warns_of_a_misspelt_setting(tmp_path: Path) -> None:
+    output = manage_py_check(tmp_path, "IDEMPOTENCY_REQUIRD = True\n")
+    assert "django_idempotency.W020" in output
+    assert "did you mean idempotency_required?" in output.lower()
+
+
+@pytest.mark.parametrize(
+    ("overrides", "said"),
+    [
+        ({"IDEMPOTENCY_METHODS": ["POST", "GETT"]}, "IDEMPOTENCY_METHODS ['GETT']"),
+        ({"IDEMPOTENCY_METHODS": ("post", "CONNECT")}, "IDEMPOTENCY_METHODS ['CONNECT']"),
+        ({"IDEMPOTENCY_UNSTORED_STATUSES": [429, 201]}, "IDEMPOTENCY_UNSTORED_STATUSES [201]"),
+        ({"IDEMPOTENCY_UNSTORED_STATUSES": [4290]}, "IDEMPOTENCY_UNSTORED_STATUSES [4290]"),
+        ({"IDEMPOTENCY_FINGERPRINT_HEADERS": ["X_Account"]}, "['X_Account']"),
+        ({"IDEMPOTENCY_REPLAY_HEADERS": ["X-Request Id"]}, "['X-Request Id']"),
+    ],
+)
+def test_e020_a_value_outside_its_settings_allowed_set(overrides: dict, said: str) -> None:
+    with override_settings(**overrides):
+        errors = [m for m in checks.check_settings(None) if m.id == "django_idempotency.E020"]
+    assert len(errors) == 1 and said in errors[0].msg
+    assert isinstance(errors[0], Error) and errors[0].hint
+
+
+def test_known_methods_statuses_and_headers_are_fine() -> None:
+    with override_settings(
+        IDEMPOTENCY_METHODS=["post", "PUT", "PATCH", "DELETE"],
+        IDEMPOTENCY_UNSTORED_STATUSES=[408, 409, 425, 429, 503],
+        IDEMPOTENCY_FINGERPRINT_HEADERS=["X-Account"],
+        IDEMPOTENCY_REPLAY_HEADERS=["X-Request-Id"],
+    ):
+        assert setting_ids() == []
+
+
+@pytest.mark.parametrize(
+    ("overrides", "env", "said"),
+    [
+        ({}, None, "IDEMPOTENCY_MAX_WAITERS is 0 (its default)"),
+        ({"IDEMPOTENCY_MAX_WAITERS": 2}, "--workers 4", "one request thread (GUNICORN_CMD_ARGS)"),
+    ],
+)
+def test_w022_a_wait_that_no_request_can_take(
+    monkeypatch, overrides: dict, env: str | None, said: str
+) -> None:
+    monkeypatch.delenv("GUNICORN_CMD_ARGS", raising=False)
+    if env is not None:
+        monkeypatch.setenv("GUNICORN_CMD_ARGS", env)
+    with override_settings(IDEMPOTENCY_WAIT=timedelta(seconds=2), **overrides):
+        (message,) = [m for m in checks.check_settings(None) if m.id == "django_idempotency.W022"]
+    assert message.msg.startswith("IDEMPOTENCY_WAIT is 0:00:02, but ")
+    assert said in message.msg
+    assert "IDEMPOTENCY_MAX_WAITERS" in message.hint
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        {"IDEMPOTENCY_WAIT": timedelta(seconds=2), "IDEMPOTENCY_MAX_WAITERS": 2},
+        {"IDEMPOTENCY_WAIT": timedelta(seconds=2), "ASGI_APPLICATION": "testproject.asgi.app"},
+        {"IDEMPOTENCY_MAX_WAITERS": 0},
+    ],
+    ids=["capped", "asgi", "no-wait"],
+)
+def test_waiting_with_what_it_needs_is_fine(monkeypatch, overrides: dict) -> None:
+    monkeypatch.delenv("GUNICORN_CMD_ARGS", raising=False)
+    with override_settings(**overrides):
+        assert "django_idempotency.W022" not in setting_ids()
+
+
 # The server shape (django_idempotency.W008, W009).
 
 
@@ -842,6 +953,77 @@ def test_a_waiter_cap_below_the_thread_count_is_fine(
     if env is not None:
         monkeypatch.setenv("GUNICORN_CMD_ARGS", env)
     with override_settings(**overrides):
+        assert server_ids() == []
+
+
+GUNICORN_BIN = "/srv/venv/bin/gunicorn"
+GUNICORN_MAIN = "/srv/venv/lib/python3.12/site-packages/gunicorn/__main__.py"
+
+
+@pytest.mark.parametrize(
+    ("argv", "env", "config", "threads", "source"),
+    [
+        ([GUNICORN_BIN, "app.wsgi", "--threads", "4"], None, None, 4, "gunicorn's command line"),
+        ([GUNICORN_MAIN, "--threads=4", "app.wsgi"], None, None, 4, "gunicorn's command line"),
+        # gunicorn's own parser: an abbreviation it accepts, and the command line over the
+        # environment.
+        ([GUNICORN_BIN, "--thread", "4", "app.wsgi"], "--threads 2", None, 4, "command line"),
+        ([GUNICORN_BIN, "app.wsgi"], "--threads 4", "threads = 2\n", 4, "GUNICORN_CMD_ARGS"),
+        ([GUNICORN_BIN, "app.wsgi"], None, "workers = 2\nthreads = 4\n", 4, "gunicorn.conf.py"),
+        (
+            [GUNICORN_BIN, "-c", "deploy/gunicorn.py", "app.wsgi"],
+            None,
+            "threads = 4\n",
+            4,
+            "deploy/gunicorn.py",
+        ),
+        # A check run beside the config file gunicorn will read.
+        (["manage.py", "check"], None, "threads = 4\n", 4, "gunicorn.conf.py"),
+        # gunicorn's sync worker, started without --threads: one thread.
+        ([GUNICORN_BIN, "-w", "4", "app.wsgi"], None, None, 1, "gunicorn's command line"),
+    ],
+    ids=["cli", "cli-eq-module", "abbreviated", "env", "conf", "conf-flag", "check", "sync"],
+)
+def test_w008_reads_the_thread_count_wherever_gunicorn_takes_it(
+    monkeypatch, tmp_path: Path, argv, env, config, threads: int, source: str
+) -> None:
+    monkeypatch.delenv("GUNICORN_CMD_ARGS", raising=False)
+    if env is not None:
+        monkeypatch.setenv("GUNICORN_CMD_ARGS", env)
+    monkeypatch.setattr(sys, "argv", argv)
+    monkeypatch.chdir(tmp_path)
+    if config is not None:
+        name = argv[2] if "-c" in argv else "gunicorn.conf.py"
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(config)
+    with override_settings(IDEMPOTENCY_MAX_WAITERS=threads):
+        (message,) = checks.check_servers(None)
+    assert message.id == "django_idempotency.W008"
+    assert f"a server process has {threads} request thread(s) (" in message.msg
+    assert source in message.msg
+
+
+def test_at_run_time_the_waiter_cap_stays_below_gunicorns_command_line_threads(
+    monkeypatch, tmp_path: Path
+) -> None:
+    from django_idempotency.engine import waiting
+
+    monkeypatch.delenv("GUNICORN_CMD_ARGS", raising=False)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "argv", [GUNICORN_BIN, "--threads", "4", "app.wsgi"])
+    monkeypatch.setattr(waiting.threading, "main_thread", lambda: None)  # a gthread worker
+    with override_settings(IDEMPOTENCY_MAX_WAITERS=4):
+        assert waiting.waiter_limit() == 3
+
+
+def test_a_config_file_whose_threads_cannot_be_read_without_running_it_is_not_guessed(
+    monkeypatch, tmp_path: Path
+) -> None:
+    monkeypatch.delenv("GUNICORN_CMD_ARGS", raising=False)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "argv", ["manage.py", "check"])
+    (tmp_path / "gunicorn.conf.py").write_text("import os\nthreads = os.cpu_count() * 2\n")
+    with override_settings(IDEMPOTENCY_MAX_WAITERS=4):
         assert server_ids() == []
 
 

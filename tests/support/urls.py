@@ -37,6 +37,12 @@ urlpatterns = [
     path("drf/lookup-first/", views.ScriptedView.as_view(idempotency_lookup_first=True)),
     path("drf/no-wait/", views.ScriptedView.as_view(idempotency_wait=timedelta(0))),
     path("drf/guarded/", views.GuardedView.as_view()),
+    path(
+        "drf/rerun-versions/",
+        views.GuardedView.as_view(
+            idempotency_response_version="2", idempotency_rerun_other_versions=True
+        ),
+    ),
     path("drf/upload/", views.Upload.as_view()),
     path("drf/traced/", views.TracedView.as_view()),
     path("drf/negotiated/", views.NegotiatedView.as_view()),
