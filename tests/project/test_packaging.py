@@ -169,3 +169,25 @@ def test_the_lowest_env_runs_the_optional_wings() -> None:
         assert module in commands
     extras = tox()["testenv:lowest"]["extras"].split()
     assert set(extras) == set(PROJECT["optional-dependencies"]) - {"adrf", "celery"}
+
+
+@pytest.mark.parametrize("page", ["README.md", "docs/installation.md"])
+def test_the_extras_tables_list_every_extra(page: str) -> None:
+    text = (ROOT / page).read_text()
+    listed = set(re.findall(r"^\| `([a-z]+)` \|", text, re.MULTILINE))
+    assert listed == set(PROJECT["optional-dependencies"])
+
+
+def test_every_pip_install_of_the_package_names_the_wheel_built_from_a_clone() -> None:
+    # Nothing is uploaded yet: "pip install django-idempotency[...]" would fail or install
+    # someone else's package.
+    pages = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+    wheel = f"dist/django_idempotency-{PROJECT['version']}-py3-none-any.whl"
+    bad = []
+    for page in pages:
+        if page.name == "changelog.md":
+            continue
+        for line in page.read_text().splitlines():
+            if re.search(r"pip install .*django[-_]idempotency(?!-)", line) and wheel not in line:
+                bad.append(f"{page.name}: {line.strip()}")
+    assert bad == []
