@@ -58,7 +58,10 @@ def undeclared_imports(root: Path) -> list[str]:
     for name, path in modules(root).items():
         tops = {third_party(module) for module in imports.imports_of(name, path).everything()}
         for top in sorted(tops - {None}):
-            distributions = {canonical(d) for d in owners.get(top, [])}
+            # Not installed here (an extra this environment lacks): the walk's table names it.
+            distributions = {canonical(d) for d in owners.get(top, [])} or {
+                d for d, name in imports.IMPORT_NAMES.items() if name == top
+            }
             if not distributions & allowed:
                 where = ", ".join(sorted(distributions)) or "not installed"
                 problems.append(f"{name} imports {top} ({where}): declared by no extra")
@@ -222,8 +225,10 @@ def test_the_walk_knows_each_declared_distribution_by_its_import_name() -> None:
     owners = importlib.metadata.packages_distributions()
     optional = {d for e, ds in declared_distributions().items() if e for d in ds}
     assert set(imports.IMPORT_NAMES) == optional
+    installed = {canonical(d.metadata["Name"]) for d in importlib.metadata.distributions()}
     for distribution, top in imports.IMPORT_NAMES.items():
-        assert distribution in {canonical(d) for d in owners.get(top, [])}, (distribution, top)
+        if distribution in installed:  # the others: where the test environment has them
+            assert distribution in {canonical(d) for d in owners.get(top, [])}, (distribution, top)
 
 
 BROKEN = {

@@ -185,6 +185,7 @@ class Walk:
         self.modules = modules(root)
         self.parsed = {name: imports_of(name, path) for name, path in self.modules.items()}
         self.memo: dict[str, bool] = {}
+        self.undeclared: set[str] = set()
 
     def loads(self, name: str) -> bool:
         """Whether importing this dotted name would work."""
@@ -201,7 +202,10 @@ class Walk:
         if top is None:
             return True
         if top not in set(IMPORT_NAMES.values()) | ALWAYS:
-            raise SystemExit(f"import walk: {name} is not a declared distribution's module")
+            # Declared by nothing: imported all the same, so that the walk shows what a
+            # project without it gets, and then fails.
+            self.undeclared.add(top)
+            return True
         return top in self.available
 
     def importable(self, name: str) -> bool:
@@ -236,22 +240,28 @@ def walk(extras: list[str]) -> int:
     django.setup()
     plan = Walk(set(extras), installed_requirements())
     left_out = sorted(name for name in plan.modules if not plan.loads(name))
-    done = 0
+    done, failed = 0, []
     for name in plan.modules:
         if name in left_out:
             continue
         try:
             importlib.import_module(name)
         except Exception as exc:
-            print(f"import walk: FAIL {name}: {type(exc).__name__}: {exc}", file=sys.stderr)
-            return 1
-        done += 1
+            failed.append(f"import walk: FAIL {name}: {type(exc).__name__}: {exc}")
+        else:
+            done += 1
     print(
         f"import walk ({','.join(extras) or 'no extra'}, Django {django.get_version()}): "
         f"imported {done} modules; {len(left_out)} need other extras"
         + (f" ({', '.join(n.removeprefix(PACKAGE + '.') for n in left_out)})" if left_out else "")
     )
-    return 0
+    failed += [
+        f"import walk: FAIL {top} is imported but no extra declares it"
+        for top in sorted(plan.undeclared)
+    ]
+    if failed:
+        print("\n".join(failed), file=sys.stderr)
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":
