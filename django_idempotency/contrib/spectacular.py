@@ -4,7 +4,7 @@ app may answer; ``AppConfig.ready()`` imports this module, which registers the e
 from __future__ import annotations
 
 import functools
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from drf_spectacular.extensions import OpenApiViewExtension
 from drf_spectacular.openapi import AutoSchema
@@ -26,8 +26,13 @@ from django_idempotency.http.options import Policy
 from django_idempotency.http.problems import PROBLEM_CONTENT_TYPE, possible_errors, status_for
 from django_idempotency.http.request import REPLAYED_HEADER
 
+if TYPE_CHECKING:
+    _Serializer = serializers.Serializer[Any]
+else:  # generic in the stubs; DRF's own may stop taking a subscript at run time
+    _Serializer = serializers.Serializer
 
-class IdempotencyProblemSerializer(serializers.Serializer[Any]):
+
+class IdempotencyProblemSerializer(_Serializer):
     """An RFC 9457 problem: what django-idempotency answers instead of running the view."""
 
     type = serializers.CharField(help_text="A URI naming the problem type.")
@@ -44,14 +49,14 @@ class IdempotencyProblemSerializer(serializers.Serializer[Any]):
     )
 
 
-class IdempotencyStripeErrorDetailSerializer(serializers.Serializer[Any]):
+class IdempotencyStripeErrorDetailSerializer(_Serializer):
     type = serializers.CharField()
     message = serializers.CharField()
     code = serializers.CharField(required=False)
     differing = serializers.ListField(child=serializers.CharField(), required=False)
 
 
-class IdempotencyStripeErrorSerializer(serializers.Serializer[Any]):
+class IdempotencyStripeErrorSerializer(_Serializer):
     """Stripe's error object, answered when ``IDEMPOTENCY_ERROR_FORMAT = "stripe"``."""
 
     error = IdempotencyStripeErrorDetailSerializer()

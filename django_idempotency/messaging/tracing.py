@@ -8,7 +8,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator, Mapping
 from types import MappingProxyType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from django_idempotency.engine.instrumentation import ENABLED, SCOPE, listening
 
@@ -106,8 +106,12 @@ def _failed(span: Any, exc: BaseException) -> None:
 
 
 if ENABLED:
+    if TYPE_CHECKING:
+        _Getter = Getter[Any]
+    else:  # subscripted in the types only, like every third-party base of the package
+        _Getter = Getter
 
-    class _RequestGetter(Getter[Any]):
+    class _RequestGetter(_Getter):
         """Reads a Celery task's request: a message header is an attribute of it (a worker),
         or an entry of its ``headers`` (an eager call)."""
 

@@ -132,3 +132,62 @@ def test_the_changelog_dates_the_version_being_released() -> None:
     assert f"{PROJECT['version']} (" in " ".join(headings)
     (released,) = [h for h in headings if h.startswith(PROJECT["version"])]
     assert re.fullmatch(r"\d+\.\d+\.\d+ \(\d{4}-\d\d-\d\d\)", released)
+
+
+def tox_envs() -> list[str]:
+    """tox.ini's env_list, its braces expanded ("py312-django{61, 60}-tasks": two)."""
+    envs: list[str] = []
+    for entry in re.split(r"\s*\n\s*", tox()["tox"]["env_list"].strip()):
+        match = re.fullmatch(r"(.*)\{([^}]*)\}(.*)", entry)
+        factors = [f.strip() for f in match[2].split(",")] if match else [""]
+        envs += [f"{match[1]}{f}{match[3]}" if match else entry for f in factors]
+    return envs
+
+
+def test_ci_runs_every_environment_the_env_list_declares() -> None:
+    # Declare only what CI runs: each env of env_list is a tox run of .ci/run, but the
+    # README's command, which .ci/run runs as written in a Python 3.11 / Django 5.2 .venv.
+    ci = (ROOT / ".ci" / "run").read_text()
+    ran = set(re.findall(r"^\s*tox_env (\S+)", ci, re.MULTILINE))
+    envs = set(tox_envs())
+    assert envs - ran == {"py311-django52-beat"}
+    assert ran <= envs
+    assert 'bash -c "$TEST_COMMAND"' in ci and "python3 -m venv .venv" in README
+    commands = tox()["testenv"]["commands"]
+    assert "-n 2 --dist loadfile" in commands  # py311-django52-beat runs as the README does
+
+
+def test_the_lowest_env_runs_the_optional_wings() -> None:
+    commands = tox()["testenv:lowest"]["commands"]
+    for module in (
+        "tests/messaging/test_nats.py",  # nats
+        "tests/messaging/test_trace_context.py",  # tasks (the backport) and otel
+        "tests/scenarios/test_asgi.py",
+        "tests/operators/test_telemetry.py",
+        "tests/scenarios/test_encrypted_at_rest.py",  # encryption
+    ):
+        assert module in commands
+    extras = tox()["testenv:lowest"]["extras"].split()
+    assert set(extras) == set(PROJECT["optional-dependencies"]) - {"adrf", "celery"}
+
+
+@pytest.mark.parametrize("page", ["README.md", "docs/installation.md"])
+def test_the_extras_tables_list_every_extra(page: str) -> None:
+    text = (ROOT / page).read_text()
+    listed = set(re.findall(r"^\| `([a-z]+)` \|", text, re.MULTILINE))
+    assert listed == set(PROJECT["optional-dependencies"])
+
+
+def test_every_pip_install_of_the_package_names_the_wheel_built_from_a_clone() -> None:
+    # Nothing is uploaded yet: "pip install django-idempotency[...]" would fail or install
+    # someone else's package.
+    pages = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+    wheel = f"dist/django_idempotency-{PROJECT['version']}-py3-none-any.whl"
+    bad = []
+    for page in pages:
+        if page.name == "changelog.md":
+            continue
+        for line in page.read_text().splitlines():
+            if re.search(r"pip install .*django[-_]idempotency(?!-)", line) and wheel not in line:
+                bad.append(f"{page.name}: {line.strip()}")
+    assert bad == []
