@@ -146,22 +146,9 @@ class _Options:
 
 
 def _options(args: Sequence[str]) -> _Options:
-    """``--threads`` and ``-c``/``--config`` of gunicorn arguments, as gunicorn's own parser
-    reads them (abbreviations such as ``--thread`` included) when gunicorn is installed."""
-    try:
-        from gunicorn.config import Config  # type: ignore[import-untyped]
-    except ImportError:
-        return _options_by_hand(args)
-    parser = Config().parser()
-    try:
-        found, _ = parser.parse_known_args(list(args))
-    except (SystemExit, ValueError):  # arguments gunicorn itself would refuse
-        return _Options(None, None)
-    threads = getattr(found, "threads", None)
-    return _Options(int(threads) if threads is not None else None, getattr(found, "config", None))
-
-
-def _options_by_hand(args: Sequence[str]) -> _Options:
+    """``--threads`` and ``-c``/``--config`` of gunicorn arguments, read as gunicorn's argparse
+    parser reads them, abbreviations included (``--thread 4``, ``--threads=4``). By hand: the
+    package does not depend on gunicorn."""
     threads: int | None = None
     config: str | None = None
     pending = ""
@@ -169,6 +156,7 @@ def _options_by_hand(args: Sequence[str]) -> _Options:
         name, eq, value = arg.partition("=")
         if pending:
             name, value, eq, pending = pending, arg, "=", ""
+        name = _long_option(name)
         if name in ("--threads", "-c", "--config") and not eq:
             pending = name
             continue
@@ -177,6 +165,18 @@ def _options_by_hand(args: Sequence[str]) -> _Options:
         elif name in ("-c", "--config"):
             config = value
     return _Options(threads, config)
+
+
+# argparse takes any unambiguous prefix of a long option; among gunicorn's, these are the
+# shortest that name only --threads and --config.
+_ABBREVIATIONS = {"--threads": "--th", "--config": "--con"}
+
+
+def _long_option(name: str) -> str:
+    for option, shortest in _ABBREVIATIONS.items():
+        if name.startswith(shortest) and option.startswith(name):
+            return option
+    return name
 
 
 def _config_file_threads(path: Path) -> int | None:

@@ -25,14 +25,18 @@ CHARGE = {"amount": 2499, "currency": "inr"}
 RUNS: list[str] = []
 
 
-@idempotent
+# Anonymous on purpose: the tests are about methods, not principals.
+ANONYMOUS_OK = idempotent(allow_anonymous=True)
+
+
+@ANONYMOUS_OK
 @require_POST
 def post_only(request: HttpRequest) -> JsonResponse:
     RUNS.append(request.method or "")
     return JsonResponse({"run": len(RUNS)}, status=201)
 
 
-@idempotent(methods=["POST", "PUT", "PATCH"])
+@idempotent(methods=["POST", "PUT", "PATCH"], allow_anonymous=True)
 @require_http_methods(["GET", "POST", "PUT"])
 def no_patch(request: HttpRequest) -> JsonResponse:
     RUNS.append(request.method or "")
@@ -50,7 +54,7 @@ class PostOnly(View):
         return HttpResponse()
 
 
-@method_decorator(idempotent, name="dispatch")
+@method_decorator(ANONYMOUS_OK, name="dispatch")
 class DispatchDecorated(PostOnly):
     pass
 
@@ -58,7 +62,7 @@ class DispatchDecorated(PostOnly):
 urlpatterns = [
     path("post-only/", post_only),
     path("no-patch/", no_patch),
-    path("class/", idempotent(PostOnly.as_view())),
+    path("class/", ANONYMOUS_OK(PostOnly.as_view())),
     path("dispatch/", DispatchDecorated.as_view()),
 ]
 
