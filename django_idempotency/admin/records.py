@@ -291,8 +291,13 @@ class IdempotencyRecordAdmin(ReadOnlyLargeTableAdmin[IdempotencyRecord]):
             found |= Q(scope__in=principals)
         return queryset.filter(found), False
 
-    def get_actions(self, request: HttpRequest) -> dict[str, Any]:
-        actions = super().get_actions(request)
+    def get_actions(self, request: HttpRequest, action_location: Any = None) -> dict[str, Any]:
+        # Django 6.1 names where the actions show (and warns about an override that does not
+        # take it); earlier versions pass nothing.
+        if action_location is None:
+            actions = super().get_actions(request)
+        else:
+            actions = super().get_actions(request, action_location=action_location)  # type: ignore[call-arg, unused-ignore]
         # Deleting frees a key; it is done one record at a time, from its page.
         actions.pop("delete_selected", None)
         return actions
