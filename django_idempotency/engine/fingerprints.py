@@ -15,13 +15,7 @@ PRINCIPAL = "principal"
 
 def keyed_parts(using: str, messages: Mapping[str, bytes]) -> dict[str, str]:
     """A keyed digest of each part, for the records' database ``using``."""
-    key = digests.keyed(using, FINGERPRINT)
-    parts = {}
-    for name, message in messages.items():
-        mac = key.copy()
-        mac.update(message)
-        parts[name] = digests.PREFIX + mac.hexdigest()
-    return parts
+    return {name: digests.digest_hex(using, FINGERPRINT, m) for name, m in messages.items()}
 
 
 def plain_parts(messages: Mapping[str, bytes]) -> dict[str, str]:
@@ -33,8 +27,3 @@ def principal_digest(using: str, principal: bytes) -> str:
     """A principal stored as a digest: keyed, over its SHA-256 (as migration 0017 keys the
     plain ones stored before)."""
     return digests.digest_hex(using, PRINCIPAL, hashlib.sha256(principal).hexdigest().encode())
-
-
-def is_keyed(value: object) -> bool:
-    """Whether a stored digest is keyed."""
-    return digests.is_keyed(value)

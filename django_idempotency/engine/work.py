@@ -9,8 +9,9 @@ from datetime import timedelta
 from typing import Any, ClassVar
 
 from django_idempotency.engine.errors import REPLAYED, WON, IdempotencyError
-from django_idempotency.engine.fingerprints import is_keyed, keyed_parts, plain_parts
+from django_idempotency.engine.fingerprints import keyed_parts, plain_parts
 from django_idempotency.storage import bodies, records
+from django_idempotency.storage.digests import is_keyed
 
 # The order in which differing parts of a fingerprint are reported.
 PARTS = ("method", "path", "query", "body")

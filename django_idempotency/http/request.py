@@ -48,8 +48,6 @@ logger = logging.getLogger("django_idempotency")
 # key's stored one, DRF's object permissions) and the answer is 204 without a claim: the
 # view never runs.
 PROBE_HEADER = "Idempotency-Probe"
-
-
 PROBE_PRINCIPAL_HEADER = "Idempotency-Probe-Principal"
 
 
