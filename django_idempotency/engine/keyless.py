@@ -13,7 +13,7 @@ from typing import Any
 from django.core.exceptions import ImproperlyConfigured
 from django.db import InterfaceError, OperationalError, transaction
 
-from django_idempotency.engine.errors import RolledBack
+from django_idempotency.engine.unit import rolled_back
 from django_idempotency.engine.work import view_name
 from django_idempotency.storage import records
 
@@ -99,14 +99,7 @@ class KeylessWork:
             if outcome >= 500 or broken:
                 transaction.set_rollback(True, using=using)
             if broken and 200 <= outcome < 400:
-                logger.error(
-                    "The protected view %s answered %s to a request without a key, but its "
-                    "transaction was marked for rollback, so nothing it did was committed; "
-                    "answered 500 instead. Catch database errors inside "
-                    "transaction.atomic() (a savepoint).",
-                    view_name(self.sender),
+                raise rolled_back(
+                    f"The protected view {view_name(self.sender)} (a request without a key)",
                     outcome,
-                )
-                raise RolledBack(
-                    "The request's work was rolled back, so it did not take effect. Retry."
                 )

@@ -87,6 +87,19 @@ def secret_required(sender: Any, kind: str = "view") -> Iterator[None]:
         ) from exc
 
 
+def rolled_back(who: str, status: int, retry: str = "Retry.") -> RolledBack:
+    """The refusal of a 2xx or 3xx whose transaction was marked for rollback, logged: the
+    client is never told of work that did not commit (keyed or not)."""
+    logger.error(
+        "%s answered %s, but its transaction was marked for rollback, so nothing it did was "
+        "committed; answered 500 instead. Catch database errors inside transaction.atomic() "
+        "(a savepoint).",
+        who,
+        status,
+    )
+    return RolledBack(f"The request's work was rolled back, so it did not take effect. {retry}")
+
+
 def _name(sender: Any, kind: str = "view") -> str:
     return f"{kind} {view_name(sender)}"
 
@@ -370,16 +383,10 @@ class UnitOfWork:
             broken = records.transaction_broken(using)
         if broken and 200 <= result.status < 400:
             transaction.set_rollback(True, using=using)
-            logger.error(
-                "An idempotent %s answered %s, but its transaction was marked for rollback, "
-                "so nothing it did was committed; answered 500 instead. Catch database "
-                "errors inside transaction.atomic() (a savepoint).",
-                _name(self.sender, self.kind),
+            raise rolled_back(
+                f"An idempotent {_name(self.sender, self.kind)}",
                 result.status,
-            )
-            raise RolledBack(
-                "The request's work was rolled back, so it did not take effect. Retry with "
-                "the same key."
+                "Retry with the same key.",
             )
         if broken and records.transaction_broken(using):
             # A 4xx from a transaction that cannot commit: answered, not stored.
