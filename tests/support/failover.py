@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import shutil
+import socket
 import subprocess
 import sys
 import threading
@@ -55,6 +56,42 @@ DATABASE = "payments"
 RETRIED = {409, 500, 502, 503, 504}
 
 
+class Stall:
+    """A TCP proxy between the standby and the primary's port that can stop passing the
+    primary's bytes on (``hold()``): the standby then receives nothing the primary commits,
+    as behind a slow or broken network, which an asynchronous primary does not wait for."""
+
+    def __init__(self, upstream: int) -> None:
+        self.upstream = upstream
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.port: int = self.listener.getsockname()[1]
+        self.flowing = threading.Event()
+        self.flowing.set()
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def hold(self) -> None:
+        self.flowing.clear()
+
+    def close(self) -> None:
+        self.listener.close()
+
+    def _accept(self) -> None:
+        with contextlib.suppress(OSError):
+            while True:
+                downstream, _ = self.listener.accept()
+                upstream = socket.create_connection(("127.0.0.1", self.upstream))
+                for pump in ((downstream, upstream, False), (upstream, downstream, True)):
+                    threading.Thread(target=self._pump, args=pump, daemon=True).start()
+
+    def _pump(self, source: socket.socket, sink: socket.socket, holds: bool) -> None:
+        with contextlib.suppress(OSError), source, sink:
+            while data := source.recv(65536):
+                if holds:
+                    # Held: nothing more passes, ever (the primary is about to die).
+                    self.flowing.wait()
+                sink.sendall(data)
+
+
 @dataclass
 class Pair:
     """The primary and its replica; which is which changes at each failover."""
@@ -63,14 +100,26 @@ class Pair:
     standby: PostgresCluster
     synchronous: bool
     failovers: int = 0
+    # Between the first standby and the primary, when the run makes it lag.
+    stall: Stall | None = None
+    # Set from the moment the standby lags until it is promoted (``Client.losing``).
+    losing: threading.Event = field(default_factory=threading.Event)
 
     def url(self) -> str:
         return either_url(self.primary, self.standby, DATABASE)
 
-    def fail_over(self, noticed_after: float = 0.5) -> None:
+    def fail_over(self, noticed_after: float = 0.5, lag: float = 0.0) -> None:
+        """``lag``: for that long before the primary dies, the standby receives nothing
+        (through ``stall``) while the primary goes on committing and answering."""
+        if lag:
+            assert self.stall is not None and not self.synchronous
+            self.stall.hold()
+            self.losing.set()
+            time.sleep(lag)
         self.primary.kill()
         time.sleep(noticed_after)
         self.standby.promote()
+        self.losing.clear()
         self.primary, self.standby = self.standby, self.primary
         self.failovers += 1
 
@@ -100,6 +149,11 @@ class Client:
     headers: dict[str, str]
     charges: int
     deadline: float
+    # While it is set, every other answer is lost on its way (the machine died with the
+    # primary, taking the app server's connections with it): the client retries once it is
+    # clear, as after any lost answer.
+    losing: threading.Event | None = None
+    while_losing: int = 0
     answered: dict[str, int] = field(default_factory=dict)
     attempts: Counter[str] = field(default_factory=Counter)
     error: str | None = None
@@ -111,6 +165,12 @@ class Client:
                 self.answered[key] = self.charge(key)
         except Exception as exc:  # reported by the test
             self.error = f"{type(exc).__name__}: {exc}"
+
+    def loses_answer(self) -> bool:
+        if self.losing is None or not self.losing.is_set():
+            return False
+        self.while_losing += 1
+        return self.while_losing % 2 == 1
 
     def charge(self, key: str) -> int:
         while True:
@@ -125,6 +185,11 @@ class Client:
                 self.attempts[type(exc).__name__] += 1
             else:
                 self.attempts[str(response.status_code)] += 1
+                if response.status_code < 300 and self.loses_answer():
+                    self.attempts["2xx lost on its way"] += 1
+                    while self.losing is not None and self.losing.is_set():
+                        time.sleep(0.05)
+                    continue
                 if response.status_code < 300:
                     return response.status_code
                 if response.status_code not in RETRIED:
@@ -144,12 +209,22 @@ class Chain:
     headers: dict[str, str]
 
     def traffic(
-        self, clients: int, charges: int, *, fail_over_after: list[int], timeout: float = 120
+        self,
+        clients: int,
+        charges: int,
+        *,
+        fail_over_after: list[int],
+        timeout: float = 120,
+        lag: float = 0.0,
     ) -> list[Client]:
         """``clients`` threads of ``charges`` charges each; a failover once the answered
-        charges reach each of ``fail_over_after`` (a rebuilt standby between two)."""
+        charges reach each of ``fail_over_after`` (a rebuilt standby between two), the first
+        after the standby lagged ``lag`` seconds."""
         deadline = time.monotonic() + timeout
-        running = [Client(self.web.url, self.headers, charges, deadline) for _ in range(clients)]
+        losing = self.pair.losing if lag else None
+        running = [
+            Client(self.web.url, self.headers, charges, deadline, losing) for _ in range(clients)
+        ]
         threads = [threading.Thread(target=client.run, daemon=True) for client in running]
         for thread in threads:
             thread.start()
@@ -158,7 +233,7 @@ class Chain:
             wait_for(reached, timeout=timeout)
             if n:
                 self.pair.rebuild()
-            self.pair.fail_over()
+            self.pair.fail_over(lag=0.0 if n else lag)
         for thread in threads:
             thread.join(timeout=max(1.0, deadline - time.monotonic()))
         return running
@@ -181,9 +256,10 @@ def answered_at_least(clients: list[Client], charges: int) -> bool:
 
 @contextlib.contextmanager
 def chain(
-    subprocess_env: Mapping[str, str], directory: Path, *, synchronous: bool
+    subprocess_env: Mapping[str, str], directory: Path, *, synchronous: bool, lags: bool = False
 ) -> Iterator[Chain]:
-    """Everything up and pointed at both servers; stopped afterwards."""
+    """Everything up and pointed at both servers; stopped afterwards. ``lags``: the first
+    standby streams through a ``Stall``."""
     with contextlib.ExitStack() as stack:
         primary, standby = stack.enter_context(private_clusters(None, None))
         start_primary(primary)
@@ -204,7 +280,10 @@ def chain(
         # The standby is copied, and the worker and the servers start, while the database is
         # migrated (neither reads it before its first task or request): half the setup.
         migrating = stack.enter_context(ThreadPoolExecutor(1)).submit(migrate, env)
-        make_standby(primary, standby, synchronous)
+        if lags:
+            pair.stall = Stall(primary.port)
+            stack.callback(pair.stall.close)
+        make_standby(primary, standby, synchronous, pair.stall.port if pair.stall else None)
         worker = CeleryWorker(env, ready_timeout=None)
         stack.callback(worker.stop)
         web = stack.enter_context(run_gunicorn(env, workers=2, threads=4))

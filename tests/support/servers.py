@@ -68,6 +68,21 @@ def free_port_in(ports: range) -> int:
     raise AssertionError(f"no free port in {ports}")
 
 
+def free_ports_in(ports: range, count: int) -> list[int]:
+    """``count`` distinct free ports of ``ports``."""
+    found: list[int] = []
+    for port in ports:
+        with socket.socket() as probe:
+            try:
+                probe.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        found.append(port)
+        if len(found) == count:
+            return found
+    raise AssertionError(f"no {count} free ports in {ports}")
+
+
 def with_database(url: str, name: str) -> str:
     return urlunsplit(urlsplit(url)._replace(path="/" + quote(name)))
 
@@ -619,16 +634,22 @@ def start_primary(cluster: PostgresCluster) -> None:
 
 
 def make_standby(
-    primary: PostgresCluster, standby: PostgresCluster, synchronous: bool = False
+    primary: PostgresCluster,
+    standby: PostgresCluster,
+    synchronous: bool = False,
+    through: int | None = None,
 ) -> None:
     """A streaming replica of ``primary`` in ``standby``'s (empty) data directory, made with
     ``pg_basebackup -R`` and started. ``synchronous``: from now on the primary answers a
-    commit only once a standby has flushed it. Promoted, the standby waits for none."""
+    commit only once a standby has flushed it. Promoted, the standby waits for none.
+    ``through``: the port it streams from (a proxy in front of the primary's)."""
     standby.run("pg_basebackup", "-h", "127.0.0.1", "-p", str(primary.port), "-U",
                 "postgres", "-D", str(standby.pgdata), "-R", "-X", "stream",
                 "-c", "fast", "--no-sync")  # fmt: skip
     with (standby.pgdata / "postgresql.auto.conf").open("a") as file:
         file.write("synchronous_standby_names = ''\n")
+        if through is not None:
+            file.write(f"primary_conninfo = 'host=127.0.0.1 port={through} user=postgres'\n")
     standby.start()
     if synchronous:
         with primary.connect() as conn:
