@@ -17,6 +17,7 @@ ready. The NATS and RQ brokers bind ports in ``PORTS``.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import subprocess
 import sys
@@ -279,6 +280,25 @@ class ChainDestination:
         )
 
 
+NATS_DESTINATION = ChainDestination(
+    "nats",
+    "NATS JetStream on a private nats-server -js (the ledger message routed to it; ack "
+    f"wait {NATS_ACK_WAIT:g} s), consumed by manage.py idempotency_consume_nats",
+    NatsBroker.make,
+    "tests.reliability.chain_nats_settings",
+    nats_consumer,
+    " started on stream ",
+    NATS_SERVER or "nats-server",
+    url_variable="NATS_URL",
+    consumers="NATS consumers",
+    consumer_kill="nats-consumer-kill",
+    child_kill=None,
+    pooled=False,
+    module="nats",
+    install="pip install 'django-idempotency[nats]'",
+    keeps_results=False,
+)
+
 DESTINATIONS = {
     destination.name: destination
     for destination in (
@@ -300,42 +320,15 @@ DESTINATIONS = {
             " ready.",
             str(Path("/usr/lib/rabbitmq/bin/rabbitmq-server")),
         ),
-        ChainDestination(
-            "nats",
-            "NATS JetStream on a private nats-server -js (the ledger message routed to it; ack "
-            f"wait {NATS_ACK_WAIT:g} s), consumed by manage.py idempotency_consume_nats",
-            NatsBroker.make,
-            "tests.reliability.chain_nats_settings",
-            nats_consumer,
-            " started on stream ",
-            NATS_SERVER or "nats-server",
-            url_variable="NATS_URL",
-            consumers="NATS consumers",
-            consumer_kill="nats-consumer-kill",
-            child_kill=None,
-            pooled=False,
-            module="nats",
-            install="pip install 'django-idempotency[nats]'",
-            keeps_results=False,
-        ),
-        ChainDestination(
-            "nats-cluster",
-            "NATS JetStream on a cluster of three private nats-server -js nodes, the stream "
-            "replicated on all three (a broker restart kills one node, the next one each time), "
-            f"ack wait {NATS_ACK_WAIT:g} s, consumed by manage.py idempotency_consume_nats",
-            NatsClusterBroker.make,
-            "tests.reliability.chain_nats_settings",
-            nats_consumer,
-            " started on stream ",
-            NATS_SERVER or "nats-server",
-            url_variable="NATS_URL",
-            consumers="NATS consumers",
-            consumer_kill="nats-consumer-kill",
-            child_kill=None,
-            pooled=False,
-            module="nats",
-            install="pip install 'django-idempotency[nats]'",
-            keeps_results=False,
+        NATS_DESTINATION,
+        dataclasses.replace(
+            NATS_DESTINATION,
+            name="nats-cluster",
+            description="NATS JetStream on a cluster of three private nats-server -js nodes, "
+            "the stream replicated on all three (a broker restart kills one node, the next one "
+            f"each time), ack wait {NATS_ACK_WAIT:g} s, consumed by manage.py "
+            "idempotency_consume_nats",
+            broker=NatsClusterBroker.make,
         ),
         ChainDestination(
             "tasks-rq",
