@@ -86,7 +86,8 @@ class OutboxCreatedFilter(admin.SimpleListFilter):
 
 @admin.register(OutboxMessage)
 class OutboxMessageAdmin(ReadOnlyLargeTableAdmin[OutboxMessage]):
-    # Newest first, as the base orders: UUIDv7 ids grow with time.
+    # By id, as the base orders (its index; created_at has none): newest first for random
+    # UUIDv7 ids, while ids named by a request sort among them by their hash.
     detail_only_fields = OUTBOX_DETAIL_ONLY_FIELDS
     list_display = (
         "id",
