@@ -15,6 +15,7 @@ import json
 import re
 import shutil
 from collections import Counter
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +24,7 @@ import pytest
 pytest.importorskip("celery")
 
 from django_idempotency.probe.facts import Fact, replication
+from tests.support.chain_processes import wait_for
 from tests.support.failover import DATABASE, Chain, Client, chain
 from tests.support.servers import postgres_bin
 
@@ -84,6 +86,11 @@ def outcome(run: Chain, clients: list[Client], answered: int) -> dict[str, Any]:
     }
 
 
+def beat_since(run: Chain) -> bool:
+    query = "SELECT count(*) FROM django_idempotency_relay_heartbeat WHERE beat_at > %s"
+    return run.pair.count(query, run.pair.promoted_at) > 0
+
+
 def probed(run: Chain, django_db_blocker: Any) -> Fact:
     """The probe's replication line, as an app server on the current primary reports it."""
     with django_db_blocker.unblock(), run.pair.primary.django_connection(DATABASE) as connection:
@@ -102,6 +109,8 @@ def test_a_synchronous_failover_under_retried_traffic_loses_nothing_and_doubles_
         answered = sum(len(client.answered) for client in clients)
         run.settled(answered)
         figures = outcome(run, clients, answered)
+        # The relay beats on the new primary: its heartbeat (what operators watch) came back.
+        wait_for(partial(beat_since, run), timeout=20, every=0.2)
     print(json.dumps(figures, indent=2))
     assert run.pair.failovers == 1 and answered == 24
     assert (before.verdict, before.value) == (

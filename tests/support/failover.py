@@ -24,6 +24,7 @@ from collections import Counter
 from collections.abc import Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from datetime import datetime
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -104,6 +105,8 @@ class Pair:
     stall: Stall | None = None
     # Set from the moment the standby lags until it is promoted (``Client.losing``).
     losing: threading.Event = field(default_factory=threading.Event)
+    # When the last promotion was done, by the new primary's clock.
+    promoted_at: datetime | None = None
 
     def url(self) -> str:
         return either_url(self.primary, self.standby, DATABASE)
@@ -122,6 +125,10 @@ class Pair:
         self.losing.clear()
         self.primary, self.standby = self.standby, self.primary
         self.failovers += 1
+        with self.primary.connect() as conn:
+            row = conn.execute("SELECT now()").fetchone()
+        assert row is not None
+        self.promoted_at = row[0]
 
     def rebuild(self) -> None:
         """A new standby of the current primary in the dead server's place (and, synchronous,
