@@ -1,5 +1,8 @@
 """The admin speaks the project's language: every string it shows is marked for translation,
-the German catalogue translates each of them, and the compiled catalogue is the one shipped."""
+the German catalogue translates each of them, and the compiled catalogue is the one shipped.
+
+System check messages stay in English, as Django's own do: developers read them, and search
+for them by id and text."""
 
 from __future__ import annotations
 
