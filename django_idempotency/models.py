@@ -40,7 +40,7 @@ class IdempotencyRecord(models.Model):
     )
     # One more than the key's previous execution (0: the first); on PostgreSQL each partition
     # has a unique index on (key, scope, generation), so a second execution of one key that
-    # the lock failed to stop cannot commit (migration 0016).
+    # the lock failed to stop cannot commit (the migration makes the index per partition).
     generation = models.IntegerField(_("generation"), default=0, editable=False)
     created_at = models.DateTimeField(_("created at"))
     expires_at = models.DateTimeField(_("expires at"))

@@ -375,7 +375,7 @@ class RequestUnit:
             response[PROBE_PRINCIPAL_HEADER] = "anonymous" if decision.anonymous else "identified"
             return response
         if isinstance(decision, Replay):
-            deflate = accepts_deflate(self.request.META.get("HTTP_ACCEPT_ENCODING", ""))
+            deflate = accepts_deflate(self.request.headers.get("accept-encoding", ""))
             return replay_response(decision, deflate, self._headers)
         return problem_response(decision.error)
 

@@ -191,3 +191,17 @@ def test_every_pip_install_of_the_package_names_the_wheel_built_from_a_clone() -
             if re.search(r"pip install .*django[-_]idempotency(?!-)", line) and wheel not in line:
                 bad.append(f"{page.name}: {line.strip()}")
     assert bad == []
+
+
+def test_the_maintainers_can_be_reached_where_security_md_says() -> None:
+    (maintainer,) = PROJECT["maintainers"]
+    domain = maintainer["email"].split("@")[1]
+    security = (ROOT / "SECURITY.md").read_text()
+    assert re.search(rf"\b[a-z]+@{re.escape(domain)}\b", security)
+
+
+def test_the_issue_templates_link_into_the_one_project_url() -> None:
+    source = PROJECT["urls"]["Source"]
+    config = (ROOT / ".github" / "ISSUE_TEMPLATE" / "config.yml").read_text()
+    urls = re.findall(r"url: (\S+)", config)
+    assert urls and [url for url in urls if not url.startswith(source)] == []
