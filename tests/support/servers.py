@@ -150,7 +150,7 @@ def insert_token_user(url: str, username: str | None = None) -> tuple[int, str]:
 
 
 def run_uvicorn(
-    env: Mapping[str, str], *, workers: int = 2, startup_timeout: float = 60.0
+    env: Mapping[str, str], *, workers: int = 2, startup_timeout: float = 120.0
 ) -> contextlib.AbstractContextManager[GunicornServer]:
     """Serve ``testproject.asgi`` with uvicorn's own process manager until the block ends
     (uvicorn restarts a worker that dies)."""
