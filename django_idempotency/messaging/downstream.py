@@ -2,8 +2,8 @@
 from inside a protected view or an exactly-once task; and, derived the same way, the ids of
 the messages and events such work writes.
 
-The key is a keyed hash of the principal, the request's key (or the message id), the
-request's fingerprint and a step name, so the run that a retry re-executes after a rollback
+The key is a keyed hash of the principal, the request's key (or the message id) and its
+generation, the request's fingerprint and a step name, so the run that a retry re-executes after a rollback
 sends the same key again and the provider deduplicates it, while another request on the same
 key after a rollback (another amount) sends another key, which the provider never answers
 with the first request's result. The key says nothing about its inputs.
@@ -17,9 +17,10 @@ import uuid
 from django_idempotency.engine.hashing import current_secret, keyed_digest
 from django_idempotency.engine.unit import UnitOfWork, current_unit
 
-# Bumped if the derivation ever changes, so that old and new keys never meet. v2: the
-# request's fingerprint is part of it, and the secret is the records' database's.
-VERSION = "v2"
+# Bumped if the derivation ever changes, so that old and new keys never meet. v3: the
+# fingerprint, the records' database's secret and the key's generation are part of it (a key
+# that expired or was erased runs anew as a new operation, with new downstream keys).
+VERSION = "v3"
 # The same for message and event ids; the execution's generation and the message's place
 # in it are part of them.
 MESSAGE_VERSION = "m1"
@@ -31,8 +32,8 @@ class OutsideUnitOfWork(RuntimeError):
 
 def derive_key(step: str) -> str:
     """The downstream idempotency key for ``step`` of the work running now: the same
-    principal, key (or message id), request (its fingerprint: method, path, query, body…)
-    and step always give the same key; anything else never does. A UUID-shaped string
+    principal, key (or message id) and generation, request (its fingerprint: method, path,
+    query, body…) and step always give the same key; anything else never does. A UUID-shaped string
     (version 8), which providers that want a UUID accept."""
     if not step:
         raise ValueError("derive_key() needs a step name, such as 'capture'.")
@@ -43,7 +44,7 @@ def derive_key(step: str) -> str:
             "call it inside a view protected by @idempotent or IdempotencyMixin (on a request "
             "that carries a key) or inside an ExactlyOnceTask."
         )
-    return _derived(unit, "downstream", VERSION, step)
+    return _derived(unit, "downstream", VERSION, str(unit.generation), step)
 
 
 def message_id(using: str, kind: str) -> uuid.UUID | None:
