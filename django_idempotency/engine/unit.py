@@ -261,7 +261,9 @@ class UnitOfWork:
         # database's) is refused before anything is replayed too.
         with failing_closed():
             lock, fallback_locks = self._locks()
-        if self.lookup_first:
+        # Inside a transaction of the caller's (ATOMIC_REQUESTS), the lookup would follow
+        # its BEGIN and save a replay nothing: the claim alone answers there.
+        if self.lookup_first and not connections[self.using].in_atomic_block:
             # What the claim would answer "found" with, in one statement; a miss leaves
             # every other answer (busy, expired, stale, won) to the claim.
             found = self._lookup(window)

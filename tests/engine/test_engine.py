@@ -1015,6 +1015,19 @@ def test_round_trip_budget_per_mode(client) -> None:
 
 
 @pytest.mark.django_db(transaction=True)
+def test_under_atomic_requests_the_claim_alone_answers(client, monkeypatch) -> None:
+    """In the request's transaction the lookup would only add a round trip (after its BEGIN,
+    before its COMMIT): a replay is the claim's, as with lookup_first off."""
+    monkeypatch.setitem(connection.settings_dict, "ATOMIC_REQUESTS", True)
+    bodies.database_compresses(connection.alias)
+    key, script = new_key(), ScriptFactory()
+    fresh = round_trips(client, "/drf/", script, key)
+    replay = round_trips(client, "/drf/", script, key)
+    assert "lookup" not in fresh and "lookup" not in replay
+    assert replay[0] == "BEGIN" and "claim" in replay and replay[-1] == "COMMIT"
+
+
+@pytest.mark.django_db(transaction=True)
 @pytest.mark.parametrize("random_bytes", [0, records.BINARY_BODY_MIN_BYTES], ids=["hex", "binary"])
 def test_the_store_and_the_commit_travel_in_one_round_trip(client, random_bytes: int) -> None:
     from psycopg.pq import TransactionStatus
