@@ -1,5 +1,5 @@
 """The floor views of ``bench/floor.py``, and the benchmark's URLs: those, the charges with
-``lookup_first`` on, and the testproject's."""
+``lookup_first`` off, and the testproject's."""
 
 from __future__ import annotations
 
@@ -15,19 +15,19 @@ from rest_framework.response import Response
 from rest_framework.views import APIView
 
 from bench.floor import (
+    CLAIM_FIRST_PATH,
     FLOOR_CANNED,
     FLOOR_FRESH,
     FLOOR_FRESH_STATEMENTS,
     FLOOR_REPLAY,
     FLOOR_REPLAY_STATEMENTS,
-    LOOKUP_FIRST_PATH,
     PATHS,
 )
 from django_idempotency.conf import conf
 from django_idempotency.engine.hashing import lock_id
 from django_idempotency.engine.work import Replay
 from django_idempotency.http.request import replay_response
-from django_idempotency.storage import bodies
+from django_idempotency.storage import bodies, cursors
 from django_idempotency.storage import records as storage
 from testproject.payments.parsers import JSONParser
 from testproject.payments.views import ChargeCreateView, PaymentCreateView
@@ -50,8 +50,11 @@ class FreshFloorView(PaymentCreateView):
         return response
 
     def post(self, request: Request) -> Response:
+        with connection.cursor() as cursor:
+            cursor.execute("SELECT 'lookup'")
         with transaction.atomic(), connection.cursor() as cursor:
-            cursor.execute("SELECT 'claim'")
+            # BEGIN in the claim's message, as the claim sends it.
+            cursors.fetch_one_opening(connection, "SELECT 'claim'", [])
             response = self.charge(request)
             # psycopg's commit() then sends nothing: the server is already idle.
             cursor.execute("SELECT 'store'; COMMIT")
@@ -62,13 +65,13 @@ class ReplayFloorView(APIView):
     authentication_classes = [TokenAuthentication]
     permission_classes = [IsAuthenticated]
     parser_classes = [JSONParser]
-    # With the three round trips of a replay's transaction, or without.
-    opens_transaction = True
+    # With the replay's one round trip (the lookup), or without.
+    looks_up = True
 
     def post(self, request: Request) -> HttpResponse:
-        if self.opens_transaction:
-            with transaction.atomic(), connection.cursor() as cursor:
-                cursor.execute("SELECT 'claim'")
+        if self.looks_up:
+            with connection.cursor() as cursor:
+                cursor.execute("SELECT 'lookup'")
         response = HttpResponse(STORED, status=201, content_type="application/json")
         response["Vary"] = "Accept"
         return response
@@ -81,7 +84,7 @@ KEPT_HEADERS = ("Content-Type", "Vary", "Allow")
 
 def claim_key(principal: str, key: str) -> storage.Claimed:
     """The real claim of (principal, key), as the engine sends it for a request that does
-    not wait, inside the caller's transaction."""
+    not wait after a lookup that found nothing, inside the caller's transaction."""
     return storage.claim(
         DEFAULT_DB_ALIAS,
         lock=lock_id(DEFAULT_DB_ALIAS, principal, key),
@@ -90,13 +93,19 @@ def claim_key(principal: str, key: str) -> storage.Claimed:
         window=conf.MAX_TTL + conf.EXPIRED_WINDOW,
         gone=conf.EXPIRED_WINDOW,
         wait=timedelta(0),
+        opening=True,
     )
 
 
-def claim(request: Request) -> tuple[str, str, storage.Claimed]:
-    """The claim of the request's key: (principal, key, what it found)."""
-    principal, key = f"user:{request.user.pk}", request.headers["idempotency-key"]
-    return principal, key, claim_key(principal, key)
+def identity(request: Request) -> tuple[str, str]:
+    """The request's principal and key."""
+    return f"user:{request.user.pk}", request.headers["idempotency-key"]
+
+
+def lookup(principal: str, key: str) -> storage.Record | None:
+    """The real lookup of (principal, key), as the engine sends it before the claim."""
+    window = conf.MAX_TTL + conf.EXPIRED_WINDOW
+    return storage.lookup(DEFAULT_DB_ALIAS, principal=principal, key=key, window=window)
 
 
 def finished(
@@ -129,8 +138,11 @@ def finished(
 
 class FreshStatementsFloorView(FreshFloorView):
     def post(self, request: Request) -> Response:
+        principal, key = identity(request)
+        if lookup(principal, key) is not None:
+            return Response({"claimed": "found"}, status=409)
         with transaction.atomic():
-            principal, key, claimed = claim(request)
+            claimed = claim_key(principal, key)
             if claimed.created_at is None:
                 return Response({"claimed": claimed.outcome.value}, status=409)
             response = self.charge(request)
@@ -153,12 +165,11 @@ class FreshStatementsFloorView(FreshFloorView):
 
 class ReplayStatementsFloorView(ReplayFloorView):
     def post(self, request: Request) -> HttpResponse:
-        with transaction.atomic():
-            _, _, claimed = claim(request)
-        if claimed.record is None:
+        found = lookup(*identity(request))
+        if found is None:
             return HttpResponse(status=409)
         # The stored response as every replay builds it, with no decision about it.
-        return replay_response(Replay.of(claimed.record), False, {})
+        return replay_response(Replay.of(found), False, {})
 
 
 def _route(url: str) -> str:
@@ -168,10 +179,10 @@ def _route(url: str) -> str:
 bench_patterns = [
     path(_route(PATHS[FLOOR_FRESH]), FreshFloorView.as_view()),
     path(_route(PATHS[FLOOR_REPLAY]), ReplayFloorView.as_view()),
-    path(_route(PATHS[FLOOR_CANNED]), ReplayFloorView.as_view(opens_transaction=False)),
+    path(_route(PATHS[FLOOR_CANNED]), ReplayFloorView.as_view(looks_up=False)),
     path(_route(PATHS[FLOOR_FRESH_STATEMENTS]), FreshStatementsFloorView.as_view()),
     path(_route(PATHS[FLOOR_REPLAY_STATEMENTS]), ReplayStatementsFloorView.as_view()),
-    path(_route(LOOKUP_FIRST_PATH), ChargeCreateView.as_view(idempotency_lookup_first=True)),
+    path(_route(CLAIM_FIRST_PATH), ChargeCreateView.as_view(idempotency_lookup_first=False)),
 ]
 # The benchmark's views nested as deep as the testproject's charges (in the bench/ prefix,
 # which the charges' paths leave at once), so that both resolve alike: at the top level, a

@@ -6,7 +6,8 @@ it (so ``request_started``/``request_finished`` run, with the connection health 
 schedule), with libpq's trace on the database connection. In the trace, every
 ``ReadyForQuery`` the server sends ends one round trip and every ``CommandComplete`` ends
 one statement: a store pipelined with its ``COMMIT`` is two statements in one round trip. The
-modes with ``lookup_first`` post to the charges that ``bench.floor_views`` serves with it on.
+modes "claim first" post to the charges that ``bench.floor_views`` serves with
+``lookup_first`` off.
 """
 
 from __future__ import annotations
@@ -58,8 +59,10 @@ KNOWN = (
 
 
 def label(sql: str) -> str:
-    # The store travels with its COMMIT: one round trip.
+    # The claim travels with its BEGIN, the store with its COMMIT: one round trip each.
     statement, commits = sql.rstrip(), False
+    if statement.startswith("BEGIN; "):
+        return "BEGIN+" + label(statement.removeprefix("BEGIN; "))
     if statement.endswith("; COMMIT"):
         statement, commits = statement.removesuffix("; COMMIT"), True
     name = next((known for needle, known in KNOWN if needle in statement), None)

@@ -89,7 +89,7 @@ class Settings:
 
     @property
     def LOOKUP_FIRST(self) -> bool:
-        return bool(_setting("IDEMPOTENCY_LOOKUP_FIRST", False))
+        return bool(_setting("IDEMPOTENCY_LOOKUP_FIRST", True))
 
     @property
     def SECRET_KEY(self) -> str | None:

@@ -261,14 +261,20 @@ class UnitOfWork:
             work = self.work = self.work.keyed(self.using)
         # A consumer's records outlive MAX_TTL (IDEMPOTENCY_CONSUMER_TTL).
         window = max(conf.MAX_TTL, work.ttl) + conf.EXPIRED_WINDOW
-        if self.lookup_first:
+        # Before the lookup: a server the claim would refuse (its secret is not the
+        # database's) is refused before anything is replayed too.
+        with failing_closed():
+            lock, fallback_locks = self._locks()
+        # Inside a transaction of the caller's (ATOMIC_REQUESTS), the lookup would follow
+        # its BEGIN and save a replay nothing: the claim alone answers there.
+        if self.lookup_first and not connections[self.using].in_atomic_block:
+            # What the claim would answer "found" with, in one statement; a miss leaves
+            # every other answer (busy, expired, stale, won) to the claim.
             found = self._lookup(window)
             if found is not None:
                 stored = records.Claimed(records.Outcome.FOUND, record=found)
                 yield decide(stored, work, sender=self.sender, context=self.context, ring=ring)
                 return False
-        with failing_closed():
-            lock, fallback_locks = self._locks()
         outermost = not connections[self.using].in_atomic_block
         claimed: records.Claimed | None = None
         try:
@@ -284,6 +290,8 @@ class UnitOfWork:
                     now=self.now,
                     also_lock=fallback_locks,
                     version=work.version,
+                    # After a lookup that found nothing, the claim wins but in a race.
+                    opening=self.lookup_first,
                 )
                 if claimed.outcome is records.Outcome.STALE:
                     claimed = unstale(self.using, self.work, claimed)
@@ -342,13 +350,17 @@ class UnitOfWork:
         return Refuse(key_reused(changed)) if changed else None
 
     def _lookup(self, window: timedelta) -> records.Record | None:
-        """The key's stored record of this version, read without the lock."""
+        """The key's stored record of this version, read without the lock, where the claim
+        would replay it."""
         work = self.work
-        with failing_closed():
-            return records.lookup(
-                self.using, principal=work.principal, key=work.key, window=window,
-                version=work.version,
-            )  # fmt: skip
+        try:
+            with failing_closed():
+                return records.lookup(
+                    self.using, principal=work.principal, key=work.key, window=window,
+                    version=work.version, now=self.now,
+                )  # fmt: skip
+        except records.IsolationRefused as exc:
+            raise self._misconfigured(exc) from exc
 
     def _locks(self) -> tuple[int, tuple[int, ...]]:
         work = self.work

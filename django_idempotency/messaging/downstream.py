@@ -3,10 +3,11 @@ from inside a protected view or an exactly-once task; and, derived the same way,
 the messages and events such work writes.
 
 The key is a keyed hash of the principal, the request's key (or the message id) and its
-generation, the request's fingerprint and a step name, so the run that a retry re-executes after a rollback
-sends the same key again and the provider deduplicates it, while another request on the same
-key after a rollback (another amount) sends another key, which the provider never answers
-with the first request's result. The key says nothing about its inputs.
+generation, the request's fingerprint and a step name, so the run that a retry re-executes
+after a rollback sends the same key again and the provider deduplicates it, while another
+request on the same key after a rollback (another amount) sends another key, which the
+provider never answers with the first request's result. The key says nothing about its
+inputs.
 """
 
 from __future__ import annotations

@@ -69,6 +69,56 @@ def fetch_one(
     return row
 
 
+def fetch_one_opening(
+    connection: BaseDatabaseWrapper, sql: str, params: list[Any]
+) -> tuple[Any, ...] | None:
+    """``fetch_one()`` for the first statement of a transaction: where psycopg would send
+    its ``BEGIN`` in a round trip of its own, the ``BEGIN`` travels in the statement's
+    message instead (bound on the client, results as text). One round trip, not two."""
+    _ready(connection)
+    raw = connection.connection
+    begin = _begin(raw)
+    if begin is None:
+        return fetch_one(connection, sql, params)
+    kept = _kept(connection)
+    cursor = kept.client
+    if cursor is None:
+        from psycopg import ClientCursor
+
+        with connection.wrap_database_errors:
+            cursor = kept.client = ClientCursor(connection.connection)
+    # psycopg starts a transaction only when it is not in autocommit: told it is for the
+    # call, it sends the string as it is, whose BEGIN is exactly the one it would have sent
+    # (with the connection's isolation level, read-only and deferrable options).
+    raw._autocommit = True
+    try:
+        result = _run(connection, cursor, f"{begin}; {sql}", params)
+    finally:
+        raw._autocommit = False
+    result.nextset()
+    row = cast("tuple[Any, ...] | None", result.fetchone())
+    if row is not None and _large(row):
+        kept.client = None
+        cursor.close()
+    return row
+
+
+def _begin(raw: Any) -> str | None:
+    """The ``BEGIN`` psycopg would send before the next statement on ``raw``, or None when
+    it would send none (autocommit, a transaction already open, a pipeline) or when this
+    psycopg does not expose what it sends."""
+    from psycopg.pq import TransactionStatus
+
+    if raw.autocommit or getattr(raw, "_pipeline", True) is not None:
+        return None
+    if raw.pgconn.transaction_status != TransactionStatus.IDLE:
+        return None
+    start = getattr(raw, "_get_tx_start_command", None)
+    if start is None or not hasattr(raw, "_autocommit"):
+        return None
+    return bytes(start()).decode()
+
+
 def execute(connection: BaseDatabaseWrapper, sql: str, params: list[Any]) -> None:
     """Run statements bound on the client, as one string, on the connection's kept
     client-bound cursor."""

@@ -137,11 +137,15 @@ def claim(
     now: datetime | None = None,
     also_lock: Sequence[int] = (),
     version: str | None = None,
+    opening: bool = False,
 ) -> Claimed:
     """Claim (principal, key) inside the caller's transaction, or find the record that
     holds it, waiting up to ``wait`` for an in-flight holder. The claim lasts until that
     transaction ends. ``also_lock``: the key's locks under fallback secrets, taken first.
-    A record of another ``version`` than the work's is expired (``gone``) or replaced."""
+    A record of another ``version`` than the work's is expired (``gone``) or replaced.
+    ``opening``: the claim is expected to win (a lookup found no record): where it opens the
+    transaction, its ``BEGIN`` travels with it, and a record it finds after all is read as
+    text (a replay's claim reads it in binary, after a ``BEGIN`` of its own)."""
     connection = connections[using]
     if connection.vendor != "postgresql":
         return _claim_plain(using, principal, key, gone, now, version)
@@ -150,13 +154,14 @@ def claim(
         # Every lock in one order, the claim's own among them, so that no two claims wait
         # for each other; the claim then re-takes its own at once (advisory locks are
         # re-entrant). A statement more, only while a rotation has fallbacks.
-        locked = cursors.fetch_one(connection, _LOCK_ALL, [sorted({lock, *also_lock}), wait_ms])
+        fetch = cursors.fetch_one_opening if opening else cursors.fetch_one
+        locked = fetch(connection, _LOCK_ALL, [sorted({lock, *also_lock}), wait_ms])
         if locked is None or not locked[0]:
             return Claimed(Outcome.BUSY)
     try:
         erased = tombstone_scope(using, principal)
         params = [lock, principal, key, window, gone, wait_ms, now, version, erased]
-        row = _call(connection, _CLAIM, params)
+        row = _call(connection, _CLAIM, params, opening=opening)
     except DatabaseError as exc:
         if sqlstate(exc) == ISOLATION_REFUSED_SQLSTATE:
             raise IsolationRefused(using, _detail(exc)) from exc
@@ -177,49 +182,84 @@ def claim(
     return Claimed(outcome, record=row.record())
 
 
-_LOOKUP = "SELECT * FROM django_idempotency_lookup(%s, %s, %s)"
-_LOOKUP_VERSIONED = "SELECT * FROM django_idempotency_lookup(%s, %s, %s, %s)"
+# The last parameters: the claim's now (null: the database's), the version (null: none), and
+# the principal of the key's tombstone (migration 0001_initial).
+_LOOKUP = "SELECT * FROM django_idempotency_lookup(%s, %s, %s, %s, %s, %s)"
+# psycopg's names of the levels at which the claim refuses to run (migration 0007).
+_REFUSED_LEVELS = {"REPEATABLE_READ": "repeatable read", "SERIALIZABLE": "serializable"}
 
 
 def lookup(
-    using: str, *, principal: str, key: str, window: timedelta, version: str | None = None
+    using: str,
+    *,
+    principal: str,
+    key: str,
+    window: timedelta,
+    version: str | None = None,
+    now: datetime | None = None,
 ) -> Record | None:
-    """A replayable record of ``version``, read without a lock or a transaction of our own:
-    one round trip for a duplicate, at the price of one more for a fresh key."""
+    """The record the claim would answer ``found`` with (of ``version``, live, the key's
+    newest, not erased), read without a lock or a transaction of our own: one round trip
+    for a replay; None for anything else, which the claim then decides. Raises
+    ``IsolationRefused`` where the claim would."""
     connection = connections[using]
     if connection.vendor != "postgresql":
-        return _lookup_plain(using, principal, key, window, version)
-    if version is None:
-        row = _call(connection, _LOOKUP, [principal, key, window])
-    else:
-        row = _call(connection, _LOOKUP_VERSIONED, [principal, key, window, version])
+        return _lookup_plain(using, principal, key, window, version, now)
+    connection.ensure_connection()
+    # Outside a transaction the function cannot see the level the claim's BEGIN would set.
+    level = getattr(connection.connection.isolation_level, "name", None)
+    if level in _REFUSED_LEVELS:
+        raise IsolationRefused(using, _REFUSED_LEVELS[level])
+    erased = tombstone_scope(using, principal)
+    try:
+        row = _call(connection, _LOOKUP, [principal, key, window, now, version, erased])
+    except DatabaseError as exc:
+        if sqlstate(exc) == ISOLATION_REFUSED_SQLSTATE:
+            raise IsolationRefused(using, _detail(exc)) from exc
+        raise
     return None if row is None else row.record()
 
 
-def _call(connection: BaseDatabaseWrapper, sql: str, params: list[Any]) -> ClaimRow | None:
-    """The row a function of the migrations answers, read in binary; None if it has none.
+def _call(
+    connection: BaseDatabaseWrapper, sql: str, params: list[Any], *, opening: bool = False
+) -> ClaimRow | None:
+    """The row a function of the migrations answers, read in binary (as text where it
+    ``opening`` the transaction travels with its BEGIN); None if it has none.
     (psycopg adapts timedelta to interval; django-stubs' parameter types leave it out.)"""
-    row = cursors.fetch_one(connection, sql, params)
+    fetch = cursors.fetch_one_opening if opening else cursors.fetch_one
+    row = fetch(connection, sql, params)
     return None if row is None else ClaimRow(*row)
 
 
 def _lookup_plain(
-    using: str, principal: str, key: str, window: timedelta, version: str | None
+    using: str,
+    principal: str,
+    key: str,
+    window: timedelta,
+    version: str | None,
+    now: datetime | None,
 ) -> Record | None:
-    now = timezone.now()
+    # The newest of what _claim_plain reads, where it would answer FOUND.
+    now = now or timezone.now()
     found = (
         IdempotencyRecord.objects.using(using)
         .filter(
-            scope=principal,
+            scope__in=(principal, tombstone_scope(using, principal)),
             key=key,
-            status=IdempotencyRecord.Status.COMPLETED,
             created_at__gte=now - window,
-            expires_at__gt=now,
         )
-        .order_by("-created_at")
+        .order_by("-created_at", "-pk")
         .first()
     )
-    return None if found is None or found.response_version != version else as_record(found)
+    if (
+        found is None
+        or found.scope != principal
+        or found.status != IdempotencyRecord.Status.COMPLETED
+        or found.expires_at <= now
+        or found.response_version != version
+    ):
+        return None
+    return as_record(found)
 
 
 def _claim_plain(

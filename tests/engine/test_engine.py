@@ -704,6 +704,41 @@ def test_a_claim_at_repeatable_read_is_500_misconfigured_and_the_view_does_not_r
     assert (again.status_code, CALLS[script["tag"]]) == (201, 1)
 
 
+@pytest.mark.django_db(transaction=True)
+@ENDPOINTS
+def test_a_stored_key_at_repeatable_read_is_refused_as_the_claim_refuses_it_never_replayed(
+    client, atomic_requests: bool, path: str
+) -> None:
+    """The lookup that replays in one statement refuses what the claim refuses: a stored key
+    is not replayed from a session whose claims could not run."""
+    key, script = new_key(), ScriptFactory()
+    assert send(client, "POST", path, script, key=key).status_code == 201
+    with connection.cursor() as cursor:
+        cursor.execute("SET SESSION default_transaction_isolation = 'repeatable read'")
+    try:
+        retry = send(client, "POST", path, script, key=key)
+    finally:
+        with connection.cursor() as cursor:
+            cursor.execute("RESET default_transaction_isolation")
+    assert retry.status_code == 500 and not replayed(retry)
+    assert problem(retry)["type"].endswith(":misconfigured")
+    assert replayed(send(client, "POST", path, script, key=key))
+
+
+@pytest.mark.django_db(transaction=True)
+@ENDPOINTS
+def test_a_server_whose_secret_is_not_the_databases_replays_nothing(client, path: str) -> None:
+    """The claim of a server keyed with a secret of its own is refused (its lock would not
+    serialise the key); the lookup before it is refused alike, never a replay."""
+    key, script = new_key(), ScriptFactory()
+    assert send(client, "POST", path, script, key=key).status_code == 201
+    with override_settings(IDEMPOTENCY_SECRET_KEY="a secret of this server's own"):
+        retry = send(client, "POST", path, script, key=key)
+    assert retry.status_code == 500 and not replayed(retry)
+    assert problem(retry)["type"].endswith(":misconfigured")
+    assert CALLS[script["tag"]] == 1
+
+
 @pytest.mark.django_db
 @ENDPOINTS
 def test_unreachable_store_does_not_affect_requests_without_a_key(
@@ -958,35 +993,56 @@ def test_a_body_the_database_compresses_goes_out_as_it_is_to_every_client(
     assert encoded.content == first.content
 
 
-def statements(client, path: str, script: dict[str, Any], key: str) -> list[str]:
-    """The statements a request sends; BEGIN and COMMIT are Django's own log lines of the
-    transaction (psycopg sends no COMMIT when the server is already idle)."""
-    from django.test.utils import CaptureQueriesContext
+def round_trips(client, path: str, script: dict[str, Any], key: str) -> list[str]:
+    """What a request sends, one label per round trip (libpq's trace): statements sent in
+    one message are joined by "+"."""
+    from bench.round_trips import libpq_trace
 
-    with CaptureQueriesContext(connection) as captured:
+    connection.ensure_connection()
+    with libpq_trace(connection.connection.pgconn) as trace:
         response = send(client, "POST", path, script, key=key)
     assert response.status_code == 201
-    sent = [query["sql"] for query in captured.captured_queries]
-    return [sql.split("(", 1)[0].strip() for sql in sent if sql not in ("BEGIN", "COMMIT")]
+    assert len(trace.sent) == trace.round_trips
+    return trace.sent
 
 
 @pytest.mark.django_db(transaction=True)
 def test_round_trip_budget_per_mode(client) -> None:
-    """Beyond the view's own statements (here one INSERT): a fresh key sends the claim and
-    the store with its COMMIT; a replay only the claim (its transaction's BEGIN and COMMIT
-    are psycopg's, not statements); with lookup_first, one lookup and no transaction."""
+    """Beyond the view's own statements (here one INSERT): a fresh key sends the lookup, the
+    claim with its BEGIN, and the store with its COMMIT; a replay only the lookup, outside
+    any transaction. With lookup_first off, a fresh key saves the lookup and a replay pays
+    for the claim's transaction (BEGIN, the claim, COMMIT): the claim expects a record, read
+    in binary."""
     # Read once per process, by the first store: not a cost of every request.
     bodies.database_compresses(connection.alias)
     key, script = new_key(), ScriptFactory()
-    fresh = statements(client, "/drf/", script, key)
-    assert fresh[0] == "SELECT * FROM django_idempotency_claim"
-    assert fresh[1].startswith('INSERT INTO "auth_group"')
-    assert fresh[2:] == ["SELECT django_idempotency_store"]
-    assert statements(client, "/drf/", script, key) == ["SELECT * FROM django_idempotency_claim"]
-    lookup_key = new_key()
-    statements(client, "/drf/lookup-first/", script, lookup_key)
-    replay = statements(client, "/drf/lookup-first/", script, lookup_key)
-    assert replay == ["SELECT * FROM django_idempotency_lookup"]
+    fresh = round_trips(client, "/drf/", script, key)
+    assert fresh[0] == "lookup"
+    assert fresh[1] == "BEGIN+claim"
+    assert fresh[2].startswith("INSERT")
+    assert fresh[3:] == ["store+COMMIT"]
+    assert round_trips(client, "/drf/", script, key) == ["lookup"]
+    claim_key = new_key()
+    fresh = round_trips(client, "/drf/claim-first/", script, claim_key)
+    assert fresh[:2] == ["BEGIN", "claim"] and fresh[3:] == ["store+COMMIT"]
+    assert round_trips(client, "/drf/claim-first/", script, claim_key) == [
+        "BEGIN",
+        "claim",
+        "COMMIT",
+    ]
+
+
+@pytest.mark.django_db(transaction=True)
+def test_under_atomic_requests_the_claim_alone_answers(client, monkeypatch) -> None:
+    """In the request's transaction the lookup would only add a round trip (after its BEGIN,
+    before its COMMIT): a replay is the claim's, as with lookup_first off."""
+    monkeypatch.setitem(connection.settings_dict, "ATOMIC_REQUESTS", True)
+    bodies.database_compresses(connection.alias)
+    key, script = new_key(), ScriptFactory()
+    fresh = round_trips(client, "/drf/", script, key)
+    replay = round_trips(client, "/drf/", script, key)
+    assert "lookup" not in fresh and "lookup" not in replay
+    assert replay[0] == "BEGIN" and "claim" in replay and replay[-1] == "COMMIT"
 
 
 @pytest.mark.django_db(transaction=True)

@@ -41,7 +41,7 @@ def test_no_options_take_the_settings_defaults() -> None:
     assert policy.exclude_fields == ()
     assert policy.fingerprint_headers == ()
     assert policy.principal is None
-    assert policy.lookup_first is False
+    assert policy.lookup_first is True
     assert policy.using is None
     assert policy.allow_anonymous is False
     assert policy.key_from is None
@@ -56,7 +56,7 @@ def test_options_left_as_none_take_the_settings() -> None:
         IDEMPOTENCY_TTL=timedelta(hours=2),
         IDEMPOTENCY_WAIT=timedelta(seconds=3),
         IDEMPOTENCY_FINGERPRINT_HEADERS=["X-Account"],
-        IDEMPOTENCY_LOOKUP_FIRST=True,
+        IDEMPOTENCY_LOOKUP_FIRST=False,
         IDEMPOTENCY_HEADER="X-Request-Key",
         IDEMPOTENCY_PRINCIPAL="tests.http.test_options.tenant",
     ):
@@ -66,7 +66,7 @@ def test_options_left_as_none_take_the_settings() -> None:
     assert policy.ttl == timedelta(hours=2)
     assert policy.wait == timedelta(seconds=3)
     assert policy.fingerprint_headers == ("X-Account",)
-    assert policy.lookup_first is True
+    assert policy.lookup_first is False
     assert policy.principal is tenant
     assert (policy.header, policy.header_meta) == ("X-Request-Key", "HTTP_X_REQUEST_KEY")
 

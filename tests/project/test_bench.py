@@ -74,6 +74,10 @@ def test_labels_name_the_lookup_and_any_statement_sent_with_its_commit() -> None
     assert label("SELECT 'store'; COMMIT") == "SELECT 'store'+COMMIT"
 
 
+def test_labels_name_a_statement_sent_with_its_begin() -> None:
+    assert label("BEGIN; SELECT * FROM django_idempotency_claim(1, 'a', 'k')") == "BEGIN+claim"
+
+
 @pytest.mark.django_db(transaction=True)
 @override_settings(ROOT_URLCONF="bench.floor_views")
 def test_each_floor_makes_the_round_trips_of_the_request_it_stands_for(client) -> None:
@@ -94,7 +98,11 @@ def test_each_floor_makes_the_round_trips_of_the_request_it_stands_for(client) -
     fresh, replay = sent("/api/charges/", key), sent("/api/charges/", key)
     floor_fresh = sent(FLOOR_PATHS[FLOOR_FRESH])
     floor_replay = sent(FLOOR_PATHS[FLOOR_REPLAY])
-    standing_for = {"claim": "SELECT 'claim'", "store+COMMIT": "SELECT 'store'+COMMIT"}
+    standing_for = {
+        "lookup": "SELECT 'lookup'",
+        "BEGIN+claim": "BEGIN+SELECT 'claim'",
+        "store+COMMIT": "SELECT 'store'+COMMIT",
+    }
     assert [standing_for.get(name, name) for name in fresh[0]] == floor_fresh[0]
     assert [standing_for.get(name, name) for name in replay[0]] == floor_replay[0]
     assert fresh[1] == floor_fresh[1] and replay[1] == floor_replay[1]

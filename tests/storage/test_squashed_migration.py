@@ -1,4 +1,4 @@
-"""The one migration of 0.1.0 makes what the 18 before it made (tests/support/old_migrations):
+"""The one migration of 0.1.0 makes what the 19 before it made (tests/support/old_migrations):
 the same model state, and on PostgreSQL the same schema, read from the catalog of two fresh
 databases: tables and partitions, columns, indexes, constraints, sequences, the functions'
 whole definitions, the comments maintenance reads, the secret. On SQLite the same tables."""

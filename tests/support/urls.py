@@ -35,6 +35,7 @@ urlpatterns = [
     ),
     path("drf/tenant/", views.ScriptedView.as_view(idempotency_principal=views.tenant_principal)),
     path("drf/lookup-first/", views.ScriptedView.as_view(idempotency_lookup_first=True)),
+    path("drf/claim-first/", views.ScriptedView.as_view(idempotency_lookup_first=False)),
     path("drf/no-wait/", views.ScriptedView.as_view(idempotency_wait=timedelta(0))),
     path("drf/guarded/", views.GuardedView.as_view()),
     path(
