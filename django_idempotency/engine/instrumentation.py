@@ -375,7 +375,7 @@ def traced_replay(
             record_exception=False,
         ) as span:
             response = method(replay, *args, **kwargs)
-            encoding = "deflate" if response.get("Content-Encoding") == "deflate" else "identity"
+            encoding = response.get("Content-Encoding") or "identity"
             span.set_attribute(ENCODING, encoding)
             return response
 
