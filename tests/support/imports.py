@@ -40,6 +40,7 @@ IMPORT_NAMES = {
     "nats-py": "nats",
     "opentelemetry-api": "opentelemetry",
     "psycopg": "psycopg",
+    "standardwebhooks": "standardwebhooks",
     "zstandard": "zstandard",
 }
 # Django's own modules that only some Django versions have: the Tasks framework is built in
