@@ -72,7 +72,11 @@ VIEW = "idempotency.view"  # the view, or the task of an exactly-once consumer
 KIND = "idempotency.kind"  # "request" or "task"
 OUTCOME = "idempotency.outcome"
 STATUS_CODE = "http.response.status_code"
-ENCODING = "idempotency.encoding"  # how a replayed body went out: "deflate" or "identity"
+# OpenTelemetry's messaging attributes, on what counts messages (messaging/tracing.py's spans
+# carry the same keys).
+MESSAGING_OPERATION_NAME = "messaging.operation.name"
+MESSAGING_DESTINATION = "messaging.destination.name"
+ENCODING = "idempotency.encoding"  # how a replayed body went out: "zstd", "deflate", "identity"
 
 DUPLICATES = frozenset((REPLAYED, CONFLICT, REUSED, EXPIRED))
 
@@ -236,7 +240,15 @@ def _count(instruments: _Instruments, attributes: dict[str, str], outcome: str) 
     if outcome == REPLAYED:
         instruments.replays.add(1, attributes)
         if attributes[KIND] == "task":
-            instruments.redelivered.add(1, {VIEW: attributes[VIEW]})
+            # The task is the message's destination (OpenTelemetry's messaging conventions).
+            instruments.redelivered.add(
+                1,
+                {
+                    VIEW: attributes[VIEW],
+                    MESSAGING_OPERATION_NAME: "process",
+                    MESSAGING_DESTINATION: attributes[VIEW],
+                },
+            )
     elif outcome == CONFLICT:
         instruments.conflicts.add(1, attributes)
     elif outcome == STORE_UNAVAILABLE_OUTCOME:

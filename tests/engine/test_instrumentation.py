@@ -340,6 +340,8 @@ def test_a_redelivered_message_answered_from_the_store_is_counted(collect: Any) 
     got = collect()
     view = "tests.consumers.note"  # the task's name
     assert got.count(instrumentation.REDELIVERED, view=view) == 1
+    messaging = {"messaging.operation.name": "process", "messaging.destination.name": view}
+    assert got.count(instrumentation.REDELIVERED, **messaging) == 1
     assert got.count(instrumentation.REQUESTS, view=view, kind="task", outcome="won") == 1
     assert got.count(instrumentation.REPLAYS, view=view, kind="task") == 1
     spans = got.named(instrumentation.CLAIM_SPAN)
