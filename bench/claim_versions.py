@@ -5,6 +5,8 @@ under another name, 200,000 records are loaded, and each variant runs 20,000 cla
 ``DO`` loop (the database's time alone, no client round trips), six rounds interleaved.
 Prints the median microseconds per claim and the ratio to 0007's.
 
+0007 and 0010 are in tests/support/old_migrations, the chain squashed into 0.1.0's 0001.
+
 ``python -m bench.claim_versions``
 """
 
@@ -48,7 +50,7 @@ def main() -> None:
         from django.db import connection
 
         migration = importlib.import_module(
-            "django_idempotency.migrations.0010_response_version_and_tombstones"
+            "tests.support.old_migrations.0010_response_version_and_tombstones"
         )
         previous = migration.PREVIOUS_CLAIM_FUNCTION.replace(
             "FUNCTION django_idempotency_claim(", "FUNCTION claim_0007("

@@ -95,7 +95,7 @@ def claim_key(principal: str, key: str) -> storage.Claimed:
 
 def claim(request: Request) -> tuple[str, str, storage.Claimed]:
     """The claim of the request's key: (principal, key, what it found)."""
-    principal, key = f"user:{request.user.pk}", request.META["HTTP_IDEMPOTENCY_KEY"]
+    principal, key = f"user:{request.user.pk}", request.headers["idempotency-key"]
     return principal, key, claim_key(principal, key)
 
 

@@ -34,6 +34,9 @@ class NatsServer:
     process: subprocess.Popen[bytes] | None = None
     # For the child process: the tests make it die with their session.
     preexec_fn: Callable[[], None] | None = None
+    # More options (a cluster node's), and the log file's name in ``directory``.
+    options: tuple[str, ...] = ()
+    log_name: str = "nats.log"
 
     @classmethod
     def on_free_port(cls, directory: Path) -> NatsServer:
@@ -45,18 +48,29 @@ class NatsServer:
 
     def start(self, timeout: float = 20) -> None:
         """Start it (again, on the same store) and wait until JetStream answers."""
+        self.spawn()
+        self.wait_answering(timeout)
+
+    def spawn(self) -> None:
         assert NATS_SERVER is not None, "needs nats-server (Debian: nats-server)"
         self.process = subprocess.Popen(
             [NATS_SERVER, "-js", "-a", "127.0.0.1", "-p", str(self.port),
-             "-sd", str(self.directory / "store"), "-l", str(self.directory / "nats.log")],
+             "-sd", str(self.directory / "store"), "-l", str(self.directory / self.log_name),
+             *self.options],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, preexec_fn=self.preexec_fn,
             start_new_session=True,
         )  # fmt: skip
+
+    def wait_answering(self, timeout: float) -> None:
+        assert self.process is not None
         deadline = time.monotonic() + timeout
         while not self.answers():
             if self.process.poll() is not None or time.monotonic() > deadline:
                 raise RuntimeError(f"nats-server on port {self.port} did not start")
             time.sleep(0.1)
+
+    def running(self) -> bool:
+        return self.process is not None and self.process.poll() is None
 
     def stop(self) -> None:
         """``kill -9``."""
@@ -96,10 +110,17 @@ class NatsServer:
         return asyncio.run(run())
 
     def add_stream(
-        self, name: str = STREAM, subjects: list[str] = SUBJECTS, duplicate_window: float = 120
+        self,
+        name: str = STREAM,
+        subjects: list[str] = SUBJECTS,
+        duplicate_window: float = 120,
+        replicas: int = 1,
     ) -> None:
         async def add(js: Any) -> None:
-            await js.add_stream(name=name, subjects=subjects, duplicate_window=duplicate_window)
+            await js.add_stream(
+                name=name, subjects=subjects, duplicate_window=duplicate_window,
+                num_replicas=replicas,
+            )  # fmt: skip
 
         self._call(add)
 

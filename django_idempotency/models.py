@@ -40,7 +40,7 @@ class IdempotencyRecord(models.Model):
     )
     # One more than the key's previous execution (0: the first); on PostgreSQL each partition
     # has a unique index on (key, scope, generation), so a second execution of one key that
-    # the lock failed to stop cannot commit (migration 0016).
+    # the lock failed to stop cannot commit (the migration makes the index per partition).
     generation = models.IntegerField(_("generation"), default=0, editable=False)
     created_at = models.DateTimeField(_("created at"))
     expires_at = models.DateTimeField(_("expires at"))
@@ -69,7 +69,8 @@ class OutboxMessage(models.Model):
         TASK = 0, _("task")
         EVENT = 1, _("event")
 
-    # A UUIDv7 string: the Celery task id, the same on every publish attempt.
+    # The Celery task id, the same on every publish attempt: named by the request in a keyed
+    # request or an exactly-once task (UUID version 8), else a random UUIDv7.
     id = models.UUIDField(_("message id"), primary_key=True)
     created_at = models.DateTimeField(_("created at"))
     kind = models.SmallIntegerField(_("kind"), choices=Kind.choices)
@@ -142,7 +143,7 @@ class OutboxEvent(models.Model):
     ``created_at`` and its real primary key is ``(id, created_at)``, as for the outbox.
     """
 
-    # A UUIDv7 string, as the outbox's message ids: Debezium puts it in the "id" header.
+    # Made as the outbox's message ids are: Debezium puts it in the "id" header.
     id = models.UUIDField(_("event id"), primary_key=True)
     created_at = models.DateTimeField(_("created at"))
     # Debezium routes by it: the topic is outbox.event.<aggregate type> by default.

@@ -122,7 +122,7 @@ class IdempotencyMixin:
         except NotAcceptable:
             # A client that accepts only problem+json must still get our errors (not a
             # 406), and its success labelled truthfully by the view's first renderer.
-            if PROBLEM_CONTENT_TYPE not in request.META.get("HTTP_ACCEPT", ""):
+            if PROBLEM_CONTENT_TYPE not in request.headers.get("accept", ""):
                 raise
             return super().perform_content_negotiation(request, force=True)  # type: ignore[misc, no-any-return]
 

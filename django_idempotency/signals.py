@@ -29,8 +29,8 @@ partitions_created = Signal()
 partitions_dropped = Signal()
 
 # Sent by the outbox relay after it marked messages published, outside any transaction.
-# kwargs: ids (list[str]: the message ids, which are the Celery task ids), using (str: the
-# database alias).
+# kwargs: ids (list[str]: the message ids, which are the Celery task ids), enqueued
+# (list[datetime]: when each was enqueued, in the same order), using (str: the database alias).
 outbox_published = Signal()
 
 # Sent by the outbox relay after its redrive put published messages back to be published

@@ -10,6 +10,7 @@ import time
 import uuid
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
+from datetime import datetime
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from django.conf import settings
@@ -224,16 +225,21 @@ def connect() -> None:
 
 
 def message_time(message_id: str) -> float:
-    """When an outbox message was enqueued (epoch seconds): its UUIDv7 id says, to the
-    millisecond, the same instant as its ``created_at``."""
+    """When an outbox message with a random (UUIDv7) id was enqueued (epoch seconds): its id
+    says, to the millisecond, the same instant as its ``created_at``. An id derived from its
+    request (version 8) says nothing of the kind."""
     return (uuid.UUID(message_id).int >> 80) / 1000
 
 
-def _record_relay_lag(sender: Any, ids: list[str], using: str, **kwargs: Any) -> None:
+def _record_relay_lag(
+    sender: Any, ids: list[str], using: str, enqueued: list[datetime] | None = None, **kwargs: Any
+) -> None:
     histogram = _instruments().relay_lag
     now = time.time()
-    for message_id in ids:
-        histogram.record(max(0.0, now - message_time(message_id)), {DATABASE: using})
+    # A message id derived from its request says no time: its row's created_at does.
+    times = [at.timestamp() for at in enqueued] if enqueued else map(message_time, ids)
+    for at in times:
+        histogram.record(max(0.0, now - at), {DATABASE: using})
 
 
 def _count_redriven(sender: Any, ids: list[str], using: str, **kwargs: Any) -> None:

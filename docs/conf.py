@@ -36,6 +36,10 @@ version = release
 
 extensions = ["myst_parser", "sphinx.ext.autodoc"]
 autodoc_member_order = "bysource"
+# The extras' libraries: the reference documents their glue without installing them (Read the
+# Docs installs the drf and ninja extras only). Django's Tasks framework on Django 5.2 is the
+# backport's.
+autodoc_mock_imports = ["celery", "kombu", "nats", "django_tasks"]
 # Signatures stay readable; the types are listed under each description.
 autodoc_typehints = "description"
 source_suffix = {".md": "markdown"}

@@ -305,7 +305,9 @@ def run_gunicorn(
     *,
     workers: int = 4,
     threads: int = 1,
-    startup_timeout: float = 30.0,
+    # A guard against a server that never comes up, not a claim about speed: four test
+    # workers starting servers side by side on a busy 2-core machine take their time.
+    startup_timeout: float = 120.0,
     extra_args: tuple[str, ...] = (),
 ) -> Iterator[GunicornServer]:
     """Serve ``testproject.wsgi`` on a free 127.0.0.1 port until the block ends."""

@@ -15,7 +15,8 @@ from django_idempotency.models import OutboxEvent
 
 @admin.register(OutboxEvent)
 class OutboxEventAdmin(ReadOnlyLargeTableAdmin[OutboxEvent]):
-    # Newest first, as the base orders: UUIDv7 ids grow with time. Payloads may be large.
+    # By id, as the base orders: newest first for random UUIDv7 ids, while ids named by a
+    # request sort among them by their hash. Payloads may be large.
     detail_only_fields = ("payload",)
     list_display = ("id", "aggregate_type", "aggregate_id", "event_type", "created")
     created = time_column("created_at", _("created at"))

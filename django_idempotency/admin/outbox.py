@@ -12,7 +12,7 @@ from django.db import router
 from django.db.models import QuerySet
 from django.http import HttpRequest
 from django.utils import timezone
-from django.utils.translation import gettext
+from django.utils.translation import gettext, ngettext
 from django.utils.translation import gettext_lazy as _
 
 from django_idempotency.admin.base import ReadOnlyLargeTableAdmin, exact_id_search, time_column
@@ -39,7 +39,12 @@ class OutboxStateFilter(admin.SimpleListFilter):
         return [
             ("pending", gettext("Pending")),
             ("failing", gettext("Pending, after a failed publish")),
-            ("dead", gettext("Dead letters (%(count)s)") % {"count": shown}),
+            # dead is the count, shown may add "+" past the limit; the plural follows dead.
+            (
+                "dead",
+                ngettext("Dead letter (%(count)s)", "Dead letters (%(count)s)", dead)
+                % {"count": shown},
+            ),
             ("published", gettext("Published")),
             ("checking", gettext("Published, consumer's record not yet checked")),
         ]
@@ -86,7 +91,8 @@ class OutboxCreatedFilter(admin.SimpleListFilter):
 
 @admin.register(OutboxMessage)
 class OutboxMessageAdmin(ReadOnlyLargeTableAdmin[OutboxMessage]):
-    # Newest first, as the base orders: UUIDv7 ids grow with time.
+    # By id, as the base orders (its index; created_at has none): newest first for random
+    # UUIDv7 ids, while ids named by a request sort among them by their hash.
     detail_only_fields = OUTBOX_DETAIL_ONLY_FIELDS
     list_display = (
         "id",
@@ -148,13 +154,17 @@ class OutboxMessageAdmin(ReadOnlyLargeTableAdmin[OutboxMessage]):
         count = leases.requeue(queryset.db, ids) if ids else 0
         self.message_user(
             request,
-            gettext("Requeued %(count)d dead letters; they are published again with the same ids.")
+            ngettext(
+                "Requeued %(count)d dead letter; it is published again with the same id.",
+                "Requeued %(count)d dead letters; they are published again with the same ids.",
+                count,
+            )
             % {"count": count},
             messages.SUCCESS if count else messages.WARNING,
         )
 
     def has_requeue_permission(self, request: HttpRequest) -> bool:
-        # Changing a row is what requeueing does; the admin itself changes nothing else.
+        # Changing a row is what requeuing does; the admin itself changes nothing else.
         opts = self.opts
         return bool(request.user.has_perm(f"{opts.app_label}.change_{opts.model_name}"))
 

@@ -327,23 +327,32 @@ class IdempotencyRecordAdmin(ReadOnlyLargeTableAdmin[IdempotencyRecord]):
         if incomplete:
             self.message_user(
                 request,
-                gettext(
-                    "Erased %(count)d records, but for %(incomplete)d principal(s) requests in "
-                    "flight when the erasure began were still running: what they commit is "
-                    "not erased. Erase again, or run manage.py idempotency_erase."
+                # Two counts, two sentences: each takes the plural of its own number.
+                ngettext("Erased %(count)d record.", "Erased %(count)d records.", erased)
+                % {"count": erased}
+                + " "
+                + ngettext(
+                    "For %(incomplete)d principal, requests in flight when the erasure began "
+                    "were still running: what they commit is not erased. Erase again, or run "
+                    "manage.py idempotency_erase.",
+                    "For %(incomplete)d principals, requests in flight when the erasure began "
+                    "were still running: what they commit is not erased. Erase again, or run "
+                    "manage.py idempotency_erase.",
+                    incomplete,
                 )
-                % {"count": erased, "incomplete": incomplete},
+                % {"incomplete": incomplete},
                 messages.ERROR,
             )
             return
         self.message_user(
             request,
-            ngettext(
-                "Erased %(count)d record of %(principals)d principal(s).",
-                "Erased %(count)d records of %(principals)d principal(s).",
-                erased,
+            ngettext("Erased %(count)d record", "Erased %(count)d records", erased)
+            % {"count": erased}
+            + " "
+            + ngettext(
+                "of %(principals)d principal.", "of %(principals)d principals.", len(principals)
             )
-            % {"count": erased, "principals": len(principals)},
+            % {"principals": len(principals)},
         )
 
     # Deleting frees a key; it is done one record at a time, from its page.
@@ -375,12 +384,15 @@ class IdempotencyRecordAdmin(ReadOnlyLargeTableAdmin[IdempotencyRecord]):
     @admin.display(description=_("body size"))
     def body_size(self, obj: IdempotencyRecord) -> str:
         shown = _shown(obj)
+        stored = ngettext(
+            "%(stored)d byte stored", "%(stored)d bytes stored", shown.stored_bytes
+        ) % {"stored": shown.stored_bytes}
         if shown.unreadable:
-            return gettext("%(stored)d bytes stored") % {"stored": shown.stored_bytes}
-        return gettext("%(sent)d bytes as sent, %(stored)d bytes stored") % {
-            "sent": len(shown.body),
-            "stored": shown.stored_bytes,
+            return stored
+        sent = ngettext("%(sent)d byte as sent", "%(sent)d bytes as sent", len(shown.body)) % {
+            "sent": len(shown.body)
         }
+        return f"{sent}, {stored}"
 
     @admin.display(description=_("body digest"))
     def body_digest(self, obj: IdempotencyRecord) -> str:

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from django.http import HttpRequest
-from django.utils.translation import gettext
+from django.utils.translation import gettext, ngettext
 
 from django_idempotency.conf import conf
 from django_idempotency.models import IdempotencyRecord
@@ -101,15 +101,19 @@ def body_text(body: bytes, *, full: bool) -> str:
     try:
         text = body.decode()
     except UnicodeDecodeError:
-        return gettext("%(size)d bytes of binary data") % {"size": len(body)}
+        return ngettext(
+            "%(size)d byte of binary data", "%(size)d bytes of binary data", len(body)
+        ) % {"size": len(body)}
     with contextlib.suppress(ValueError):
         text = json.dumps(json.loads(text), indent=2, ensure_ascii=False)
     return _preview(text)
 
 
 def _fields_text(body: bytes) -> str:
-    hidden = gettext(
-        "Hidden: %(size)d bytes, shown only with the permission to view stored responses."
+    hidden = ngettext(
+        "Hidden: %(size)d byte, shown only with the permission to view stored responses.",
+        "Hidden: %(size)d bytes, shown only with the permission to view stored responses.",
+        len(body),
     ) % {"size": len(body)}
     paths = [name.split(".") for name in conf.ADMIN_SHOW_FIELDS]
     if not paths:
@@ -127,7 +131,11 @@ def _fields_text(body: bytes) -> str:
 
 def _preview(text: str) -> str:
     if len(text) > BODY_PREVIEW_CHARS:
-        return gettext("%(text)s\n… (%(size)d characters in all)") % {
+        return ngettext(
+            "%(text)s\n… (%(size)d character in all)",
+            "%(text)s\n… (%(size)d characters in all)",
+            len(text),
+        ) % {
             "text": text[:BODY_PREVIEW_CHARS],
             "size": len(text),
         }

@@ -18,7 +18,7 @@ from django_idempotency.engine.hashing import MISMATCH_FIX, secret_mismatch
 from django_idempotency.models import IdempotencyRecord
 from django_idempotency.storage.secret import SecretMissing
 
-# The levels whose snapshot is taken before the claim holds the key's lock (migration 0007).
+# The levels whose snapshot is taken before the claim holds the key's lock (the claim refuses them).
 REFUSED_LEVELS = frozenset({"repeatable read", "serializable"})
 # pg_settings.source of default_transaction_isolation: where a level that DATABASES does not
 # show was set.

@@ -24,6 +24,5 @@ def plain_parts(messages: Mapping[str, bytes]) -> dict[str, str]:
 
 
 def principal_digest(using: str, principal: bytes) -> str:
-    """A principal stored as a digest: keyed, over its SHA-256 (as migration 0017 keys the
-    plain ones stored before)."""
+    """A principal stored as a digest: keyed, over its SHA-256."""
     return digests.digest_hex(using, PRINCIPAL, hashlib.sha256(principal).hexdigest().encode())

@@ -155,6 +155,10 @@ class UnitOfWork:
         self._ring: sealing.Keyring | None = None
         # The driver's connection the work ran on when it failed: whether it broke says why.
         self._failed_on: Any = None
+        # The generation of the execution running now (its claim's), and how many messages
+        # it has named so far: what a message id derived from the request is made of.
+        self.generation = 0
+        self._places = 0
 
     @instrumentation.traced_open
     def open(self) -> Decision:
@@ -362,6 +366,7 @@ class UnitOfWork:
         self, claimed: records.Claimed, outermost: bool
     ) -> Generator[Decision | None, Result | BaseException, bool]:
         using = self.using
+        self.generation, self._places = claimed.generation, 0
         riding: list[tuple[str, list[Any]]] = []
         if connections[using].settings_dict.get("ATOMIC_REQUESTS"):
             with transaction.atomic(using=using):
@@ -413,6 +418,12 @@ class UnitOfWork:
             )
             raise store_unavailable("No partition accepts today's records.") from exc
         return True
+
+    def next_place(self) -> int:
+        """The place of the next message the running work sends out (0, 1, …): an execution
+        that runs again after a lost commit sends its messages in the same places."""
+        place, self._places = self._places, self._places + 1
+        return place
 
     def _second_execution(self) -> InProgress:
         """The answer to an execution that the database refused to commit: another one of

@@ -129,7 +129,7 @@ def credentials_of(request: HttpRequest) -> str | None:
     Credentials of other kinds (an API key header) cannot be recognised; the refusal does
     not depend on them.
     """
-    if request.META.get("HTTP_AUTHORIZATION", "").strip(_OWS):
+    if request.headers.get("authorization", "").strip(_OWS):
         return "an Authorization header"
     if settings.SESSION_COOKIE_NAME not in request.COOKIES:
         return None

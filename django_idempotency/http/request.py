@@ -377,7 +377,7 @@ class RequestUnit:
         if isinstance(decision, Replay):
             coding = decision.content_coding
             accepted = coding is not None and accepts_coding(
-                self.request.META.get("HTTP_ACCEPT_ENCODING", ""), coding
+                self.request.headers.get("accept-encoding", ""), coding
             )
             return replay_response(decision, accepted, self._headers)
         return problem_response(decision.error)

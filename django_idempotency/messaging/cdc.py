@@ -11,7 +11,12 @@ from typing import Any
 from django.db import connections
 
 from django_idempotency.conf import conf
-from django_idempotency.messaging.outbox import OutboxError, dumps, in_transaction, new_message_id
+from django_idempotency.messaging.outbox import (
+    OutboxError,
+    dumps,
+    in_transaction,
+    named_message_id,
+)
 from django_idempotency.models import OutboxEvent
 from django_idempotency.partitions.tables import PartitionedTable
 from django_idempotency.storage.riders import write
@@ -95,7 +100,7 @@ def emit_event(
     aggregate_id = _text(aggregate_id, "aggregate id")
     event_type = _text(event_type, "type")
     alias = in_transaction(using, OutboxEvent, "emit_event()")
-    event_id, created_at = new_message_id()
+    event_id, created_at = named_message_id(alias, "cdc")
     if conf.CDC_CLOUDEVENTS if cloudevents is None else cloudevents:
         payload = cloudevent(
             event_id, created_at, aggregate_type, aggregate_id, event_type, payload

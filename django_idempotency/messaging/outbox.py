@@ -16,6 +16,7 @@ from django.db.backends.base.base import BaseDatabaseWrapper
 from django.db.models import Max, Model, Q
 
 from django_idempotency.conf import conf
+from django_idempotency.messaging import downstream
 from django_idempotency.messaging.tracing import TRACE_OPTION, enqueue_context
 from django_idempotency.models import OutboxMessage
 from django_idempotency.partitions.tables import PartitionedTable
@@ -78,6 +79,7 @@ class NamedTask(Protocol):
 
 _clock_lock = threading.Lock()
 _last_stamp = 0  # (milliseconds << 12) | counter of the last id made in this process
+_last_micros = 0  # the created_at of the last message with a derived id, in microseconds
 
 
 def new_message_id() -> tuple[uuid.UUID, datetime]:
@@ -95,6 +97,24 @@ def new_message_id() -> tuple[uuid.UUID, datetime]:
     random_bits = int.from_bytes(os.urandom(8), "big") & ((1 << 62) - 1)
     value = (millis << 80) | (0x7 << 76) | (counter << 64) | (0b10 << 62) | random_bits
     return uuid.UUID(int=value), datetime.fromtimestamp(millis / 1000, UTC)
+
+
+def named_message_id(alias: str, kind: str) -> tuple[uuid.UUID, datetime]:
+    """The id of a message (``kind``: "outbox", "cdc") written on ``alias`` now, and its
+    ``created_at``: in a keyed unit of work an id derived from the request, so that a run
+    again after a lost commit publishes the same id (``downstream.message_id()``); else a
+    random UUIDv7."""
+    global _last_micros
+    derived = downstream.message_id(alias, kind)
+    if derived is None:
+        return new_message_id()
+    # The id says no time, so created_at alone orders a request's messages for the relay:
+    # strictly growing within a process, to the microsecond.
+    with _clock_lock:
+        micros = _last_micros = max(time.time_ns() // 1000, _last_micros + 1)
+    return derived, datetime.fromtimestamp(micros // 1_000_000, UTC).replace(
+        microsecond=micros % 1_000_000
+    )
 
 
 def task_name(kind: int, name: str) -> str:
@@ -157,7 +177,7 @@ def write_message(
     carrier = enqueue_context()
     if carrier is not None:
         options[TRACE_OPTION] = carrier
-    message_id, created_at = new_message_id()
+    message_id, created_at = named_message_id(alias, "outbox")
     if connections[alias].vendor != "postgresql":
         place = None
         if ordering_key is not None:
@@ -247,7 +267,9 @@ def enqueue_task(
 ) -> str:
     """Put a Celery task call in the outbox, in the current transaction; return its message id.
 
-    The message id (a UUIDv7 string) is the task id the worker sees, on every publish attempt.
+    The message id is the task id the worker sees, on every publish attempt: derived from the
+    request in a protected view's keyed request or an exactly-once task (the same again if the
+    request runs again after a lost commit), else a random UUIDv7 string.
     Arguments must be JSON. ``countdown`` counts from the enqueue, not from the publish.
     Messages with the same ``ordering_key`` are published in the order their transactions
     committed, each only once the one before is published (``docs/outbox.md``).

@@ -13,7 +13,7 @@ import time
 import uuid
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from datetime import timedelta
+from datetime import datetime, timedelta
 from typing import Any
 
 from django.db import connections, router
@@ -54,6 +54,8 @@ class PassResult:
     failed: int = 0
     error: str = ""
     ids: list[str] = field(default_factory=list)
+    # When each of ``ids`` was enqueued (its row's created_at).
+    enqueued: list[datetime] = field(default_factory=list)
     # Whether a message with an ordering key went out: the next of its key may now go.
     keyed: bool = False
 
@@ -158,6 +160,7 @@ class Relay:
             result.published = len(sent)
             result.marked = self.mark(batch, sent)
             result.ids = [m.id for m in sent]
+            result.enqueued = [m.created_at for m in sent]
             result.keyed = any(m.ordering_key is not None for m in sent)
         if result.marked < result.published:
             logger.warning(
@@ -181,7 +184,9 @@ class Relay:
         # Untried, or sent in a batch whose delivery is unknown: back for the next pass.
         self.release(batch, tuple(m for m in batch.messages if m.id not in done_ids))
         if result.ids:
-            signals.outbox_published.send_robust(Relay, ids=result.ids, using=self.using)
+            signals.outbox_published.send_robust(
+                Relay, ids=result.ids, enqueued=result.enqueued, using=self.using
+            )
         self.heartbeat.count(published=result.marked, failed=result.failed, error=result.error)
         return result
 

@@ -88,7 +88,7 @@ RECORDS = PartitionedTable(
     keep_for=_records_keep_for,
     expired=_records_expired,
     # Within a partition, one execution per generation of a key: the database refuses a
-    # second one that the lock failed to stop (migration 0016 made it on older partitions).
+    # second one that the lock failed to stop (the migration makes it on its own partitions).
     partition_indexes=(
         'CREATE UNIQUE INDEX IF NOT EXISTS "{index_prefix}_one_execution" '
         "ON {partition} (key, scope, generation)",

@@ -48,7 +48,7 @@ def server_facts(using: str) -> list[Fact]:
     try:
         facts += [_isolation(connection), _clock(connection)]
         if connection.vendor == "postgresql":
-            facts += [_pooler(connection), _partitions(connection)]
+            facts += [_pooler(connection), replication(connection), _partitions(connection)]
         facts.append(_outbox(using))
     except DatabaseError as exc:
         facts.append(Fact("database", "fail", "unreachable", str(exc).strip()))
@@ -152,6 +152,64 @@ def _pooler(connection: BaseDatabaseWrapper) -> Fact:
     if port is not None and str(port) != configured:
         return Fact("pooler", "pass", f"a proxy (port {configured} to {port})", "one session")
     return Fact("pooler", "pass", "none seen", "one server connection per session")
+
+
+# synchronous_commit levels at which a commit is answered only once a synchronous standby
+# has it (remote_write: in the standby's memory, which a primary's crash alone never loses).
+WAITS_FOR_STANDBY = ("on", "remote_apply", "remote_write")
+REPLICATION_QUERY = """
+SELECT current_setting('synchronous_standby_names'), current_setting('synchronous_commit'),
+       (SELECT count(*) FROM pg_stat_replication),
+       (SELECT count(*) FROM pg_stat_replication WHERE sync_state IN ('sync', 'quorum')),
+       (SELECT count(sync_state) FROM pg_stat_replication)
+"""
+
+
+def replication(connection: BaseDatabaseWrapper) -> Fact:
+    """Whether the records' database replicates to its standbys synchronously, as its
+    ``pg_stat_replication`` and settings (this session's ``synchronous_commit``) say, and what
+    a failover to one of them would do to a key (docs/deployment.md, "Failover")."""
+    with connection.cursor() as cursor:
+        cursor.execute(REPLICATION_QUERY)
+        names, commit, standbys, synchronous, visible = cursor.fetchone()
+    if standbys and not visible:
+        return Fact(
+            "replication",
+            "info",
+            f"{standbys} standbys, their state hidden from this role",
+            "grant the role pg_monitor (or pg_read_all_stats) for the probe to see whether "
+            "they are synchronous",
+        )
+    if not standbys and not names:
+        return Fact(
+            "replication",
+            "info",
+            "no streaming standby",
+            "none replicates from this database; a failover to a copy made another way "
+            "(a cloud's storage replication) is not seen here",
+        )
+    if names and commit in WAITS_FOR_STANDBY and synchronous:
+        return Fact(
+            "replication",
+            "pass",
+            f"synchronous ({synchronous} of {standbys} standbys, synchronous_commit {commit})",
+            "a promoted synchronous standby has every commit that was answered: no key runs twice",
+        )
+    if names and commit in WAITS_FOR_STANDBY:
+        return Fact(
+            "replication",
+            "warn",
+            f"synchronous_standby_names is {names!r}, and no synchronous standby is connected",
+            "every commit waits until one connects: requests hang, then time out",
+        )
+    return Fact(
+        "replication",
+        "warn",
+        f"asynchronous ({standbys} standbys, synchronous_commit {commit})",
+        "a failover can lose the last commits that were answered: their keys run again on "
+        "the new primary, sending the same message ids and downstream keys; name a "
+        "synchronous standby (synchronous_standby_names) to lose none",
+    )
 
 
 def _begin(connection: BaseDatabaseWrapper) -> tuple[int, int | None]:

@@ -77,7 +77,7 @@ def compression(setting: str | None) -> str:
 
 
 def database_compresses(using: str) -> bool:
-    """Whether PostgreSQL compresses the records' bodies with lz4 (migration 0003 sets it
+    """Whether PostgreSQL compresses the records' bodies with lz4 (the migration sets it
     where the server has lz4): storing 1 MB raw then costs a third of compressing it with
     zlib level 1 here, and a replay no inflating."""
     connection = connections[using]

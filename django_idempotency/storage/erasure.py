@@ -23,8 +23,8 @@ from django_idempotency.storage import digests
 logger = logging.getLogger("django_idempotency")
 
 # A tombstone's principal: this prefix and a keyed digest (storage/digests.py) of the SHA-256
-# (hex) of the principal; migration 0017 keyed the plain "erased:<SHA-256>" of older ones
-# the same way. No principal is stored with this prefix (http/identity.py).
+# (hex) of the principal; the claim still finds a plain "erased:<SHA-256>" when asked without
+# the keyed form. No principal is stored with this prefix (http/identity.py).
 TOMBSTONE_PREFIX = "erased:"
 # The purposes of the tombstones' keyed digests: the principal, and the fingerprint.
 TOMBSTONE = "tombstone"
@@ -44,7 +44,7 @@ UPDATE django_idempotency_record
  WHERE id >= %s AND id < %s AND scope = %s
 """
 _ID_RANGE = "SELECT min(id), max(id) FROM django_idempotency_record"
-# The lock space of the claims' advisory locks (migrations 0001, 0008): a transaction that
+# The lock space of the claims' advisory locks (the migration's functions): a transaction that
 # holds one is a request or a consumer in flight, which may yet commit its record.
 CLAIM_LOCK_SPACE = 1768187245
 _IN_FLIGHT = """

@@ -24,7 +24,7 @@ if TYPE_CHECKING:
 
 # SQLSTATE of "no partition of relation ... found for row": maintenance has not run.
 NO_PARTITION_SQLSTATE = "23514"
-# SQLSTATE the claim raises at REPEATABLE READ or SERIALIZABLE (migration 0007).
+# SQLSTATE the claim raises at REPEATABLE READ or SERIALIZABLE (migrations/0001_initial.py).
 ISOLATION_REFUSED_SQLSTATE = "0AI01"
 
 
@@ -80,7 +80,7 @@ class Claimed:
     record: Record | None = None
     # Other databases only: the in-progress row that the claim inserted.
     row_id: int | None = None
-    # WON, STALE: the generation of the execution that starts (migration 0016).
+    # WON, STALE: the generation of the execution that starts.
     generation: int = 0
 
 
@@ -295,7 +295,7 @@ _STORE = "SELECT django_idempotency_store(%s, %s, %s, %s, %s, %s, %s, %s, %s, %s
 # with the store saves the transaction's last round trip.
 _STORE_AND_COMMIT = _STORE + "; COMMIT"
 # SQLSTATE unique_violation, and the suffix of the per-partition index that raises it for a
-# second execution of a key (migration 0016, ``partitions.tables.RECORDS``).
+# second execution of a key (the migration, ``partitions.tables.RECORDS``).
 UNIQUE_VIOLATION_SQLSTATE = "23505"
 ONE_EXECUTION_INDEX_SUFFIX = "_one_execution"
 # Below this, a body's hex literal costs less than psycopg's pipeline, about 0.12 ms of

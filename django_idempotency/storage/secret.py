@@ -1,6 +1,6 @@
 """The app's own secret, which keys the lock of a key and the downstream keys.
 
-Migration 0007 makes it at random, in a table of its own, wherever the records live: every
+The app's migration makes it at random, in a table of its own, wherever the records live: every
 app server that claims in a database shares that database's secret, whatever its
 ``SECRET_KEY``. It is read once per process and database; the request path then only looks
 it up here.

@@ -388,6 +388,24 @@ def test_unstored_statuses_setting_replaces_the_default(client, settings, path: 
     assert (CALLS[not_found["tag"]], CALLS[conflict["tag"]]) == (2, 1)
 
 
+@pytest.mark.django_db
+@ENDPOINTS
+def test_stripes_validation_behaviour_as_the_quickstart_sets_it(client, settings, path) -> None:
+    # docs/quickstart.md, "A validation 400 is an answer too": a 400 stored by default, and
+    # with 400 and 422 unstored, a fixed body under the same key runs.
+    invalid = ScriptFactory(reject="invalid")
+    key = new_key()
+    send(client, "POST", path, invalid, key=key)
+    assert replayed(send(client, "POST", path, invalid, key=key))
+    settings.IDEMPOTENCY_UNSTORED_STATUSES = (400, 408, 409, 422, 425, 429)
+    key = new_key()
+    assert send(client, "POST", path, invalid, key=key).status_code == 400
+    fixed = ScriptFactory()
+    response = send(client, "POST", path, fixed, key=key)
+    assert response.status_code == 201 and not replayed(response)
+    assert CALLS[fixed["tag"]] == 1
+
+
 # 7. What is stored and replayed
 
 

@@ -205,7 +205,7 @@ def test_after_a_version_change_another_body_on_the_key_is_still_a_reused_key(
 
 
 # ---------------------------------------------------------------------------------------
-# A rolling deploy: servers of several IDEMPOTENCY_RESPONSE_VERSIONs on one database at once,
+# A rolling deploy: servers of several IDEMPOTENCY_RESPONSE_VERSION values on one database,
 # each request of a key to one of them; the refunds view declares no version of its own.
 
 REFUNDS, REFUND_COUNT = "/api/refunds/", "/api/refunds/count/"

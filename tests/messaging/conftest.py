@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.support.nats_server import NATS_SERVER, NatsServer
+from tests.support.nats_server import NATS_SERVER, NatsCluster, NatsServer
 
 
 @pytest.fixture
@@ -21,3 +21,16 @@ def nats_server(tmp_path: Path) -> Iterator[NatsServer]:
         yield server
     finally:
         server.stop()
+
+
+@pytest.fixture
+def nats_cluster(tmp_path: Path) -> Iterator[NatsCluster]:
+    """Three private ``nats-server -js`` nodes clustered on free ports, stopped afterwards."""
+    if NATS_SERVER is None:
+        pytest.skip("needs nats-server (Debian: nats-server)")
+    cluster = NatsCluster(tmp_path / "cluster")
+    try:
+        cluster.start()
+        yield cluster
+    finally:
+        cluster.shutdown()

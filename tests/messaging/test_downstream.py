@@ -113,6 +113,15 @@ def test_other_keys_principals_and_steps_give_other_downstream_keys() -> None:
     assert base not in others and len(others) == 3
 
 
+def test_a_key_that_runs_anew_as_its_next_generation_sends_another_downstream_key() -> None:
+    key = str(uuid.uuid4())
+    first = post("/charge/", key).json()["key"]
+    # Expired but still kept: the same request on the same key is a new operation.
+    IdempotencyRecord.objects.filter(key=key).update(expires_at="2000-01-01T00:00:00Z")
+    again = post("/charge/", key)
+    assert again.status_code == 201 and again.json()["key"] != first
+
+
 def test_the_key_is_uuid_shaped_and_reveals_nothing_of_its_inputs() -> None:
     key = "order-42-capture"
     derived = post("/charge/", key).json()["key"]

@@ -1,13 +1,14 @@
 """The NATS JetStream destination against a private ``nats-server -js`` of its own: the
 message id as ``Nats-Msg-Id``, rows marked only once the stream acknowledged them, and a
-server killed and started again under a running relay (each id exactly once in the stream)."""
+server killed and started again under a running relay (each id exactly once in the stream),
+and a node of a three-node cluster killed under it the same way."""
 
 from __future__ import annotations
 
 import json
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
@@ -22,7 +23,7 @@ from django_idempotency.messaging.outbox import enqueue_event, enqueue_task
 from django_idempotency.messaging.relay import PublishFailed, Relay
 from django_idempotency.models import OutboxMessage
 from tests.support.chain_processes import wait_for
-from tests.support.nats_server import NATS_SERVER, NatsServer
+from tests.support.nats_server import NATS_SERVER, NatsCluster, NatsServer
 from tests.support.relays import running
 
 pytestmark = [
@@ -32,11 +33,12 @@ pytestmark = [
 ]
 
 
-def destinations(server: NatsServer, **options: Any) -> dict[str, Any]:
+def destinations(server: NatsServer | NatsCluster, **options: Any) -> dict[str, Any]:
+    servers = server.servers if isinstance(server, NatsCluster) else [server.url]
     return {
         "default": {
             "BACKEND": NATS,
-            "OPTIONS": {"servers": [server.url], "subject": "outbox.{name}", "ack_timeout": 2,
+            "OPTIONS": {"servers": servers, "subject": "outbox.{name}", "ack_timeout": 2,
                         **options},
         }
     }  # fmt: skip
@@ -137,6 +139,36 @@ def test_a_nats_server_killed_and_started_again_under_a_running_relay_loses_noth
     to_nats: NatsServer,
 ) -> None:
     to_nats.add_stream()
+    ids = publish_through(to_nats.stop, to_nats.start, count=1500)
+    found = to_nats.ids()
+    assert set(found) == set(ids), (len(found), len(ids))
+    assert [i for i, n in found.items() if n != 1] == []
+
+
+def test_a_cluster_node_killed_and_started_again_under_a_running_relay_loses_nothing(
+    nats_cluster: NatsCluster,
+) -> None:
+    """Three nodes, the stream replicated on each: its leader killed with ``kill -9`` while
+    the relay publishes, the other two elect another and go on; the node comes back on its
+    store. Each id is in the stream once."""
+    nats_cluster.add_stream()
+    killed: list[NatsServer] = []
+
+    def kill() -> None:
+        killed.append(nats_cluster.leader())
+        killed[0].stop()
+
+    with override_settings(IDEMPOTENCY_OUTBOX_DESTINATIONS=destinations(nats_cluster)):
+        ids = publish_through(kill, nats_cluster.start, count=600)
+    found = nats_cluster.ids()
+    assert set(found) == set(ids), (len(found), len(ids))
+    assert [i for i, n in found.items() if n != 1] == []
+    assert killed[0].running()
+
+
+def publish_through(kill: Callable[[], None], restart: Callable[[], Any], count: int) -> list[str]:
+    """``count`` messages written in transactions of 25 while a relay runs, the server
+    killed after the first fifth and started again once more than 50 wait; their ids."""
     ids: list[str] = []
     relay = Relay(batch_size=50)
     stop = threading.Event()
@@ -145,7 +177,7 @@ def test_a_nats_server_killed_and_started_again_under_a_running_relay_loses_noth
         from django.db import connection
 
         try:
-            while not stop.is_set() and len(ids) < 1500:
+            while not stop.is_set() and len(ids) < count:
                 ids.extend(enqueue_many(25, per_txn=25))
                 time.sleep(0.005)
         finally:
@@ -154,18 +186,16 @@ def test_a_nats_server_killed_and_started_again_under_a_running_relay_loses_noth
     with running(relay):
         thread = threading.Thread(target=writer)
         thread.start()
-        wait_for(lambda: len(ids) >= 300, timeout=60)
-        to_nats.stop()  # kill -9, rows still being written
+        wait_for(lambda: len(ids) >= count // 5, timeout=60)
+        kill()  # kill -9, rows still being written
         wait_for(lambda: pending() > 50, timeout=60)
         time.sleep(1)
-        to_nats.start()  # the same store: the stream and what it acknowledged
+        restart()  # the same store: the stream and what it acknowledged
         thread.join(timeout=120)
         stop.set()
         wait_for(lambda: pending() == 0, timeout=90, every=0.2)
-    found = to_nats.ids()
-    assert len(ids) == 1500
-    assert set(found) == set(ids), (len(found), len(ids))
-    assert [i for i, n in found.items() if n != 1] == []
+    assert len(ids) == count
+    return ids
 
 
 @override_settings(

@@ -1,7 +1,7 @@
 """The admin's stored responses in a real browser (headless Chromium through selenium), as a
 user with and without ``view_stored_response``: what is on the page, and what is not.
 
-With ``IDEMPOTENCY_SCREENSHOTS=<folder>`` the Response section is saved there as PNGs (the
+With ``IDEMPOTENCY_SCREENSHOTS=<folder>`` the Response section is saved there as PNG files (the
 ones in ``docs/_static/`` come from such a run)."""
 
 from __future__ import annotations

@@ -182,7 +182,7 @@ def test_the_admin_action_erases_the_selected_records_principals(
     )
 
     assert response.status_code == 200
-    assert "Erased 2 records of 1 principal(s)." in response.text
+    assert "Erased 2 records of 1 principal." in response.text
     assert charge(alice.client(), keys[1]).status_code == 410
     assert IdempotencyRecord.objects.get(pk=other.pk).scope == "tenant:other"
 

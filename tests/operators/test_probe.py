@@ -326,3 +326,10 @@ def test_the_probe_fails_an_endpoint_that_claims_as_anonymous_although_it_sent_c
     assert fact.verdict == verdict
     if verdict == "fail":
         assert "X-Api-Key" in fact.detail and "principal callable" in fact.detail
+
+
+def test_the_replication_line_says_when_nothing_streams_from_the_database() -> None:
+    fact = facts()["replication"]
+    # The test database has no standby (tests/scenarios/test_replica.py and test_failover.py
+    # report an asynchronous and a synchronous one).
+    assert (fact.verdict, fact.value) == ("info", "no streaming standby")

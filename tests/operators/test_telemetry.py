@@ -149,6 +149,15 @@ def test_relay_lag_is_recorded_per_published_message(collect: Any) -> None:
     assert 0.3 <= lag.sum < 60
 
 
+def test_relay_lag_of_an_id_derived_from_its_request_counts_from_its_row(collect: Any) -> None:
+    # A version 8 id says no time; the row's created_at, sent with it, does.
+    enqueued = datetime.now(UTC) - timedelta(seconds=30)
+    derived = str(uuid.UUID(int=(0x8 << 76) | (0x2 << 62)))
+    signals.outbox_published.send_robust(None, ids=[derived], enqueued=[enqueued], using="default")
+    (lag,) = collect().recorded(telemetry.RELAY_LAG, database="default")
+    assert lag.count == 1 and 30 <= lag.sum < 90
+
+
 def test_messages_the_redrive_published_again_are_counted(collect: Any) -> None:
     signals.outbox_redriven.send_robust(None, ids=["a", "b"], using="default")
     signals.outbox_redriven.send_robust(None, ids=["c"], using="other")

@@ -198,6 +198,13 @@ def test_docs_build_without_warnings(tmp_path):
         "django_idempotency.rest_framework.IdempotencyMixin",
         "django_idempotency.decorators.idempotent",
         "django_idempotency.conf.Settings.PRINCIPAL_DISPLAY",
+        # The messaging API and the probe (their extras' libraries are mocked: conf.py).
+        "django_idempotency.messaging.outbox.enqueue_task",
+        "django_idempotency.messaging.consumers.ExactlyOnceTask",
+        "django_idempotency.messaging.destinations.Destination",
+        "django_idempotency.messaging.nats_consumer.NatsConsumer",
+        "django_idempotency.messaging.downstream.derive_key",
+        "django_idempotency.probe.drive.probe",
     ):
         assert f'id="{name}"' in api, name
 
@@ -269,3 +276,17 @@ def test_the_quickstarts_sample_charges_have_the_fields_the_demo_answers() -> No
     ]
     assert len(samples) >= 3
     assert [set(sample) for sample in samples] == [answered] * len(samples)
+
+
+# The changelog page only includes CHANGELOG.md.
+SUMMARISED = sorted(p.name for p in DOCS.glob("*.md") if p.name != "changelog.md")
+
+
+@pytest.mark.parametrize("name", SUMMARISED)
+def test_every_page_opens_with_a_summary_of_five_lines_at_most(name: str) -> None:
+    # For a reader in a hurry: the title, then what the page gives them, before any detail.
+    title, _, rest = page(name).partition("\n\n")
+    assert title.startswith("# ") and "\n" not in title, name
+    summary = rest.split("\n\n", 1)[0]
+    assert not summary.startswith(("#", "```", "|")), f"{name} opens with no summary"
+    assert len(summary.splitlines()) <= 5, f"{name}'s summary is longer than five lines"

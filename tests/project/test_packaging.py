@@ -153,8 +153,9 @@ def test_ci_runs_every_environment_the_env_list_declares() -> None:
     assert envs - ran == {"py311-django52-beat"}
     assert ran <= envs
     assert 'bash -c "$TEST_COMMAND"' in ci and "python3 -m venv .venv" in README
-    commands = tox()["testenv"]["commands"]
-    assert "-n 2 --dist loadfile" in commands  # py311-django52-beat runs as the README does
+    # py311-django52-beat runs as the README does: the same workers.
+    (workers,) = re.findall(r"pytest (-n \d+ --dist loadfile)", README)
+    assert workers in tox()["testenv"]["commands"]
 
 
 def test_the_lowest_env_runs_the_optional_wings() -> None:
@@ -191,3 +192,17 @@ def test_every_pip_install_of_the_package_names_the_wheel_built_from_a_clone() -
             if re.search(r"pip install .*django[-_]idempotency(?!-)", line) and wheel not in line:
                 bad.append(f"{page.name}: {line.strip()}")
     assert bad == []
+
+
+def test_the_maintainers_can_be_reached_where_security_md_says() -> None:
+    (maintainer,) = PROJECT["maintainers"]
+    domain = maintainer["email"].split("@")[1]
+    security = (ROOT / "SECURITY.md").read_text()
+    assert re.search(rf"\b[a-z]+@{re.escape(domain)}\b", security)
+
+
+def test_the_issue_templates_link_into_the_one_project_url() -> None:
+    source = PROJECT["urls"]["Source"]
+    config = (ROOT / ".github" / "ISSUE_TEMPLATE" / "config.yml").read_text()
+    urls = re.findall(r"url: (\S+)", config)
+    assert urls and [url for url in urls if not url.startswith(source)] == []

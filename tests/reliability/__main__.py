@@ -1,5 +1,5 @@
 """``python -m tests.reliability --profile short|long|pgbouncer|chain|chain-short``; a chain
-profile with ``--destination celery-redis|celery-rabbitmq|nats|tasks-rq``."""
+profile with ``--destination celery-redis|celery-rabbitmq|nats|nats-cluster|tasks-rq``."""
 
 from __future__ import annotations
 

@@ -7,7 +7,8 @@ processes, and its consumer process (killed whole or one pool child at a time).
 
 Built: Celery on a private ``redis-server`` (the suite's chain-short profile), Celery on a
 private RabbitMQ node, NATS JetStream (a private ``nats-server -js``; the ledger message routed
-to it by ``IDEMPOTENCY_OUTBOX_ROUTES``, consumed by ``manage.py idempotency_consume_nats``) and
+to it by ``IDEMPOTENCY_OUTBOX_ROUTES``, consumed by ``manage.py idempotency_consume_nats``), the
+same on a three-node JetStream cluster with the stream replicated three times, and
 Django's Tasks framework through RQ (a private redis-server; ``manage.py rqworker``). Another
 destination is one more entry: its broker behind the ``Broker`` protocol, the settings that
 send the charge's ledger posting to it, and its consumer's command with the line it logs once
@@ -16,6 +17,7 @@ ready. The NATS and RQ brokers bind ports in ``PORTS``.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import subprocess
 import sys
@@ -27,9 +29,9 @@ from typing import Protocol
 from tests.conftest import ROOT, die_with_parent, unmeasured
 from tests.reliability.broker_log import BrokerLog, replay
 from tests.support.chain_processes import CHAIN_SETTINGS, CeleryWorker, RedisServer
-from tests.support.nats_server import NATS_SERVER, NatsServer
+from tests.support.nats_server import NATS_SERVER, NatsCluster, NatsServer
 from tests.support.rabbitmq import RabbitMQNode
-from tests.support.servers import free_port_in
+from tests.support.servers import free_port_in, free_ports_in
 
 # Where the NATS and RQ brokers listen (never the machine's 4222 or 6379).
 PORTS = range(17600, 17700)
@@ -130,6 +132,43 @@ class NatsBroker(NatsServer):
         return BrokerLog()
 
 
+class NatsClusterBroker(NatsCluster):
+    """The cluster of ``tests/support/nats_server.py``, its stream replicated on all three
+    nodes. The broker-restart fault kills one node at a time with ``kill -9`` (``process`` is
+    the next one's) and starts it again on its store; the other two keep a quorum, so the
+    stream keeps taking and delivering messages meanwhile."""
+
+    def __init__(self, directory: Path) -> None:
+        super().__init__(directory, free_ports_in(PORTS, 2 * self.NODES))
+        self.next = 0
+
+    @classmethod
+    def make(cls, directory: Path) -> NatsClusterBroker:
+        return cls(directory / "nats-cluster")
+
+    @property
+    def process(self) -> subprocess.Popen[bytes] | None:
+        return self.nodes[self.next].process
+
+    def start(self, timeout: float = 30) -> None:
+        """Start the nodes that are down (at first all three, and the stream); then the
+        next fault kills the node after the last one."""
+        restarted = super().start(timeout)
+        if not (self.directory / "stream-created").exists():
+            self.add_stream(NATS_STREAM, NATS_SUBJECTS)
+            (self.directory / "stream-created").touch()
+        elif restarted < self.NODES:
+            self.next = (self.next + 1) % self.NODES
+
+    def in_flight(self) -> tuple[int, int]:
+        info = self.consumer_info(NATS_DURABLE, NATS_STREAM)
+        return int(info.num_pending), int(info.num_ack_pending)
+
+    def replay(self) -> BrokerLog:
+        # Replicated on all three nodes, the stream keeps what it acknowledged.
+        return BrokerLog()
+
+
 class RQBroker(RedisServer):
     """RQ's redis-server. RQ acknowledges nothing: a job taken is off the queue, and one whose
     work horse died is not run again (the relay's redrive hands its message over again, as
@@ -178,7 +217,8 @@ def nats_consumer(env: dict[str, str], log: Path, concurrency: int) -> subproces
     return _spawn(
         ["-m", "tests.reliability.chain_nats", "--stream", NATS_STREAM, "--durable",
          NATS_DURABLE, "--handler", "testproject.payments.handlers.post_ledger_entry",
-         "--servers", env["NATS_URL"], "--ack-wait", str(NATS_ACK_WAIT), "--batch", "1"],
+         "--servers", *env["NATS_URL"].split(","), "--ack-wait", str(NATS_ACK_WAIT),
+         "--batch", "1"],
         env, log,
     )  # fmt: skip
 
@@ -240,6 +280,25 @@ class ChainDestination:
         )
 
 
+NATS_DESTINATION = ChainDestination(
+    "nats",
+    "NATS JetStream on a private nats-server -js (the ledger message routed to it; ack "
+    f"wait {NATS_ACK_WAIT:g} s), consumed by manage.py idempotency_consume_nats",
+    NatsBroker.make,
+    "tests.reliability.chain_nats_settings",
+    nats_consumer,
+    " started on stream ",
+    NATS_SERVER or "nats-server",
+    url_variable="NATS_URL",
+    consumers="NATS consumers",
+    consumer_kill="nats-consumer-kill",
+    child_kill=None,
+    pooled=False,
+    module="nats",
+    install="pip install 'django-idempotency[nats]'",
+    keeps_results=False,
+)
+
 DESTINATIONS = {
     destination.name: destination
     for destination in (
@@ -261,23 +320,15 @@ DESTINATIONS = {
             " ready.",
             str(Path("/usr/lib/rabbitmq/bin/rabbitmq-server")),
         ),
-        ChainDestination(
-            "nats",
-            "NATS JetStream on a private nats-server -js (the ledger message routed to it; ack "
-            f"wait {NATS_ACK_WAIT:g} s), consumed by manage.py idempotency_consume_nats",
-            NatsBroker.make,
-            "tests.reliability.chain_nats_settings",
-            nats_consumer,
-            " started on stream ",
-            NATS_SERVER or "nats-server",
-            url_variable="NATS_URL",
-            consumers="NATS consumers",
-            consumer_kill="nats-consumer-kill",
-            child_kill=None,
-            pooled=False,
-            module="nats",
-            install="pip install 'django-idempotency[nats]'",
-            keeps_results=False,
+        NATS_DESTINATION,
+        dataclasses.replace(
+            NATS_DESTINATION,
+            name="nats-cluster",
+            description="NATS JetStream on a cluster of three private nats-server -js nodes, "
+            "the stream replicated on all three (a broker restart kills one node, the next one "
+            f"each time), ack wait {NATS_ACK_WAIT:g} s, consumed by manage.py "
+            "idempotency_consume_nats",
+            broker=NatsClusterBroker.make,
         ),
         ChainDestination(
             "tasks-rq",

@@ -14,7 +14,8 @@ IDEMPOTENCY_OUTBOX_DESTINATIONS = {
     "nats": {
         "BACKEND": "django_idempotency.messaging.destinations.nats.NatsDestination",
         "OPTIONS": {
-            "servers": [os.environ.get("NATS_URL", "nats://127.0.0.1:1")],
+            # One URL, or a cluster's, comma-separated.
+            "servers": os.environ.get("NATS_URL", "nats://127.0.0.1:1").split(","),
             "stream": "LEDGER",  # tests/reliability/chain_destinations.py creates it
         },
     },

@@ -342,7 +342,9 @@ def test_destination_is_for_chain_profiles_and_each_one_is_described(
     assert "--destination is for a chain profile (chain, chain-short), not short" in (
         capsys.readouterr().err
     )
-    assert {"celery-redis", "celery-rabbitmq", "nats", "tasks-rq"} <= set(DESTINATIONS)
+    assert {"celery-redis", "celery-rabbitmq", "nats", "nats-cluster", "tasks-rq"} <= set(
+        DESTINATIONS
+    )
     assert PROFILES["chain-short"].chain == ChainShape(
         fault_every=(0.3, 0.7), broker_down_seconds=(0.2, 0.6), drain_timeout=90.0
     )  # the suite's own: Celery on Redis, no settlements

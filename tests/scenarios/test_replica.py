@@ -12,7 +12,6 @@ execute a retry a second time. The engine reads and writes records on
 from __future__ import annotations
 
 import contextlib
-import secrets
 import time
 import uuid
 from collections import Counter
@@ -24,10 +23,17 @@ from typing import Any
 import pytest
 import requests
 
+from django_idempotency.probe.facts import replication
 from tests.conftest import GunicornServer
 from tests.support.client import honouring_retry_after, replayed
 from tests.support.payments import CHARGE, send_at_once
-from tests.support.servers import PostgresCluster, migrate, postgres_bin, primary_and_replica
+from tests.support.servers import (
+    PostgresCluster,
+    migrate,
+    postgres_bin,
+    primary_and_replica,
+    token_user,
+)
 
 DATABASE = "payments"
 
@@ -121,25 +127,14 @@ def app(
         with primary.connect() as conn:
             conn.execute(f"CREATE DATABASE {DATABASE}")
         migrate({**subprocess_env, "DATABASE_URL": primary.url(DATABASE)})
-        token = secrets.token_hex(20)
-        with primary.connect(DATABASE) as conn:
-            row = conn.execute(
-                "INSERT INTO auth_user (password, is_superuser, username, first_name, "
-                "last_name, email, is_staff, is_active, date_joined) "
-                "VALUES ('!', false, 'alice', '', '', '', false, true, now()) RETURNING id"
-            ).fetchone()
-            assert row is not None
-            conn.execute(
-                "INSERT INTO authtoken_token (key, created, user_id) VALUES (%s, now(), %s)",
-                [token, row[0]],
-            )
+        token, user_id = token_user(primary, DATABASE)
         env = {
             "DATABASE_URL": primary.url(DATABASE),
             "REPLICA_DATABASE_URL": replica.url(DATABASE),
         }
         with gunicorn_server(workers=2, threads=4, env=env) as server:
             app = ReplicatedApp(
-                server.url, primary, replica, {"Authorization": f"Token {token}"}, row[0]
+                server.url, primary, replica, {"Authorization": f"Token {token}"}, user_id
             )
             # The token must be on the replica before lag starts: authentication reads it there.
             app.wait_for_replica()
@@ -225,3 +220,13 @@ def test_failed_first_attempt_then_retry_executes_once_while_the_replica_lags(
     assert (replay.status_code, replayed(replay), replay.content) == (201, True, retry.content)
     assert (app.executions(), app.charges(app.primary)) == (before[0] + 2, before[1] + 1)
     assert app.records(app.primary, key) == 1
+
+
+def test_the_probe_reports_the_replica_as_asynchronous(
+    app: ReplicatedApp, django_db_blocker: Any
+) -> None:
+    with django_db_blocker.unblock(), app.primary.django_connection(DATABASE) as connection:
+        fact = replication(connection)
+    assert fact.verdict == "warn"
+    assert fact.value.startswith("asynchronous (1 standbys"), fact
+    assert "can lose the last commits" in fact.detail

@@ -7,29 +7,22 @@ from __future__ import annotations
 
 import hashlib
 import hmac
-import importlib
 import json
 from typing import Any
 
 import pytest
-from django.apps import apps as django_apps
-from django.db import connection, transaction
 
 from django_idempotency.http import request as http_request
 from django_idempotency.http.identity import fingerprint_messages, principal_for
 from django_idempotency.models import IdempotencyRecord
 from django_idempotency.storage import digests
-from django_idempotency.storage.erasure import tombstone_scope
-from django_idempotency.storage.records import Outcome
 from testproject.payments.models import Charge
-from tests.factories import IdempotencyRecordFactory, new_key
-from tests.support.claims import claim
+from tests.factories import new_key
 from tests.support.client import problem, replayed
 
 pytestmark = pytest.mark.django_db
 
 CHARGE = {"amount": 2499, "currency": "inr", "card_last4": "4242"}
-migration_0017 = importlib.import_module("django_idempotency.migrations.0017_keyed_digests")
 
 
 def charge(client: Any, key: str, body: dict[str, Any] = CHARGE) -> Any:
@@ -104,38 +97,3 @@ def test_a_principal_too_long_to_store_is_a_keyed_digest() -> None:
     expected = hmac.new(key_of, sha256(long.encode()).encode(), "sha256").hexdigest()
     assert stored == "sha256:h1:" + expected
     assert sha256(long.encode()) not in stored
-
-
-def test_migration_0017_keys_older_tombstones_so_an_erased_key_still_never_runs_again() -> None:
-    key, principal = new_key(), "user:1"
-    # A tombstone as erasure wrote it before: the plain SHA-256 of the principal, which a
-    # reader enumerated back to user:1.
-    IdempotencyRecordFactory(
-        scope="erased:" + sha256(principal.encode()),
-        key=key,
-        status=IdempotencyRecord.Status.ERASED,
-        fingerprint={"sha256": sha256(b"{}")},
-        response_code=None,
-        response_body=None,
-        response_headers=None,
-    )
-    long = "tenant:" + "y" * 300
-    older_principal = IdempotencyRecordFactory(scope="sha256:" + sha256(long.encode()))
-    # A consumer still names a long consumer by its plain digest: left as it is.
-    consumer = IdempotencyRecordFactory(scope="sha256:" + sha256(b"consumer:long"), method="TASK")
-    with connection.schema_editor() as editor:
-        migration_0017.key_digests(django_apps, editor)
-
-    tomb = IdempotencyRecord.objects.get(key=key)
-    assert tomb.scope == tombstone_scope("default", principal)
-    assert list(tomb.fingerprint) == ["digest"] and digests.is_keyed(tomb.fingerprint["digest"])
-    with transaction.atomic():
-        assert claim(principal, key).outcome is Outcome.EXPIRED
-    older_principal.refresh_from_db()
-    consumer.refresh_from_db()
-    assert consumer.scope == "sha256:" + sha256(b"consumer:long")
-    assert older_principal.scope == principal_for(None, lambda request: long)
-    # Run again, it changes nothing more.
-    with connection.schema_editor() as editor:
-        migration_0017.key_digests(django_apps, editor)
-    assert IdempotencyRecord.objects.get(key=key).scope == tomb.scope

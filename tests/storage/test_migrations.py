@@ -15,7 +15,6 @@ import pytest
 from django.apps import apps
 from django.core.management import call_command
 from django.db import DatabaseError, connection, transaction
-from django.utils import timezone
 
 from django_idempotency.models import IdempotencyRecord
 from django_idempotency.partitions import apply, catalog
@@ -24,7 +23,6 @@ from django_idempotency.storage import records
 from django_idempotency.storage.records import Outcome
 from tests.factories import IdempotencyRecordFactory, new_key
 from tests.support.claims import claim, store_first
-from tests.support.partitions import execute
 
 
 def fetch_one(sql: str, params: list[object] | None = None) -> tuple[object, ...] | None:
@@ -166,111 +164,34 @@ def test_the_functions_read_only_the_partitions_their_window_can_hold(call: Any)
     assert scanned and scanned <= window, lookup
 
 
-@pytest.mark.django_db(transaction=True)
-def test_the_lookup_keeps_one_generic_plan_and_goes_when_its_migration_is_reversed() -> None:
+@pytest.mark.django_db
+def test_the_lookup_keeps_one_generic_plan() -> None:
     config = "SELECT proconfig FROM pg_proc WHERE proname = 'django_idempotency_lookup'"
     assert fetch_one(config) == (["plan_cache_mode=force_generic_plan"],)
-    call_command("migrate", "django_idempotency", "0005", verbosity=0)
-    try:
-        assert fetch_one(config) is None
-    finally:
-        call_command("migrate", "django_idempotency", verbosity=0)
+
+
+@pytest.mark.django_db
+def test_the_claim_keeps_one_generic_plan() -> None:
+    config = "SELECT proconfig FROM pg_proc WHERE oid = 'django_idempotency_claim'::regproc"
     assert fetch_one(config) == (["plan_cache_mode=force_generic_plan"],)
 
 
-@pytest.mark.django_db(transaction=True)
-def test_the_claim_keeps_one_generic_plan_until_its_migration_is_reversed() -> None:
-    config = "SELECT proconfig FROM pg_proc WHERE oid = 'django_idempotency_claim'::regproc"
-    generic = (["plan_cache_mode=force_generic_plan"],)
-    assert fetch_one(config) == generic
-    call_command("migrate", "django_idempotency", "0003", verbosity=0)
-    try:
-        assert fetch_one(config) == (None,)
-        with transaction.atomic():
-            assert previous_claim("anonymous", new_key()) == Outcome.WON
-    finally:
-        call_command("migrate", "django_idempotency", verbosity=0)
-    assert fetch_one(config) == generic
-
-
-# The migration that made the claim function as it is.
-LATEST_CLAIM = "0016_one_execution_per_generation"
-
-
-def function_body(migration: str) -> str:
-    """The plpgsql body of the claim function that ``migration`` creates."""
-    module = importlib.import_module(f"django_idempotency.migrations.{migration}")
-    sql: str = module.CLAIM_FUNCTION
+def function_body(sql: str) -> str:
+    """The plpgsql body of a ``CREATE FUNCTION`` statement."""
     return sql.split("AS $$", 1)[1].rsplit("$$", 1)[0]
 
 
-def previous_claim(scope: str, key: str) -> Outcome:
-    """A claim as the code before migration 0010 called it: the app's own sends the version
-    and the tombstone's principal, which the functions of before do not take."""
-    with connection.cursor() as cursor:
-        cursor.execute(
-            "SELECT outcome FROM django_idempotency_claim(1, %s, %s, interval '1 day', "
-            "interval '0', 0)",
-            [scope, key],
-        )
-        return Outcome(cursor.fetchone()[0])
+MIGRATION = importlib.import_module("django_idempotency.migrations.0001_initial")
 
 
-def claim_at_repeatable_read(*, previous: bool = False) -> Outcome:
-    with transaction.atomic():
+@pytest.mark.django_db(transaction=True)
+def test_the_claim_is_the_migrations_and_refuses_repeatable_read() -> None:
+    source = "SELECT prosrc FROM pg_proc WHERE oid = 'django_idempotency_claim'::regproc"
+    assert fetch_one(source) == (function_body(MIGRATION.CLAIM_FUNCTION),)
+    with pytest.raises(records.IsolationRefused), transaction.atomic():
         with connection.cursor() as cursor:
             cursor.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ")
-        if previous:
-            return previous_claim("anonymous", new_key())
-        return claim("anonymous", new_key()).outcome
-
-
-@pytest.mark.django_db(transaction=True)
-def test_the_claim_refuses_repeatable_read_until_its_migration_is_reversed() -> None:
-    source = "SELECT prosrc FROM pg_proc WHERE oid = 'django_idempotency_claim'::regproc"
-    assert fetch_one(source) == (function_body(LATEST_CLAIM),)
-    with pytest.raises(records.IsolationRefused):
-        claim_at_repeatable_read()
-    call_command("migrate", "django_idempotency", "0006", verbosity=0)
-    try:
-        # 0004's function exactly, which does not look at the level.
-        assert fetch_one(source) == (function_body("0004_claim_prunes_future_partitions"),)
-        assert claim_at_repeatable_read(previous=True) is Outcome.WON
-    finally:
-        call_command("migrate", "django_idempotency", verbosity=0)
-    assert fetch_one(source) == (function_body(LATEST_CLAIM),)
-    with pytest.raises(records.IsolationRefused):
-        claim_at_repeatable_read()
-
-
-@pytest.mark.django_db(transaction=True)
-def test_0016_numbers_the_records_of_a_key_in_one_partition_and_indexes_each_partition() -> None:
-    # Two records of one key in one partition, as a key that ran anew after it expired left
-    # them before the migration.
-    call_command("migrate", "django_idempotency", "0015", verbosity=0)
-    try:
-        key, now = new_key(), timezone.now()
-        for created in (now - timedelta(minutes=2), now - timedelta(minutes=1)):
-            execute(
-                "INSERT INTO django_idempotency_record (scope, key, method, path, fingerprint, "
-                "status, created_at, expires_at) VALUES ('tests:0016', %s, 'POST', '/p', '{}', "
-                "1, %s, %s)",
-                [key, created, created + timedelta(seconds=1)],
-            )
-    finally:
-        call_command("migrate", "django_idempotency", verbosity=0)
-    rows = execute(
-        "SELECT generation FROM django_idempotency_record WHERE key = %s ORDER BY created_at",
-        [key],
-    )
-    assert rows == [(0,), (1,)]
-    # The next execution of the key is the next generation, and stores.
-    with transaction.atomic():
-        claimed = claim("tests:0016", key)
-        assert claimed.outcome is Outcome.WON and claimed.generation == 2
-        store_first("tests:0016", key, claimed, ttl=timedelta(hours=1))
-    today = RECORDS.partition_name(catalog.utc_today())
-    assert fetch_one("SELECT to_regclass(%s) IS NOT NULL", [today + "_one_execution"]) == (True,)
+        claim("anonymous", new_key())
 
 
 def assert_migrated_schema_works() -> None:
@@ -315,7 +236,7 @@ def test_migrate_to_zero_and_back() -> None:
 @pytest.mark.django_db(transaction=True)
 def test_the_secret_and_the_lock_function_go_and_come_back_with_a_new_secret() -> None:
     (before,) = fetch_one("SELECT secret FROM django_idempotency_secret") or (None,)
-    call_command("migrate", "django_idempotency", "0006", verbosity=0)
+    call_command("migrate", "django_idempotency", "zero", verbosity=0)
     try:
         assert fetch_one("SELECT to_regclass('django_idempotency_secret')") == (None,)
         assert fetch_one("SELECT to_regproc('django_idempotency_lock_all')") == (None,)
@@ -353,10 +274,11 @@ def test_bodies_are_left_to_lz4_where_the_server_has_it_in_every_partition() -> 
         # A partition made by maintenance follows the parent, as the migration's do.
         assert {compression for _, compression in body_compressions()} == {lz4}
         assert RECORDS.partition_name(day) in {table for table, _ in body_compressions()}
-        call_command("migrate", "django_idempotency", "0002", verbosity=0)
-        assert {compression for _, compression in body_compressions()} == {""}
-        call_command("migrate", "django_idempotency", verbosity=0)
-        assert {compression for _, compression in body_compressions()} == {lz4}
     finally:
         with connection.cursor() as cursor:
             cursor.execute(f'DROP TABLE "{RECORDS.partition_name(day)}"')
+    # The migration's own partitions, made anew.
+    call_command("migrate", "django_idempotency", "zero", verbosity=0)
+    call_command("migrate", "django_idempotency", verbosity=0)
+    assert len(body_compressions()) == 10  # the parent and 9 days
+    assert {compression for _, compression in body_compressions()} == {lz4}

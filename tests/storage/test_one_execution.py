@@ -1,4 +1,4 @@
-"""The database refuses a second execution of a key (migration 0016): within a partition, a
+"""The database refuses a second execution of a key: within a partition, a
 unique index on (key, scope, generation) makes the second commit of one (principal, key)
 fail when the advisory lock did not serialise them, and the loser is rolled back and answered
 as a duplicate. Across a partition boundary only the lock guards. A key that expired (or ran

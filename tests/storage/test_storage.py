@@ -194,7 +194,7 @@ def test_waiter_gives_up_busy_when_its_wait_runs_out() -> None:
 @pytest.mark.parametrize("level", ["REPEATABLE READ", "SERIALIZABLE"])
 def test_claim_refuses_to_run_where_its_snapshot_predates_the_lock(level: str) -> None:
     # A duplicate that waited for the lock would look the key up in a snapshot taken before
-    # the holder committed: it must refuse rather than win blind (migration 0007).
+    # the holder committed: it must refuse rather than win blind.
     key = new_key()
     with transaction.atomic():
         with connection.cursor() as cursor:
@@ -371,7 +371,7 @@ def test_the_database_compresses_where_the_column_is_lz4_and_it_is_read_once(
     with CaptureQueriesContext(connection) as again:
         assert bodies.database_compresses(DEFAULT_DB_ALIAS) is compresses
     assert (len(first), len(again)) == (1, 0)
-    # Migration 0003 sets lz4 wherever the server has it.
+    # The migration sets lz4 wherever the server has it.
     assert compresses is server_has_lz4()
     body = b'{"amount": 2499, "currency": "inr"}' * 100
     stored, encoding = bodies.encode_body(DEFAULT_DB_ALIAS, body, 2048)

@@ -58,14 +58,22 @@ def free_port() -> int:
 
 def free_port_in(ports: range) -> int:
     """A free port of ``ports``: a session's own range, for a server it restarts."""
+    return free_ports_in(ports, 1)[0]
+
+
+def free_ports_in(ports: range, count: int) -> list[int]:
+    """``count`` distinct free ports of ``ports``."""
+    found: list[int] = []
     for port in ports:
         with socket.socket() as probe:
             try:
                 probe.bind(("127.0.0.1", port))
             except OSError:
                 continue
-            return port
-    raise AssertionError(f"no free port in {ports}")
+        found.append(port)
+        if len(found) == count:
+            return found
+    raise AssertionError(f"no {count} free ports in {ports}")
 
 
 def with_database(url: str, name: str) -> str:
@@ -142,7 +150,7 @@ def insert_token_user(url: str, username: str | None = None) -> tuple[int, str]:
 
 
 def run_uvicorn(
-    env: Mapping[str, str], *, workers: int = 2, startup_timeout: float = 60.0
+    env: Mapping[str, str], *, workers: int = 2, startup_timeout: float = 120.0
 ) -> contextlib.AbstractContextManager[GunicornServer]:
     """Serve ``testproject.asgi`` with uvicorn's own process manager until the block ends
     (uvicorn restarts a worker that dies)."""
@@ -515,6 +523,39 @@ class PostgresCluster:
         with contextlib.suppress(RuntimeError, subprocess.SubprocessError, OSError):
             self.run("pg_ctl", "-w", "-t", "30", "-D", str(self.pgdata), "-m", "immediate", "stop")
 
+    def kill(self) -> None:
+        """``kill -9`` of the server and every process of it at once: the machine died, so
+        no backend answers after its postmaster, and nothing is shut down cleanly."""
+        import psutil
+
+        pid = int((self.pgdata / "postmaster.pid").read_text().split()[0])
+        postmaster = psutil.Process(pid)
+        for process in [postmaster, *postmaster.children(recursive=True)]:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                process.kill()
+
+    def promote(self) -> None:
+        """Promote a standby to primary, waiting until it accepts writes."""
+        self.run("pg_ctl", "-w", "-t", "60", "-D", str(self.pgdata), "promote")
+
+    @contextlib.contextmanager
+    def django_connection(self, database: str) -> Iterator[Any]:
+        """A Django connection (the test database's settings) to ``database`` here, for
+        what takes one (the probe's facts); closed afterwards."""
+        from django.db import connections
+        from django.db.backends.postgresql.base import DatabaseWrapper
+
+        settings = {
+            **connections["default"].settings_dict,
+            "NAME": database, "HOST": "127.0.0.1", "PORT": str(self.port),
+            "USER": "postgres", "PASSWORD": "", "OPTIONS": {},
+        }  # fmt: skip
+        wrapper = DatabaseWrapper(settings, alias=f"cluster-{self.port}")
+        try:
+            yield wrapper
+        finally:
+            wrapper.close()
+
     def log_tail(self, lines: int = 30) -> str:
         try:
             text = (self.pgdata / "server.log").read_text(errors="replace")
@@ -573,18 +614,79 @@ def logical_cluster(port: int | None = None) -> Iterator[PostgresCluster]:
         yield cluster
 
 
+# A primary that streams to replicas. Commits are flushed locally before they are answered,
+# as in production: what a failover can lose is then only what the replica had not received.
+REPLICATION_CONF = (
+    "wal_level = replica\nmax_wal_senders = 4\nhot_standby = on\nsynchronous_commit = on\n"
+)
+
+
+def start_primary(cluster: PostgresCluster) -> None:
+    initdb(cluster, REPLICATION_CONF)
+    cluster.start()
+
+
+def make_standby(
+    primary: PostgresCluster,
+    standby: PostgresCluster,
+    synchronous: bool = False,
+    through: int | None = None,
+) -> None:
+    """A streaming replica of ``primary`` in ``standby``'s (empty) data directory, made with
+    ``pg_basebackup -R`` and started. ``synchronous``: from now on the primary answers a
+    commit only once a standby has flushed it. Promoted, the standby waits for none.
+    ``through``: the port it streams from (a proxy in front of the primary's)."""
+    standby.run("pg_basebackup", "-h", "127.0.0.1", "-p", str(primary.port), "-U",
+                "postgres", "-D", str(standby.pgdata), "-R", "-X", "stream",
+                "-c", "fast", "--no-sync")  # fmt: skip
+    with (standby.pgdata / "postgresql.auto.conf").open("a") as file:
+        file.write("synchronous_standby_names = ''\n")
+        if through is not None:
+            file.write(f"primary_conninfo = 'host=127.0.0.1 port={through} user=postgres'\n")
+    standby.start()
+    if synchronous:
+        with primary.connect() as conn:
+            conn.execute("ALTER SYSTEM SET synchronous_standby_names = '*'")
+            conn.execute("SELECT pg_reload_conf()")
+
+
 @contextlib.contextmanager
 def primary_and_replica() -> Iterator[tuple[PostgresCluster, PostgresCluster]]:
     """A private primary (``wal_level = replica``) and a streaming replica made from it with
     ``pg_basebackup -R``, each on its own free port; both removed afterwards."""
     with private_clusters(None, None) as (primary, replica):
-        initdb(primary, "wal_level = replica\nmax_wal_senders = 4\nhot_standby = on\n")
-        primary.start()
-        replica.run("pg_basebackup", "-h", "127.0.0.1", "-p", str(primary.port), "-U",
-                    "postgres", "-D", str(replica.pgdata), "-R", "-X", "stream",
-                    "-c", "fast", "--no-sync")  # fmt: skip
-        replica.start()
+        start_primary(primary)
+        make_standby(primary, replica)
         yield primary, replica
+
+
+def either_url(first: PostgresCluster, second: PostgresCluster, database: str) -> str:
+    """A ``DATABASE_URL`` naming both servers in libpq's multi-host form: each connection
+    goes to whichever of them accepts writes (``target_session_attrs=read-write``)."""
+    hosts = "127.0.0.1,127.0.0.1"
+    ports = f"{first.port},{second.port}"
+    return (
+        f"postgresql://postgres@/{quote(database)}?host={hosts}&port={ports}"
+        "&target_session_attrs=read-write&connect_timeout=2"
+    )
+
+
+def token_user(cluster: PostgresCluster, database: str) -> tuple[str, int]:
+    """A user ``alice`` with a DRF token, written straight into ``database`` (migrated);
+    the token and the user's id."""
+    token = secrets.token_hex(20)
+    with cluster.connect(database) as conn:
+        row = conn.execute(
+            "INSERT INTO auth_user (password, is_superuser, username, first_name, "
+            "last_name, email, is_staff, is_active, date_joined) "
+            "VALUES ('!', false, 'alice', '', '', '', false, true, now()) RETURNING id"
+        ).fetchone()
+        assert row is not None
+        conn.execute(
+            "INSERT INTO authtoken_token (key, created, user_id) VALUES (%s, now(), %s)",
+            [token, row[0]],
+        )
+    return token, int(row[0])
 
 
 def migrate(env: Mapping[str, str], *args: str) -> None:
