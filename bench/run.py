@@ -20,6 +20,7 @@ BENCHMARKS = {
     "relay": "bench.relay_bench",
     "consumer": "bench.consumer_bench",
     "sealing": "bench.sealing_bench",
+    "bodies": "bench.bodies_bench",
 }
 
 

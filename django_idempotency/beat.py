@@ -39,11 +39,26 @@ class BeatNotInstalled(LookupError):
 
 
 def crontab_fields(spec: str) -> dict[str, str]:
-    """``"17 * * * *"`` (minute hour day-of-month month day-of-week) as CrontabSchedule fields."""
+    """``"17 * * * *"`` (minute hour day-of-month month day-of-week) as CrontabSchedule fields,
+    each read by Celery's own parser where Celery is installed: beat would otherwise fail on
+    the row at its next start, not here."""
     parts = spec.split()
     if len(parts) != len(CRONTAB_FIELDS):
         raise ValueError(f"{spec!r} is not a crontab: expected 5 fields, got {len(parts)}")
-    return dict(zip(CRONTAB_FIELDS, parts, strict=True))
+    fields = dict(zip(CRONTAB_FIELDS, parts, strict=True))
+    try:
+        from celery.schedules import crontab
+    except ImportError:
+        return fields  # no beat to run it: django_idempotency.W001 says so
+    for name, value in fields.items():
+        try:
+            crontab(**{name: value})
+        except ValueError as exc:
+            field = name.replace("_", "-")
+            reason = str(exc).rstrip(".")
+            message = f"{spec!r}: Celery cannot read the {field} {value!r} ({reason})"
+            raise ValueError(message) from None
+    return fields
 
 
 def install_schedule(

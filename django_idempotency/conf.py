@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any
+from typing import Any, cast
 
 from django.conf import settings
 from django.http import HttpRequest
@@ -15,6 +15,9 @@ from django.utils.module_loading import import_string
 PrincipalFunc = Callable[[HttpRequest], Any]
 # Principals (as stored) to the labels the admin shows; principals left out show as stored.
 PrincipalDisplayFunc = Callable[[list[str]], Mapping[str, str]]
+# An IdempotencyError (engine/errors.py, which conf cannot import) to the JSON body of its
+# response; the package sets the status and headers.
+ErrorFormatFunc = Callable[[Any], Any]
 
 
 def _setting(name: str, default: Any) -> Any:
@@ -164,8 +167,17 @@ class Settings:
         return value
 
     @property
-    def ERROR_FORMAT(self) -> str:
-        return str(_setting("IDEMPOTENCY_ERROR_FORMAT", "problem"))
+    def ERROR_FORMAT(self) -> str | ErrorFormatFunc:
+        # "problem", "stripe", or a function (or its dotted path) that builds the body.
+        value = _setting("IDEMPOTENCY_ERROR_FORMAT", "problem")
+        if callable(value):
+            return cast("ErrorFormatFunc", value)
+        value = str(value)
+        return cast("ErrorFormatFunc", import_string(value)) if "." in value else value
+
+    @property
+    def DRF_EXCEPTION_HANDLER(self) -> bool:
+        return bool(_setting("IDEMPOTENCY_DRF_EXCEPTION_HANDLER", False))
 
     @property
     def PROBLEM_TYPE_BASE(self) -> str:
@@ -174,6 +186,12 @@ class Settings:
     @property
     def COMPRESS_MIN_BYTES(self) -> int:
         return int(_setting("IDEMPOTENCY_COMPRESS_MIN_BYTES", 2048))
+
+    @property
+    def BODY_COMPRESSION(self) -> str | None:
+        # None: zstd where it is installed, else zlib (storage/bodies.py).
+        value = _setting("IDEMPOTENCY_BODY_COMPRESSION", None)
+        return None if value is None else str(value)
 
     @property
     def MAX_RESPONSE_BYTES(self) -> int:
@@ -375,6 +393,9 @@ DURATION = Kind("a datetime.timedelta", _is_duration)
 OPTIONAL_DURATION = Kind("a datetime.timedelta, or None", _or_none(_is_duration))
 FUNCTION = Kind("a function, or its dotted path as a str", _is_function)
 MAPPING = Kind("a dict", lambda value: isinstance(value, dict))
+ERROR_FORMAT_KIND = Kind(
+    '"problem", "stripe", a function, or its dotted path as a str', _is_function
+)
 OPTIONAL_FUNCTION = Kind("a function, its dotted path as a str, or None", _or_none(_is_function))
 
 # What every IDEMPOTENCY_<name> setting must be; the settings' docs say the same. A setting
@@ -402,9 +423,11 @@ KINDS: dict[str, Kind] = {
     "FINGERPRINT_HEADERS": TEXTS,
     "PRINCIPAL": OPTIONAL_FUNCTION,
     "PRINCIPAL_DISPLAY": FUNCTION,
-    "ERROR_FORMAT": TEXT,
+    "ERROR_FORMAT": ERROR_FORMAT_KIND,
+    "DRF_EXCEPTION_HANDLER": BOOLEAN,
     "PROBLEM_TYPE_BASE": TEXT,
     "COMPRESS_MIN_BYTES": INTEGER,
+    "BODY_COMPRESSION": OPTIONAL_TEXT,
     "MAX_RESPONSE_BYTES": INTEGER,
     "MAX_STORED_ERROR_BYTES": INTEGER,
     "MAX_STORED_ERRORS_PER_MINUTE": OPTIONAL_INTEGER,
@@ -460,6 +483,7 @@ REQUEST_SETTINGS = (
     "FINGERPRINT_HEADERS",
     "PRINCIPAL",
     "COMPRESS_MIN_BYTES",
+    "BODY_COMPRESSION",
     "MAX_RESPONSE_BYTES",
     "MAX_STORED_ERROR_BYTES",
     "MAX_STORED_ERRORS_PER_MINUTE",

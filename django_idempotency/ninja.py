@@ -286,7 +286,7 @@ def _documented(extra: dict[str, Any] | None, policy: Policy) -> dict[str, Any]:
     for error in possible_errors(policy):
         titles = responses.setdefault(status_for(error), [])
         titles.append(f"{error.name}: {error.title}")
-    media_type = "application/json" if conf.ERROR_FORMAT == "stripe" else PROBLEM_CONTENT_TYPE
+    media_type = PROBLEM_CONTENT_TYPE if conf.ERROR_FORMAT == "problem" else "application/json"
     header = {
         "in": "header",
         "name": policy.header,

@@ -13,15 +13,15 @@ from django.core.exceptions import ImproperlyConfigured, ValidationError
 from django.db import router
 from django.http import Http404, HttpRequest
 from django.http.response import HttpResponseBase
-from rest_framework.exceptions import NotAcceptable, UnsupportedMediaType
+from rest_framework.exceptions import APIException, NotAcceptable, UnsupportedMediaType
 from rest_framework.renderers import BaseRenderer
 from rest_framework.request import Request
 from rest_framework.views import APIView
 
-from django_idempotency.conf import PrincipalFunc
+from django_idempotency.conf import PrincipalFunc, conf
 from django_idempotency.engine.errors import IdempotencyError
 from django_idempotency.engine.unit import failing_closed
-from django_idempotency.engine.work import Replay, Run, view_name
+from django_idempotency.engine.work import Refuse, Replay, Run, view_name
 from django_idempotency.http.endpoints import written_model
 from django_idempotency.http.identity import has_body, unparseable_multipart
 from django_idempotency.http.options import (
@@ -31,7 +31,12 @@ from django_idempotency.http.options import (
     ViewOptions,
     policy_for,
 )
-from django_idempotency.http.problems import PROBLEM_CONTENT_TYPE, problem_response
+from django_idempotency.http.problems import (
+    PROBLEM_CONTENT_TYPE,
+    problem_response,
+    status_for,
+    with_error_headers,
+)
 from django_idempotency.http.request import Answer, Probed, RequestUnit
 
 
@@ -41,6 +46,18 @@ class Answered(Exception):
 
     def __init__(self, response: HttpResponseBase) -> None:
         self.response = response
+
+
+class IdempotencyAPIException(APIException):
+    """A refusal of the key (409, 422, 400, ...) handed to ``REST_FRAMEWORK``'s
+    ``EXCEPTION_HANDLER`` when ``IDEMPOTENCY_DRF_EXCEPTION_HANDLER`` is on: ``detail`` and
+    its code (``"key-reused"``) as DRF's own errors have them, and the engine's ``error``
+    for a handler that wants more (``error.title``, ``error.extra``)."""
+
+    def __init__(self, error: IdempotencyError) -> None:
+        super().__init__(detail=error.detail, code=error.name)
+        self.status_code = status_for(error)
+        self.error = error
 
 
 class IdempotencyMixin:
@@ -162,6 +179,8 @@ class IdempotencyMixin:
 
     def _hold(self, unit: RequestUnit, decision: Answer) -> None:
         """After ``Run``, keep the unit for ``close()``; else leave with the answer."""
+        if isinstance(decision, Refuse) and conf.DRF_EXCEPTION_HANDLER:
+            raise decision.error  # to the project's EXCEPTION_HANDLER (handle_exception)
         if not isinstance(decision, Run):
             raise Answered(unit.respond(decision))
         self._idempotency = unit
@@ -186,7 +205,10 @@ class IdempotencyMixin:
         if isinstance(exc, Answered):
             return exc.response
         if isinstance(exc, IdempotencyError):
-            return problem_response(exc)
+            if not conf.DRF_EXCEPTION_HANDLER:
+                return problem_response(exc)
+            response = super().handle_exception(IdempotencyAPIException(exc))  # type: ignore[misc]
+            return with_error_headers(response, exc)  # type: ignore[no-any-return]
         return super().handle_exception(exc)  # type: ignore[misc, no-any-return]
 
     def finalize_response(

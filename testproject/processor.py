@@ -12,12 +12,13 @@ captures; ``GET /v1/stats`` counts captures, keys, requests, replayed answers an
 deliveries; ``GET /v1/captures`` lists every capture (how a test counts them per charge).
 
 With ``--webhook-url`` and ``--webhook-secret`` it then tells the shop, like a real processor:
-a ``charge.settled`` event per capture, identified by ``X-Processor-Delivery``, delivered
-until it is answered 2xx, and then once more (``--extra-deliveries``), as real senders do now
-and then. Each attempt is signed as Standard Webhooks (Svix) sign theirs: HMAC-SHA256 of
-``<delivery id>.<timestamp>.<body>`` (``X-Processor-Signature: sha256=<hex>``, the Unix time
-in ``X-Processor-Timestamp``), so the delivery id, by which the shop deduplicates, and the
-time, by which it refuses an old capture replayed, are both covered by the signature.
+a ``charge.settled`` event per capture, identified by ``webhook-id``, delivered until it is
+answered 2xx, and then once more (``--extra-deliveries``), as real senders do now and then.
+Each attempt is signed by the ``standardwebhooks`` package, as Standard Webhooks senders sign
+theirs (``webhook-id``, ``webhook-timestamp``, ``webhook-signature: v1,<base64 HMAC-SHA256>``
+of ``<id>.<timestamp>.<body>`` under the ``whsec_`` secret), so the delivery id, by which the
+shop deduplicates, and the time, by which it refuses an old capture replayed, are both
+covered by the signature.
 ``POST /v1/webhook`` ``{"url", "secret"}`` sets both after the start; ``GET /v1/deliveries``
 lists the attempts sent (headers and body), as someone who captured them would have them.
 
@@ -27,8 +28,6 @@ The module also holds the payments API's client: ``capture()``.
 from __future__ import annotations
 
 import argparse
-import hashlib
-import hmac
 import json
 import threading
 import time
@@ -36,33 +35,31 @@ import urllib.error
 import urllib.request
 import uuid
 from dataclasses import dataclass, field
+from datetime import UTC, datetime
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
+from standardwebhooks import Webhook
+
 KEY_HEADER = "Idempotency-Key"
 REPLAYED_HEADER = "Idempotent-Replayed"
-DELIVERY_HEADER = "X-Processor-Delivery"
-TIMESTAMP_HEADER = "X-Processor-Timestamp"
-SIGNATURE_HEADER = "X-Processor-Signature"
-
-
-def sign(secret: str, delivery: str, timestamp: str, body: bytes) -> str:
-    """The signature of a webhook attempt: HMAC-SHA256 of ``<delivery>.<timestamp>.<body>``,
-    hex, ``sha256=`` first. The receiver computes the same to verify it."""
-    signed = f"{delivery}.{timestamp}.".encode() + body
-    return "sha256=" + hmac.new(secret.encode(), signed, hashlib.sha256).hexdigest()
+# Standard Webhooks' headers (the receiver: django_idempotency.contrib.standard_webhooks).
+DELIVERY_HEADER = "webhook-id"
+TIMESTAMP_HEADER = "webhook-timestamp"
+SIGNATURE_HEADER = "webhook-signature"
 
 
 def signed_headers(
     secret: str, delivery: str, body: bytes, at: float | None = None
 ) -> dict[str, str]:
-    """The headers of one attempt to deliver ``body`` as ``delivery``, signed now (or ``at``)."""
-    timestamp = str(int(time.time() if at is None else at))
+    """The headers of one attempt to deliver ``body`` as ``delivery``, signed now (or ``at``)
+    with the ``whsec_`` ``secret``."""
+    signed_at = datetime.fromtimestamp(int(time.time() if at is None else at), tz=UTC)
     return {
         "Content-Type": "application/json",
         DELIVERY_HEADER: delivery,
-        TIMESTAMP_HEADER: timestamp,
-        SIGNATURE_HEADER: sign(secret, delivery, timestamp, body),
+        TIMESTAMP_HEADER: str(int(signed_at.timestamp())),
+        SIGNATURE_HEADER: Webhook(secret).sign(delivery, signed_at, body.decode()),
     }
 
 

@@ -174,8 +174,11 @@ PAYMENTS_FAULTS_ENABLED = os.environ.get("PAYMENTS_FAULTS_ENABLED") == "1"
 # The fake card processor (testproject/processor.py): when set, a charge is captured there
 # with a downstream key and posted to the ledger through the outbox.
 PAYMENTS_PROCESSOR_URL = os.environ.get("PAYMENTS_PROCESSOR_URL", "")
-# Shared with the processor: POST /api/webhooks/processor/ checks HMAC-SHA256 signatures with it.
-PAYMENTS_WEBHOOK_SECRET = os.environ.get("PAYMENTS_WEBHOOK_SECRET", "demo-only-webhook-secret")
+# Shared with the processor: POST /api/webhooks/processor/ checks its Standard Webhooks
+# signatures with it ("whsec_" and base64, as Standard Webhooks senders show theirs).
+PAYMENTS_WEBHOOK_SECRET = os.environ.get(
+    "PAYMENTS_WEBHOOK_SECRET", "whsec_ZGVtby1vbmx5LXdlYmhvb2stc2VjcmV0"
+)
 # What posts a charge to the ledger: "celery" (the task payments.post_ledger_entry, which
 # IDEMPOTENCY_OUTBOX_ROUTES may send to NATS) or "tasks" (Django's Tasks framework through the
 # outbox backend: testproject/payments/ledger_tasks.py; the reliability suite's tasks-rq).

@@ -9,17 +9,19 @@ import pytest
 import requests
 from django.contrib.auth.models import Group
 from django.core.files.uploadedfile import SimpleUploadedFile
+from django.test import override_settings
 from rest_framework.authentication import BaseAuthentication
 from rest_framework.parsers import JSONParser, MultiPartParser
 from rest_framework.permissions import AllowAny
 from rest_framework.response import Response
 from rest_framework.test import APIClient, APIRequestFactory
-from rest_framework.views import APIView
+from rest_framework.views import APIView, exception_handler
 
 from django_idempotency.http.options import OPTION_NAMES, ViewOptions
 from django_idempotency.models import IdempotencyRecord
 from django_idempotency.rest_framework import IdempotencyMixin
 from tests.factories import ScriptFactory, TokenFactory, new_key
+from tests.support.claims import held_claim
 from tests.support.client import problem, replayed, send
 from tests.support.views import CALLS, TRACE, tenant_principal
 
@@ -459,3 +461,80 @@ def test_the_mixin_declares_one_typed_attribute_per_option_defaulting_to_the_set
     assert list(declared) == list(OPTION_NAMES)
     assert declared == get_type_hints(ViewOptions)
     assert all(vars(IdempotencyMixin)[f"idempotency_{name}"] is None for name in OPTION_NAMES)
+
+
+# Refusals in the project's own envelope: DRF's EXCEPTION_HANDLER, or a function.
+
+
+def envelope_handler(exc: Exception, context: dict[str, Any]) -> Response | None:
+    """A team's EXCEPTION_HANDLER: DRF's default, re-wrapped in its own envelope."""
+    response = exception_handler(exc, context)
+    if response is not None:
+        detail = response.data["detail"]
+        response.data = {"error": {"code": detail.code, "message": str(detail)}}
+    return response
+
+
+def envelope(error: Any) -> dict[str, Any]:
+    """An IDEMPOTENCY_ERROR_FORMAT function."""
+    return {"error": {"code": error.name, "message": error.detail, **error.extra}}
+
+
+def reused(client: Any, path: str = "/drf/") -> Any:
+    key, script = new_key(), ScriptFactory()
+    assert send(client, "POST", path, script, key=key).status_code == 201
+    return send(client, "POST", path, {**script, "x": 1}, key=key)
+
+
+@override_settings(
+    IDEMPOTENCY_DRF_EXCEPTION_HANDLER=True,
+    REST_FRAMEWORK={"EXCEPTION_HANDLER": "tests.test_rest_framework.envelope_handler"},
+)
+def test_with_the_drf_handler_on_a_refusal_goes_through_exception_handler(client) -> None:
+    response = reused(client)
+    assert response.status_code == 422
+    assert response["Content-Type"] == "application/json"
+    assert response["Cache-Control"] == "no-store"
+    assert response.json() == {
+        "error": {
+            "code": "key-reused",
+            "message": "This Idempotency-Key was already used for a different request. "
+            "Use a new key for a new request.",
+        }
+    }
+
+
+@override_settings(IDEMPOTENCY_DRF_EXCEPTION_HANDLER=True)
+def test_with_drfs_default_handler_a_refusal_is_drfs_own_detail(client) -> None:
+    response = reused(client)
+    assert response.status_code == 422
+    assert set(response.json()) == {"detail"}
+    # The plain decorator has no EXCEPTION_HANDLER: its refusals stay problem+json.
+    assert reused(client, "/plain/")["Content-Type"] == "application/problem+json"
+
+
+@pytest.mark.django_db(transaction=True)
+@override_settings(
+    IDEMPOTENCY_DRF_EXCEPTION_HANDLER=True,
+    REST_FRAMEWORK={"EXCEPTION_HANDLER": "tests.test_rest_framework.envelope_handler"},
+)
+def test_a_409_through_the_drf_handler_keeps_its_retry_after(client) -> None:
+    key = new_key()
+    with held_claim("anonymous", key):
+        response = send(client, "POST", "/drf/", ScriptFactory(), key=key)
+    assert response.status_code == 409
+    assert response.json()["error"]["code"] == "in-progress"
+    assert int(response["Retry-After"]) >= 1
+
+
+@pytest.mark.parametrize("path", ["/drf/", "/plain/"])
+@pytest.mark.parametrize("setting", ["tests.test_rest_framework.envelope", envelope])
+def test_an_error_format_function_shapes_the_body_of_every_view_style(
+    client, path: str, setting: Any
+) -> None:
+    with override_settings(IDEMPOTENCY_ERROR_FORMAT=setting):
+        response = reused(client, path)
+    assert response.status_code == 422
+    assert response["Content-Type"] == "application/json"
+    assert response.json()["error"]["code"] == "key-reused"
+    assert response.json()["error"]["differing"] == ["body"]

@@ -193,6 +193,29 @@ def test_the_stripe_preset_documents_stripe_errors_without_hiding_the_views_own(
     assert "422" not in responses
 
 
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        {"IDEMPOTENCY_ERROR_FORMAT": "tests.test_rest_framework.envelope"},
+        {"IDEMPOTENCY_DRF_EXCEPTION_HANDLER": True},
+    ],
+)
+def test_errors_in_the_projects_own_envelope_are_documented_by_status_without_a_shape(
+    overrides: dict,
+) -> None:
+    with override_settings(**overrides):
+        schema = schema_for(own_urlpatterns)
+    validate_schema(schema)
+    responses = schema["paths"]["/groups/"]["post"]["responses"]
+    assert not any(PROBLEM in r.get("content", {}) for r in responses.values())
+    assert responses["409"]["content"]["application/json"]["schema"]["type"] == "object"
+    assert "in-progress" in responses["409"]["description"]
+    # The view's own 400 keeps its schema.
+    assert responses["400"]["content"]["application/json"]["schema"] == {
+        "$ref": "#/components/schemas/ValidationError"
+    }
+
+
 def spectacular(*args: str) -> subprocess.CompletedProcess[str]:
     """``manage.py spectacular *args`` under the test settings. Not traced by coverage.py:
     the schema's generation runs in this process too."""

@@ -66,7 +66,10 @@ def opened(obj: IdempotencyRecord) -> Shown:
         record = sealing.opened(as_record(obj), ring, scope=obj.scope, key=obj.key, plain=True)
     except sealing.Unreadable as exc:
         return Shown([], b"", stored_bytes, str(exc))
-    body = bodies.decode_body(record.response_body, record.body_encoding)
+    try:
+        body = bodies.decode_body(record.response_body, record.body_encoding)
+    except bodies.ZstdMissing as exc:
+        return Shown([], b"", stored_bytes, str(exc))
     return Shown(record.response_headers, body, stored_bytes)
 
 
@@ -74,10 +77,11 @@ def encoding_label(encoding: str) -> str:
     """How a body is stored, for people."""
     key_id = sealing.sealed_under(encoding)
     if key_id is None:
-        return gettext("zlib") if encoding == bodies.ZLIB else gettext("as sent")
+        return encoding or gettext("as sent")
     label = gettext("sealed with AES-256-GCM under key %(key)s") % {"key": key_id}
-    if sealing.inner_encoding(encoding):
-        label += gettext(", zlib inside")
+    inner = sealing.inner_encoding(encoding)
+    if inner:
+        label += gettext(", %(codec)s inside") % {"codec": inner}
     return label
 
 

@@ -21,6 +21,7 @@ from django_idempotency.checks.base import as_written, ours
 from django_idempotency.conf import KINDS, conf, wrong_type
 from django_idempotency.engine.waiting import server_threads
 from django_idempotency.http.problems import ERROR_FORMATS
+from django_idempotency.storage import bodies
 
 # RFC 9110 token characters, less "_": WSGI servers drop header names with underscores.
 HEADER_NAME = re.compile(r"[!#$%&'*+\-.^`|~0-9A-Za-z]+")
@@ -128,14 +129,24 @@ def check_settings(app_configs: Sequence[AppConfig] | None, **kwargs: Any) -> li
                     id="django_idempotency.E004",
                 )
             )
-    if "ERROR_FORMAT" not in invalid and conf.ERROR_FORMAT not in ERROR_FORMATS:
-        messages.append(
-            Error(
-                f"IDEMPOTENCY_ERROR_FORMAT {conf.ERROR_FORMAT!r} is not a known error format.",
-                hint='Use "problem" (RFC 9457 problem details, the default) or "stripe".',
-                id="django_idempotency.E005",
+    error_format = as_written("ERROR_FORMAT")
+    if "ERROR_FORMAT" not in invalid and error_format is not None:
+        if isinstance(error_format, str) and "." not in error_format:
+            wrong = None if error_format in ERROR_FORMATS else "is not a known error format"
+        else:
+            wrong = _not_a_function("ERROR_FORMAT")
+        if wrong:
+            messages.append(
+                Error(
+                    f"IDEMPOTENCY_ERROR_FORMAT {error_format!r} {wrong}.",
+                    hint='Use "problem" (RFC 9457 problem details, the default), "stripe", or '
+                    "the dotted path of a function that takes the error and returns the JSON "
+                    'body of its response ("myproject.errors.idempotency_error"). In DRF '
+                    "views, IDEMPOTENCY_DRF_EXCEPTION_HANDLER = True hands the errors to "
+                    "REST_FRAMEWORK's EXCEPTION_HANDLER instead.",
+                    id="django_idempotency.E005",
+                )
             )
-        )
     methods = as_written("METHODS")
     if methods is not None and "METHODS" not in invalid:
         safe = ", ".join(sorted(SAFE_METHODS & {m.upper() for m in methods}))
@@ -244,6 +255,25 @@ def _outside_allowed_sets(invalid: set[str]) -> list[CheckMessage]:
                     "web servers drop names with an underscore.",
                 )
             )
+    codec = as_written("BODY_COMPRESSION")
+    if codec is not None and "BODY_COMPRESSION" not in invalid:
+        if codec not in (bodies.ZLIB, bodies.ZSTD):
+            problems.append(
+                (
+                    "BODY_COMPRESSION",
+                    f"{codec!r} is not a compression the records can be stored with",
+                    'Use "zstd" or "zlib", or remove it: zstd where it is installed, else zlib.',
+                )
+            )
+        elif codec == bodies.ZSTD and bodies.zstd_codec() is None:
+            problems.append(
+                (
+                    "BODY_COMPRESSION",
+                    "'zstd' names zstd, which this Python cannot import",
+                    "Install django-idempotency[zstd] (the zstandard package; Python 3.14 has "
+                    'compression.zstd), or set it to "zlib".',
+                )
+            )
     return [
         Error(
             f"IDEMPOTENCY_{name} {said}.",
@@ -290,15 +320,19 @@ def _function_setting(name: str, invalid: set[str], *, hint: str, id: str) -> li
     written = as_written(name)
     if written is None or name in invalid:
         return []
-    try:
-        func = getattr(conf, name)
-    except ImportError as exc:
-        problem = f"cannot be imported ({exc})"
-    else:
-        problem = "" if callable(func) else "is not callable"
+    problem = _not_a_function(name)
     if not problem:
         return []
     return [Error(f"IDEMPOTENCY_{name} {written!r} {problem}.", hint=hint, id=id)]
+
+
+def _not_a_function(name: str) -> str | None:
+    """Why ``IDEMPOTENCY_<name>`` does not give a function, or None when it does."""
+    try:
+        func = getattr(conf, name)
+    except ImportError as exc:
+        return f"cannot be imported ({exc})"
+    return None if callable(func) else "is not callable"
 
 
 @register()
@@ -323,7 +357,8 @@ def check_beat(app_configs: Sequence[AppConfig] | None, **kwargs: Any) -> list[C
         messages.append(
             Error(
                 f"IDEMPOTENCY_BEAT_CRONTAB: {exc}.",
-                hint='Five fields: minute hour day-of-month month day-of-week, e.g. "17 * * * *".',
+                hint="Five fields Celery's crontab reads: minute (0-59) hour (0-23) "
+                'day-of-month (1-31) month (1-12) day-of-week (0-6 or mon-sun), e.g. "17 * * * *".',
                 id="django_idempotency.E001",
             )
         )

@@ -82,6 +82,15 @@ def error_responses(errors: list[type[IdempotencyError]]) -> dict[tuple[int, str
         by_status.setdefault(status_for(error), []).append(error)
     media_type = "application/json" if stripe else PROBLEM_CONTENT_TYPE
     responses = {}
+    if own_envelope():
+        # The project's function or EXCEPTION_HANDLER shapes the body: its statuses are known,
+        # its schema is not.
+        for status, group in sorted(by_status.items()):
+            responses[status, "application/json"] = OpenApiResponse(
+                OpenApiTypes.OBJECT,
+                description="; ".join(f"{error.name}: {error.title}" for error in group),
+            )
+        return responses
     for status, group in sorted(by_status.items()):
         examples = []
         for error in group:
@@ -112,6 +121,12 @@ def error_responses(errors: list[type[IdempotencyError]]) -> dict[tuple[int, str
             examples=examples,
         )
     return responses
+
+
+def own_envelope() -> bool:
+    """Whether errors go out in the project's own envelope (IDEMPOTENCY_ERROR_FORMAT a
+    function, or IDEMPOTENCY_DRF_EXCEPTION_HANDLER on), not in a shape the package knows."""
+    return callable(conf.ERROR_FORMAT) or conf.DRF_EXCEPTION_HANDLER
 
 
 def _code(key: Any) -> str:
@@ -191,7 +206,8 @@ class IdempotencySchemaMixin:
             return super().get_response_serializers()  # type: ignore[misc]
         responses = self.own_responses()
         documented = {_code(key) for key in responses}
-        stripe = conf.ERROR_FORMAT == "stripe"
+        # Stripe's and the project's own bodies share the view's media type: its own one wins.
+        stripe = conf.ERROR_FORMAT == "stripe" or own_envelope()
         for key, response in error_responses(possible_errors(options)).items():
             # A problem+json body can sit beside the view's own body for the same code; a
             # Stripe error body shares its media type, so the view's own one wins.

@@ -4,6 +4,7 @@ close, as hooks on the unit of work; each a no-op without opentelemetry or a pro
 from __future__ import annotations
 
 import functools
+import sys
 import time
 from collections.abc import Callable, Coroutine, Iterator
 from contextlib import contextmanager
@@ -32,17 +33,18 @@ except ImportError:  # pragma: no cover  (operators/test_telemetry.py proves it 
     ENABLED = False
 else:
     ENABLED = True
-    from opentelemetry.metrics import _internal as metrics_internal
 
     # What the API holds until the application sets a provider (None, or the proxies its
-    # getters hand out), or a no-op one: spans and instruments that record nothing.
+    # getters hand out), or a no-op one: spans and instruments that record nothing. The
+    # meters' proxy is private to the API: recognised by its class's name (PROXY_METER_PROVIDER),
+    # so that nothing private is imported or read when this module is.
     SILENT_PROVIDERS: tuple[type, ...] = (
         type(None),
         trace.ProxyTracerProvider,
         trace.NoOpTracerProvider,
-        metrics_internal._ProxyMeterProvider,
         metrics.NoOpMeterProvider,
     )
+PROXY_METER_PROVIDER = "_ProxyMeterProvider"
 
 A = TypeVar("A")
 R = TypeVar("R")
@@ -70,7 +72,11 @@ VIEW = "idempotency.view"  # the view, or the task of an exactly-once consumer
 KIND = "idempotency.kind"  # "request" or "task"
 OUTCOME = "idempotency.outcome"
 STATUS_CODE = "http.response.status_code"
-ENCODING = "idempotency.encoding"  # how a replayed body went out: "deflate" or "identity"
+# OpenTelemetry's messaging attributes, on what counts messages (messaging/tracing.py's spans
+# carry the same keys).
+MESSAGING_OPERATION_NAME = "messaging.operation.name"
+MESSAGING_DESTINATION = "messaging.destination.name"
+ENCODING = "idempotency.encoding"  # how a replayed body went out: "zstd", "deflate", "identity"
 
 DUPLICATES = frozenset((REPLAYED, CONFLICT, REUSED, EXPIRED))
 
@@ -207,13 +213,20 @@ def listening() -> bool:
         trace.get_tracer_provider()
         metrics.get_meter_provider()
     tracer = _global(trace, "_TRACER_PROVIDER", trace.get_tracer_provider)
-    meter = _global(metrics_internal, "_METER_PROVIDER", metrics.get_meter_provider)
-    _heard = not isinstance(tracer, SILENT_PROVIDERS) or not isinstance(meter, SILENT_PROVIDERS)
+    # The module the API keeps its meter provider in, as already imported by opentelemetry.
+    internal = sys.modules.get("opentelemetry.metrics._internal")
+    meter = _global(internal, "_METER_PROVIDER", metrics.get_meter_provider)
+    _heard = not _silent(tracer) or not _silent(meter)
     return _heard
 
 
-def _global(module: ModuleType, name: str, getter: Callable[[], object]) -> object:
-    # The API's global as it is; an API that no longer keeps it there is asked its getter.
+def _silent(provider: object) -> bool:
+    return isinstance(provider, SILENT_PROVIDERS) or type(provider).__name__ == PROXY_METER_PROVIDER
+
+
+def _global(module: ModuleType | None, name: str, getter: Callable[[], object]) -> object:
+    # The API's global as it is, read at call time (the getter reads os.environ on every
+    # call); an API that no longer keeps it there is asked its getter.
     try:
         found: object = getattr(module, name)
     except AttributeError:
@@ -227,7 +240,15 @@ def _count(instruments: _Instruments, attributes: dict[str, str], outcome: str) 
     if outcome == REPLAYED:
         instruments.replays.add(1, attributes)
         if attributes[KIND] == "task":
-            instruments.redelivered.add(1, {VIEW: attributes[VIEW]})
+            # The task is the message's destination (OpenTelemetry's messaging conventions).
+            instruments.redelivered.add(
+                1,
+                {
+                    VIEW: attributes[VIEW],
+                    MESSAGING_OPERATION_NAME: "process",
+                    MESSAGING_DESTINATION: attributes[VIEW],
+                },
+            )
     elif outcome == CONFLICT:
         instruments.conflicts.add(1, attributes)
     elif outcome == STORE_UNAVAILABLE_OUTCOME:
@@ -375,7 +396,7 @@ def traced_replay(
             record_exception=False,
         ) as span:
             response = method(replay, *args, **kwargs)
-            encoding = "deflate" if response.get("Content-Encoding") == "deflate" else "identity"
+            encoding = response.get("Content-Encoding") or "identity"
             span.set_attribute(ENCODING, encoding)
             return response
 

@@ -46,7 +46,11 @@ def finished(
     """The record of ``work``'s ``result``, for the claim it won."""
     assert claimed.created_at is not None
     body, encoding = bodies.encode_body(
-        using, result.body, conf.COMPRESS_MIN_BYTES, sealed=ring is not None
+        using,
+        result.body,
+        conf.COMPRESS_MIN_BYTES,
+        sealed=ring is not None,
+        codec=conf.BODY_COMPRESSION,
     )
     headers: list[list[str]] | None = result.headers
     if ring is not None:

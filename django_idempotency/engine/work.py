@@ -73,22 +73,31 @@ class Run:
 @dataclass(frozen=True, slots=True)
 class Replay:
     """A stored result for the same work: answer with it; the work does not run.
-    ``body`` is as stored: zlib's format (HTTP's "deflate") when ``compressed``."""
+    ``body`` is as stored: compressed as ``encoding`` says ("", zlib or zstd)."""
 
     status: int
     headers: list[list[str]]
     body: bytes
-    compressed: bool
+    encoding: str
     outcome: ClassVar[str] = REPLAYED
 
     @classmethod
     def of(cls, record: records.Record) -> Replay:
-        compressed = record.body_encoding == bodies.ZLIB
-        return cls(record.response_code, record.response_headers, record.response_body, compressed)
+        return cls(
+            record.response_code,
+            record.response_headers,
+            record.response_body,
+            record.body_encoding,
+        )
+
+    @property
+    def content_coding(self) -> str | None:
+        """The HTTP content coding ``body`` is in as stored ("deflate", "zstd"), if any."""
+        return bodies.CONTENT_CODINGS.get(self.encoding)
 
     def sent_body(self) -> bytes:
         """The body as it was first sent."""
-        return bodies.decode_body(self.body, bodies.ZLIB if self.compressed else "")
+        return bodies.decode_body(self.body, self.encoding)
 
 
 @dataclass(frozen=True, slots=True)

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import json
-from typing import Any
+from typing import Any, TypeVar
 
 from django.http import HttpResponse
+from django.http.response import HttpResponseBase
 
 from django_idempotency.conf import conf
 from django_idempotency.engine.errors import (
@@ -23,6 +24,7 @@ from django_idempotency.http.options import Policy
 PROBLEM_CONTENT_TYPE = "application/problem+json"
 # IDEMPOTENCY_ERROR_FORMAT: RFC 9457 problems, or Stripe's error object.
 ERROR_FORMATS = ("problem", "stripe")
+R = TypeVar("R", bound=HttpResponseBase)
 
 
 def status_for(error: IdempotencyError | type[IdempotencyError]) -> int:
@@ -31,9 +33,13 @@ def status_for(error: IdempotencyError | type[IdempotencyError]) -> int:
 
 
 def problem_response(exc: IdempotencyError) -> HttpResponse:
-    body: dict[str, Any]
+    body: Any
     status = status_for(exc)
-    if conf.ERROR_FORMAT == "stripe":
+    error_format = conf.ERROR_FORMAT
+    if callable(error_format):
+        # The project's own envelope: it shapes the body, the status and headers stay ours.
+        body, content_type = error_format(exc), "application/json"
+    elif error_format == "stripe":
         error = {"type": exc.stripe_type, "message": exc.detail, **exc.extra}
         if exc.stripe_code:
             error["code"] = exc.stripe_code
@@ -48,6 +54,12 @@ def problem_response(exc: IdempotencyError) -> HttpResponse:
         }
         content_type = PROBLEM_CONTENT_TYPE
     response = HttpResponse(json.dumps(body), status=status, content_type=content_type)
+    return with_error_headers(response, exc)
+
+
+def with_error_headers(response: R, exc: IdempotencyError) -> R:
+    """``response`` with what every answer to ``exc`` carries, whoever rendered its body:
+    never cached, and the error's own headers (``Retry-After``)."""
     response["Cache-Control"] = "no-store"
     for name, value in exc.headers.items():
         response[name] = value

@@ -98,17 +98,17 @@ NEVER_STORED_HEADERS = frozenset(
 MAX_PREFERRED_WAIT = 86400
 
 
-def accepts_deflate(header: str) -> bool:
-    """Whether an Accept-Encoding value allows "deflate" (explicitly or by "*")."""
+def accepts_coding(header: str, coding: str) -> bool:
+    """Whether an Accept-Encoding value allows ``coding`` (explicitly or by "*")."""
     allowed: dict[str, bool] = {}
     for item in header.lower().split(","):
-        coding, _, params = item.partition(";")
+        name, _, params = item.partition(";")
         quality = params.strip().removeprefix("q=").strip() if params else "1"
         try:
-            allowed[coding.strip()] = float(quality) > 0
+            allowed[name.strip()] = float(quality) > 0
         except ValueError:
-            allowed[coding.strip()] = False
-    return allowed.get("deflate", allowed.get("*", False))
+            allowed[name.strip()] = False
+    return allowed.get(coding, allowed.get("*", False))
 
 
 def prefer_wait(meta: dict[str, Any]) -> int | None:
@@ -375,8 +375,11 @@ class RequestUnit:
             response[PROBE_PRINCIPAL_HEADER] = "anonymous" if decision.anonymous else "identified"
             return response
         if isinstance(decision, Replay):
-            deflate = accepts_deflate(self.request.headers.get("accept-encoding", ""))
-            return replay_response(decision, deflate, self._headers)
+            coding = decision.content_coding
+            accepted = coding is not None and accepts_coding(
+                self.request.headers.get("accept-encoding", ""), coding
+            )
+            return replay_response(decision, accepted, self._headers)
         return problem_response(decision.error)
 
     def fail(self, exc: BaseException) -> HttpResponse | None:
@@ -420,17 +423,20 @@ class RequestUnit:
 
 
 @instrumentation.traced_replay
-def replay_response(replay: Replay, deflate: bool, headers: dict[str, str]) -> HttpResponse:
-    """The stored response, byte for byte (after decoding, unless the client accepts
-    ``deflate``), marked as a replay, with the request's own ``headers``."""
-    encoded = deflate and replay.compressed
-    response = HttpResponse(replay.body if encoded else replay.sent_body(), status=replay.status)
+def replay_response(replay: Replay, accepted: bool, headers: dict[str, str]) -> HttpResponse:
+    """The stored response, byte for byte (after decoding, unless the client ``accepted``
+    the content coding of its compression), marked as a replay, with the request's own
+    ``headers``."""
+    coding = replay.content_coding if accepted else None
+    body = replay.sent_body() if coding is None else replay.body
+    response = HttpResponse(body, status=replay.status)
     del response["Content-Type"]
     for name, value in replay.headers:
         response[name] = value
-    if encoded:
-        # zlib's format is HTTP's "deflate": the client decodes what we never inflate.
-        response["Content-Encoding"] = "deflate"
+    if coding is not None:
+        # zlib's format is HTTP's "deflate", zstd's frame HTTP's "zstd": the client decodes
+        # what we never decompress.
+        response["Content-Encoding"] = coding
         patch_vary_headers(response, ("Accept-Encoding",))
     response[REPLAYED_HEADER] = "true"
     for name, value in headers.items():

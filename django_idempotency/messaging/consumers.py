@@ -18,7 +18,7 @@ from django_idempotency.messaging.exactly_once import (
     principal,
 )
 from django_idempotency.messaging.exactly_once import consume as consume_once
-from django_idempotency.messaging.tracing import consuming
+from django_idempotency.messaging.tracing import broker_system, consuming
 
 __all__ = [
     "JSON_HEADERS",
@@ -69,7 +69,7 @@ class ExactlyOnceTask(_TaskBase):
         # Called as a plain function (no message): nothing to deduplicate on.
         if request.called_directly or not request.id:
             return super().__call__(*args, **kwargs)
-        with consuming(request, self.name):
+        with consuming(request, self.name, broker_system(self.app.conf.broker_url)):
             return consume(self, str(request.id), args, kwargs)
 
 

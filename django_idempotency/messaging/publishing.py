@@ -23,7 +23,7 @@ from kombu.exceptions import OperationalError
 from django_idempotency.conf import conf
 from django_idempotency.messaging.leases import Message
 from django_idempotency.messaging.outbox import task_name
-from django_idempotency.messaging.tracing import publishing
+from django_idempotency.messaging.tracing import broker_system, publishing
 from django_idempotency.models import OutboxMessage
 
 
@@ -81,6 +81,7 @@ class Broker:
         self.app = app
         # The destination's name in IDEMPOTENCY_OUTBOX_DESTINATIONS, for the publish span.
         self.destination = destination
+        self.system = broker_system(self.url())  # messaging.system of the publish spans
         self._connection: Any = None
         self._producer: Any = None
 
@@ -123,7 +124,8 @@ class Broker:
         # From the enqueue, not from now: a relay that was late does not delay it further.
         eta = None if countdown is None else message.created_at + timedelta(seconds=countdown)
         queue = message.options.get("queue")
-        with publishing(message.id, name, message.options, self.destination) as headers:
+        options, system = message.options, self.system
+        with publishing(message.id, name, options, self.destination, system) as headers:
             sender.send(
                 name, args, kwargs, task_id=message.id, queue=queue, eta=eta, headers=headers
             )

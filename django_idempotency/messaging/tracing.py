@@ -19,13 +19,32 @@ if ENABLED:
 
 # The key of the message's ``options`` document that holds its carrier.
 TRACE_OPTION = "trace"
-PUBLISH_SPAN = "idempotency.outbox.publish"
-CONSUME_SPAN = "idempotency.consume"
-# Attribute keys (OpenTelemetry's messaging conventions).
-MESSAGE_ID = "messaging.message.id"
-DESTINATION = "messaging.destination.name"
+# OpenTelemetry's messaging conventions: a span is named "{operation} {destination}" ("send
+# shop.post_ledger_entry", "process shop.post_ledger_entry"), the destination being the task
+# name or the NATS subject (a template, not an id: low cardinality).
+SEND = "send"
+PROCESS = "process"
+SYSTEM = "messaging.system"
+OPERATION_NAME = "messaging.operation.name"
 OPERATION = "messaging.operation.type"
+DESTINATION = "messaging.destination.name"
+MESSAGE_ID = "messaging.message.id"
 OUTBOX_DESTINATION = "idempotency.destination"  # the relay's destination, by its setting's name
+# messaging.system of a Celery broker, by its URL's scheme (the conventions' names where they
+# have one; the scheme otherwise, "redis"); NATS and Django's Tasks framework name themselves.
+BROKER_SYSTEMS = {"amqp": "rabbitmq", "amqps": "rabbitmq", "pyamqp": "rabbitmq", "sqs": "aws_sqs"}
+NATS = "nats"
+DJANGO_TASKS = "django_tasks"
+
+
+def span_name(operation: str, destination: str) -> str:
+    return f"{operation} {destination}"
+
+
+def broker_system(url: str | None) -> str:
+    """messaging.system for a Celery broker URL ("amqp://…" is "rabbitmq")."""
+    scheme = (url or "amqp").partition("://")[0].partition("+")[0].lower()
+    return BROKER_SYSTEMS.get(scheme, scheme or "celery")
 
 
 def _tracing() -> bool:
@@ -55,7 +74,7 @@ _UNTRACED: contextlib.nullcontext[Mapping[str, str]] = contextlib.nullcontext(Ma
 
 
 def publishing(
-    message_id: str, name: str, options: Mapping[str, Any], destination: str
+    message_id: str, name: str, options: Mapping[str, Any], destination: str, system: str
 ) -> contextlib.AbstractContextManager[Mapping[str, str]]:
     """Around the publish of one message: the headers to send it with (none when it has no
     trace context, at the cost of a dict lookup). With tracing on in the relay, the publish
@@ -67,21 +86,23 @@ def publishing(
         return _UNTRACED
     if not _tracing():
         return contextlib.nullcontext(carrier)
-    return _publish_span(carrier, message_id, name, destination)
+    return _publish_span(carrier, message_id, name, destination, system)
 
 
 @contextlib.contextmanager
 def _publish_span(
-    carrier: dict[str, str], message_id: str, name: str, destination: str
+    carrier: dict[str, str], message_id: str, name: str, destination: str, system: str
 ) -> Iterator[Mapping[str, str]]:
     attributes = {
-        MESSAGE_ID: message_id,
+        SYSTEM: system,
+        OPERATION_NAME: SEND,
+        OPERATION: SEND,
         DESTINATION: name,
-        OPERATION: "send",
+        MESSAGE_ID: message_id,
         OUTBOX_DESTINATION: destination,
     }
     span = trace.get_tracer(SCOPE).start_span(
-        PUBLISH_SPAN,
+        span_name(SEND, name),
         context=propagate.extract(carrier),
         kind=SpanKind.PRODUCER,
         attributes=attributes,
@@ -131,31 +152,39 @@ if ENABLED:
 _NO_SPAN: contextlib.nullcontext[None] = contextlib.nullcontext()
 
 
-def consuming(request: Any, task_name: str) -> contextlib.AbstractContextManager[object]:
-    """Around an exactly-once Celery task's run: the ``idempotency.consume`` span, child of
+def consuming(
+    request: Any, task_name: str, system: str
+) -> contextlib.AbstractContextManager[object]:
+    """Around an exactly-once Celery task's run: the ``process {task}`` span, child of
     the trace context its message carried, unless a span is current already (Celery's own
     OpenTelemetry instrumentation made one, from the same headers)."""
     if not _tracing() or trace.get_current_span().get_span_context().is_valid:
         return _NO_SPAN
     parent = propagate.extract(request, getter=_REQUEST_GETTER)
-    return _consume_span(parent, str(request.id), task_name)
+    return _consume_span(parent, str(request.id), task_name, system)
 
 
 def consuming_headers(
-    headers: Mapping[str, str] | None, message_id: str, name: str
+    headers: Mapping[str, str] | None, message_id: str, name: str, system: str
 ) -> contextlib.AbstractContextManager[object]:
     """As ``consuming``, for a consumer whose message carries its trace context as plain
     headers (a NATS message's, the Django Tasks runner's ``trace`` argument)."""
     if not headers or not _tracing() or trace.get_current_span().get_span_context().is_valid:
         return _NO_SPAN
-    return _consume_span(propagate.extract(headers), message_id, name)
+    return _consume_span(propagate.extract(headers), message_id, name, system)
 
 
 @contextlib.contextmanager
-def _consume_span(parent: Any, message_id: str, name: str) -> Iterator[None]:
-    attributes = {MESSAGE_ID: message_id, DESTINATION: name, OPERATION: "process"}
+def _consume_span(parent: Any, message_id: str, name: str, system: str) -> Iterator[None]:
+    attributes = {
+        SYSTEM: system,
+        OPERATION_NAME: PROCESS,
+        OPERATION: PROCESS,
+        DESTINATION: name,
+        MESSAGE_ID: message_id,
+    }
     with trace.get_tracer(SCOPE).start_as_current_span(
-        CONSUME_SPAN,
+        span_name(PROCESS, name),
         context=parent,
         kind=SpanKind.CONSUMER,
         attributes=attributes,

@@ -1,14 +1,25 @@
-"""How a response body is stored: raw, zlib-compressed here, or left to PostgreSQL's lz4."""
+"""How a response body is stored: raw, compressed here (zstd, or zlib where zstd is not
+installed), or left to PostgreSQL's lz4."""
 
 from __future__ import annotations
 
+import importlib
 import zlib
+from collections.abc import Callable
+from functools import cache
 
+from django.core.exceptions import ImproperlyConfigured
 from django.db import connections
 
 ZLIB = "zlib"
-# zlib level 1 compresses JSON about as well as level 6 at a third of the CPU.
+ZSTD = "zstd"
+# The codecs a record may name in body_encoding, and the HTTP content coding of each format:
+# zlib's format is HTTP's "deflate" (RFC 9110), zstd's frame is HTTP's "zstd" (RFC 8878).
+CONTENT_CODINGS = {ZLIB: "deflate", ZSTD: "zstd"}
+# zlib level 1 compresses JSON about as well as level 6 at a third of the CPU; zstd level 3
+# (its default) stores less than zlib 1 in less time (bench/bodies_bench.py).
 ZLIB_LEVEL = 1
+ZSTD_LEVEL = 3
 # pg_attribute.attcompression of a column that PostgreSQL compresses with lz4.
 LZ4 = "l"
 
@@ -20,6 +31,49 @@ _COLUMN_COMPRESSION = (
     "SELECT attcompression FROM pg_attribute "
     "WHERE attrelid = to_regclass('django_idempotency_record') AND attname = 'response_body'"
 )
+
+
+class ZstdMissing(ImproperlyConfigured):
+    """A record stored with zstd, read by a process that has no zstd."""
+
+    def __init__(self) -> None:
+        super().__init__(
+            "A stored response is compressed with zstd, which this process cannot read. "
+            "Install django-idempotency[zstd] (the zstandard package; Python 3.14 has it as "
+            "compression.zstd) on every server that reads the records, or set "
+            'IDEMPOTENCY_BODY_COMPRESSION = "zlib" until all of them have it.'
+        )
+
+
+@cache
+def zstd_codec() -> tuple[Callable[[bytes], bytes], Callable[[bytes], bytes]] | None:
+    """zstd's (compress, decompress): the standard library's on Python 3.14+, else the
+    zstandard package's (the "zstd" extra); None when neither is installed."""
+    try:
+        stdlib = importlib.import_module("compression.zstd")
+    except ImportError:
+        pass
+    else:
+        return (
+            lambda body: stdlib.compress(body, level=ZSTD_LEVEL),
+            stdlib.decompress,
+        )
+    try:
+        zstandard = importlib.import_module("zstandard")
+    except ImportError:
+        return None
+    compressor = zstandard.ZstdCompressor(level=ZSTD_LEVEL)
+    # The frames we write carry their content size, so one-shot decompression sizes its output.
+    decompressor = zstandard.ZstdDecompressor()
+    return compressor.compress, decompressor.decompress
+
+
+def compression(setting: str | None) -> str:
+    """The codec new records are compressed with: ``IDEMPOTENCY_BODY_COMPRESSION``, or zstd
+    when it is installed and zlib otherwise."""
+    if setting is not None:
+        return setting
+    return ZSTD if zstd_codec() is not None else ZLIB
 
 
 def database_compresses(using: str) -> bool:
@@ -40,18 +94,35 @@ def database_compresses(using: str) -> bool:
 
 
 def encode_body(
-    using: str, body: bytes, min_bytes: int, *, sealed: bool = False
+    using: str, body: bytes, min_bytes: int, *, sealed: bool = False, codec: str | None = None
 ) -> tuple[bytes, str]:
-    """The body as stored, and how: compressed here when it is large, that pays, and the
-    database does not compress it itself (it cannot once the body is ``sealed``: a
-    ciphertext does not compress)."""
+    """The body as stored, and how: compressed here with ``codec`` (see ``compression``) when
+    it is large, that pays, and the database does not compress it itself (it cannot once
+    the body is ``sealed``: a ciphertext does not compress)."""
     if len(body) >= min_bytes and (sealed or not database_compresses(using)):
-        compressed = zlib.compress(body, ZLIB_LEVEL)
+        codec = compression(codec)
+        compressed = _compress(codec, body)
         if len(compressed) < len(body):
-            return compressed, ZLIB
+            return compressed, codec
     return body, ""
 
 
 def decode_body(stored: bytes | memoryview | None, encoding: str) -> bytes:
     body = bytes(stored or b"")
-    return zlib.decompress(body) if encoding == ZLIB else body
+    if encoding == ZLIB:
+        return zlib.decompress(body)
+    if encoding == ZSTD:
+        codec = zstd_codec()
+        if codec is None:
+            raise ZstdMissing
+        return codec[1](body)
+    return body
+
+
+def _compress(codec: str, body: bytes) -> bytes:
+    if codec == ZSTD:
+        found = zstd_codec()
+        if found is None:
+            raise ZstdMissing
+        return found[0](body)
+    return zlib.compress(body, ZLIB_LEVEL)

@@ -24,7 +24,13 @@ class Pass:
 
 
 def reseal_batch(
-    ring: sealing.Keyring, *, using: str | None, after: int, size: int, min_bytes: int
+    ring: sealing.Keyring,
+    *,
+    using: str | None,
+    after: int,
+    size: int,
+    min_bytes: int,
+    codec: str | None = None,
 ) -> Pass:
     """Seal under ``ring``'s first key up to ``size`` records with an id above ``after``, in
     one short transaction. Requests never wait for it: they lock keys, not rows."""
@@ -46,7 +52,7 @@ def reseal_batch(
         )
         for row in rows:
             done.last_id = row.id
-            resealed = _resealed(ring, row, using, min_bytes)
+            resealed = _resealed(ring, row, using, min_bytes, codec)
             if isinstance(resealed, str):
                 done.unreadable.append((row.id, resealed))
                 continue
@@ -62,7 +68,7 @@ def reseal_batch(
 
 
 def _resealed(
-    ring: sealing.Keyring, row: IdempotencyRecord, using: str, min_bytes: int
+    ring: sealing.Keyring, row: IdempotencyRecord, using: str, min_bytes: int, codec: str | None
 ) -> tuple[bytes, str] | str:
     """The row's new body and encoding, or why it cannot be opened."""
     code = row.response_code or 200
@@ -72,7 +78,7 @@ def _resealed(
         return str(exc)
     body, encoding = plain.response_body, plain.body_encoding
     if not encoding:
-        body, encoding = bodies.encode_body(using, body, min_bytes, sealed=True)
+        body, encoding = bodies.encode_body(using, body, min_bytes, sealed=True, codec=codec)
     return sealing.seal(
         ring,
         scope=row.scope,

@@ -14,15 +14,16 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from django_idempotency.storage.bodies import ZLIB
+from django_idempotency.storage.bodies import ZLIB, ZSTD
 from django_idempotency.storage.records import Record
 
-# body_encoding of a record stored plain: as sent, or zlib's format (storage/bodies.py).
-PLAIN_ENCODINGS = frozenset(("", ZLIB))
+# body_encoding of a record stored plain: as sent, or zlib's or zstd's format (storage/bodies.py).
+PLAIN_ENCODINGS = frozenset(("", ZLIB, ZSTD))
 # body_encoding of a sealed record: "@", the key id, then "z" when the sealed body is zlib's
-# format. Eight characters at most: the column is varchar(8).
+# format or "s" when it is zstd's. Eight characters at most: the column is varchar(8).
 SEALED = "@"
-COMPRESSED = "z"
+COMPRESSED = {ZLIB: "z", ZSTD: "s"}
+INNER = {mark: codec for codec, mark in COMPRESSED.items()}
 KEY_ID_LENGTH = 6
 KEY_BYTES = 32
 # A key of its own for each record (HMAC-SHA256 of the listed key and a random salt): GCM's
@@ -134,8 +135,8 @@ def sealed_under(encoding: str) -> str | None:
 
 
 def inner_encoding(encoding: str) -> str:
-    """How the body inside the envelope is encoded ("" or zlib), for a sealed record."""
-    return ZLIB if encoding.endswith(COMPRESSED) and len(encoding) > 1 + KEY_ID_LENGTH else ""
+    """How the body inside the envelope is encoded ("", zlib or zstd), for a sealed record."""
+    return INNER.get(encoding[1 + KEY_ID_LENGTH :], "")
 
 
 def seal(
@@ -151,7 +152,7 @@ def seal(
     """The envelope of headers and body (encoded as ``encoding`` says: compression comes
     before encryption), and the record's ``body_encoding``."""
     sealing = ring.sealing
-    sealed_encoding = SEALED + sealing.id + (COMPRESSED if encoding == ZLIB else "")
+    sealed_encoding = SEALED + sealing.id + COMPRESSED.get(encoding, "")
     head = json.dumps(headers, separators=(",", ":")).encode()
     random = os.urandom(SALT_BYTES + NONCE_BYTES)
     cipher = _cipher(sealing.secret, random[:SALT_BYTES])

@@ -5,13 +5,10 @@ webhook (deduplicated by its delivery id, scoped to the sender that signed it).
 
 from __future__ import annotations
 
-import hmac
 import json
-import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable, Mapping
-from functools import wraps
+from collections.abc import Mapping
 from typing import Any
 
 from django.conf import settings
@@ -24,6 +21,11 @@ from rest_framework.request import Request
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
+from django_idempotency.contrib.standard_webhooks import (
+    ID_HEADER,
+    verify_standard_webhook,
+    webhook_principal,
+)
 from django_idempotency.decorators import idempotent
 from django_idempotency.messaging import heartbeats
 from django_idempotency.messaging.downstream import derive_key
@@ -33,11 +35,6 @@ from testproject import processor
 from testproject.payments.models import Capture, Charge, LedgerEntry, Payment, Settlement
 from testproject.payments.serializers import ChainCountSerializer
 from testproject.payments.tasks import POST_LEDGER_ENTRY
-
-# A signed attempt older (or newer) than this is refused: a captured delivery cannot be
-# replayed after it, and within it only under its own delivery id, which is answered with
-# the first answer.
-WEBHOOK_TOLERANCE = 300
 
 
 def capture(data: Mapping[str, Any]) -> str | None:
@@ -77,50 +74,17 @@ def post_to_ledger(
     return enqueue_task(POST_LEDGER_ENTRY, args, dict(switches or {}))
 
 
-def verify_processor_signature(view: Callable[..., HttpResponse]) -> Callable[..., HttpResponse]:
-    """Refuse a delivery that the processor did not sign, or signed too long ago, before
-    the delivery id is claimed: the signature covers the delivery id, the timestamp and the
-    body, so the id that the view deduplicates on is the processor's own, and a delivery
-    captured and sent again under a new id is refused here."""
-
-    @wraps(view)
-    def wrapper(request: HttpRequest, *args: Any, **kwargs: Any) -> HttpResponse:
-        secret = getattr(settings, "PAYMENTS_WEBHOOK_SECRET", "")
-        delivery = request.headers.get(processor.DELIVERY_HEADER)
-        timestamp = request.headers.get(processor.TIMESTAMP_HEADER, "")
-        if not delivery or not timestamp.isascii() or not timestamp.isdigit():
-            return JsonResponse(
-                {
-                    "detail": f"A delivery carries {processor.DELIVERY_HEADER} and "
-                    f"{processor.TIMESTAMP_HEADER} (Unix time), both signed."
-                },
-                status=400,
-            )
-        sent = request.headers.get(processor.SIGNATURE_HEADER, "")
-        expected = processor.sign(secret, delivery, timestamp, request.body)
-        if not secret or not hmac.compare_digest(sent.encode(), expected.encode()):
-            return JsonResponse({"detail": "The signature does not match."}, status=401)
-        if abs(time.time() - int(timestamp)) > WEBHOOK_TOLERANCE:
-            return JsonResponse(
-                {"detail": f"The delivery was signed more than {WEBHOOK_TOLERANCE} s ago."},
-                status=401,
-            )
-        request.webhook_sender = "processor"  # type: ignore[attr-defined]
-        return view(request, *args, **kwargs)
-
-    return wrapper
-
-
-def webhook_sender(request: HttpRequest) -> str:
-    # Delivery ids are unique per sender only: scope them by whoever signed the request.
-    return f"webhook:{request.webhook_sender}"  # type: ignore[attr-defined]
+def processor_secret() -> str:
+    """The processor's signing secret, read on each delivery (override_settings works)."""
+    return str(getattr(settings, "PAYMENTS_WEBHOOK_SECRET", ""))
 
 
 @csrf_exempt
 @require_POST
-@verify_processor_signature
-# The delivery id is covered by the signature checked above: safe to deduplicate on.
-@idempotent(key_header=processor.DELIVERY_HEADER, principal=webhook_sender, required=True)
+# Standard Webhooks: the signature covers webhook-id, the timestamp and the body, and is
+# checked before the delivery id below is claimed; a delivery id is scoped to its sender.
+@verify_standard_webhook(processor_secret, sender="processor")
+@idempotent(key_header=ID_HEADER, principal=webhook_principal, required=True)
 def processor_webhook(request: HttpRequest) -> HttpResponse:
     """The processor's events: ``charge.settled`` marks the charge settled, once per
     delivery id however often the processor delivers it."""
@@ -144,9 +108,7 @@ def processor_webhook(request: HttpRequest) -> HttpResponse:
         # Perhaps captured by a request that has not committed yet: not stored (5xx), so
         # the processor's next delivery tries again.
         return JsonResponse({"detail": "Unknown charge; deliver again later."}, status=503)
-    settlement = Settlement.objects.create(
-        charge=charge, delivery=request.headers[processor.DELIVERY_HEADER]
-    )
+    settlement = Settlement.objects.create(charge=charge, delivery=request.headers[ID_HEADER])
     return JsonResponse({"charge": charge.pk, "settled": True, "settlement": settlement.pk})
 
 

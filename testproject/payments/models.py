@@ -71,7 +71,7 @@ class Settlement(models.Model):
     """A charge marked settled by the processor's webhook; no unique constraint either."""
 
     charge = models.ForeignKey(Charge, on_delete=models.PROTECT, related_name="+")
-    # The processor's delivery id (X-Processor-Delivery).
+    # The processor's delivery id (its webhook-id header).
     delivery = models.CharField(max_length=255)
     created = models.DateTimeField(auto_now_add=True)
 

@@ -4,6 +4,7 @@ exactly-once task; the outcome labels; and the package without opentelemetry."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import time
@@ -20,6 +21,7 @@ from django.views.decorators.csrf import csrf_exempt
 
 pytest.importorskip("opentelemetry.sdk")
 from opentelemetry import metrics, trace
+from opentelemetry.metrics import _internal as metrics_internal
 from opentelemetry.metrics._internal import _ProxyMeterProvider
 from opentelemetry.trace import StatusCode
 
@@ -286,10 +288,10 @@ def test_without_a_provider_set_the_hooks_record_nothing_and_keys_still_work(
     monkeypatch.setattr(metrics, "get_meter_provider", lambda: meter_provider)
     if globals_kept:
         monkeypatch.setattr(trace, "_TRACER_PROVIDER", tracer_provider)
-        monkeypatch.setattr(instrumentation.metrics_internal, "_METER_PROVIDER", meter_provider)
+        monkeypatch.setattr(metrics_internal, "_METER_PROVIDER", meter_provider)
     else:
         monkeypatch.delattr(trace, "_TRACER_PROVIDER")
-        monkeypatch.delattr(instrumentation.metrics_internal, "_METER_PROVIDER")
+        monkeypatch.delattr(metrics_internal, "_METER_PROVIDER")
     key, script = new_key(), ScriptFactory()
     assert send(client, "POST", "/drf/", script, key=key).status_code == 201
     assert replayed(send(client, "POST", "/drf/", script, key=key))
@@ -312,7 +314,7 @@ def test_a_provider_named_by_the_environment_is_loaded_and_heard(
     monkeypatch.setattr(instrumentation, "_heard", False)
     monkeypatch.setattr(instrumentation, "_environment_read", False)
     monkeypatch.setattr(trace, "_TRACER_PROVIDER", None)
-    monkeypatch.setattr(instrumentation.metrics_internal, "_METER_PROVIDER", None)
+    monkeypatch.setattr(metrics_internal, "_METER_PROVIDER", None)
     loads: list[str] = []
 
     def from_environment() -> Any:
@@ -338,6 +340,8 @@ def test_a_redelivered_message_answered_from_the_store_is_counted(collect: Any) 
     got = collect()
     view = "tests.consumers.note"  # the task's name
     assert got.count(instrumentation.REDELIVERED, view=view) == 1
+    messaging = {"messaging.operation.name": "process", "messaging.destination.name": view}
+    assert got.count(instrumentation.REDELIVERED, **messaging) == 1
     assert got.count(instrumentation.REQUESTS, view=view, kind="task", outcome="won") == 1
     assert got.count(instrumentation.REPLAYS, view=view, kind="task") == 1
     spans = got.named(instrumentation.CLAIM_SPAN)
@@ -408,6 +412,31 @@ again = client.post("/plain/", {"tag": "t"}, headers=headers)
 print(first.status_code, again.status_code, again.headers.get("Idempotent-Replayed"))
 print("opentelemetry" in sys.modules and sys.modules["opentelemetry"] is None)
 """
+
+
+PRIVATE_GONE = """
+import sys
+from opentelemetry.metrics import _internal
+# An API release that moved its private proxy class: importing the package reads no such
+# name, and the hooks still tell a process with no provider set.
+del _internal._ProxyMeterProvider
+import django
+django.setup()
+from django_idempotency.engine import instrumentation
+from django_idempotency.messaging import tracing
+assert instrumentation.ENABLED and not instrumentation.listening()
+print("ok")
+"""
+
+
+def test_importing_the_hooks_touches_no_private_opentelemetry_attribute() -> None:
+    result = subprocess.run(
+        [sys.executable, "-c", PRIVATE_GONE],
+        capture_output=True, text=True, timeout=120, check=False,
+        env={**os.environ, "DJANGO_SETTINGS_MODULE": "tests.settings"},
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == ["ok"]
 
 
 def test_the_package_works_without_opentelemetry() -> None:

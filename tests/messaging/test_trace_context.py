@@ -51,6 +51,16 @@ pytestmark = [
 ]
 
 TASK = "tests.trace.settle"
+
+
+def sending(span: ReadableSpan) -> bool:
+    return (span.attributes or {}).get(tracing.OPERATION_NAME) == tracing.SEND
+
+
+def processing(span: ReadableSpan) -> bool:
+    return (span.attributes or {}).get(tracing.OPERATION_NAME) == tracing.PROCESS
+
+
 FAILING = "tests.trace.fail"
 SECRET = "key-4f1c-never-exported"
 SETTLED: list[str] = []
@@ -114,10 +124,10 @@ def test_one_trace_shows_the_request_the_relay_publish_and_the_exactly_once_task
     with start_worker(app, pool="solo", perform_ping_check=False, shutdown_timeout=30):
         wait_for(lambda: [message_id] == SETTLED)
     # The worker's thread ends its span once the task has returned.
-    wait_for(lambda: any(s.name == tracing.CONSUME_SPAN for s in SPANS.get_finished_spans()))
+    wait_for(lambda: any(processing(s) for s in SPANS.get_finished_spans()))
     spans = collect().spans
-    (publish,) = [s for s in spans if s.name == tracing.PUBLISH_SPAN]
-    (consume,) = [s for s in spans if s.name == tracing.CONSUME_SPAN]
+    (publish,) = [s for s in spans if sending(s)]
+    (consume,) = [s for s in spans if processing(s)]
     (task_claim,) = [
         s for s in spans if s.name == CLAIM_SPAN and s.attributes[KIND] == "task"
     ]  # fmt: skip
@@ -127,6 +137,13 @@ def test_one_trace_shows_the_request_the_relay_publish_and_the_exactly_once_task
     assert parent_of(task_claim) == consume.context.span_id
     assert publish.attributes[tracing.MESSAGE_ID] == message_id
     assert consume.attributes[tracing.MESSAGE_ID] == message_id
+    # OpenTelemetry's messaging conventions: "{operation} {destination}", and their attributes.
+    assert (publish.name, consume.name) == (f"send {TASK}", f"process {TASK}")
+    for span, operation in ((publish, "send"), (consume, "process")):
+        assert span.attributes[tracing.SYSTEM] == "redis"
+        assert span.attributes[tracing.OPERATION_NAME] == operation
+        assert span.attributes[tracing.OPERATION] == operation
+        assert span.attributes[tracing.DESTINATION] == TASK
 
 
 def ancestry(span: ReadableSpan, spans: list[ReadableSpan]) -> list[str]:
@@ -161,8 +178,8 @@ def test_under_celerys_own_instrumentation_its_task_span_continues_the_trace(
     (task_claim,) = [s for s in spans if s.name == CLAIM_SPAN and s.attributes[KIND] == "task"]
     # The instrumentation's task span, and no consume span of the package's own beside it.
     chain = ancestry(task_claim, spans)
-    assert chain[0] == f"run/{TASK}" and tracing.CONSUME_SPAN not in chain
-    assert chain[-2:] == [tracing.PUBLISH_SPAN, "POST /charge/"]
+    assert chain[0] == f"run/{TASK}" and f"process {TASK}" not in chain
+    assert chain[-2:] == [f"send {TASK}", "POST /charge/"]
     trace_id = request.get_span_context().trace_id
     assert task_claim.context.trace_id == trace_id
 
@@ -176,7 +193,7 @@ def test_with_tracing_off_in_the_relay_the_stored_context_goes_out_as_it_is(
     Relay(app=app).drain()
     (headers,) = private_redis.queued()
     assert headers["traceparent"] == stored["traceparent"]
-    assert not [s for s in collect().spans if s.name == tracing.PUBLISH_SPAN]
+    assert not [s for s in collect().spans if sending(s)]
 
 
 def test_a_task_with_a_countdown_carries_the_context_too(
@@ -188,7 +205,7 @@ def test_a_task_with_a_countdown_carries_the_context_too(
         enqueue_task(TASK, (3,), countdown=60)
     Relay(app=app).drain()
     (headers,) = private_redis.queued()
-    (publish,) = collect().named(tracing.PUBLISH_SPAN)
+    (publish,) = [s for s in collect().spans if sending(s)]
     assert headers["eta"] is not None
     assert carried(headers) == (publish.context.trace_id, publish.context.span_id)
 
@@ -202,14 +219,14 @@ def test_a_message_enqueued_outside_any_span_carries_no_context_and_no_header(
     Relay(app=app).drain()
     (headers,) = private_redis.queued()
     assert "traceparent" not in headers
-    assert not [s for s in collect().spans if s.name == tracing.PUBLISH_SPAN]
+    assert not [s for s in collect().spans if sending(s)]
 
 
 def test_an_eager_call_with_trace_headers_continues_the_trace(collect: Any, app: Celery) -> None:
     settle = app.tasks[TASK]
     parent = {"traceparent": "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"}
     settle.apply((5,), task_id=str(uuid.uuid4()), headers=parent)
-    (consume,) = collect().named(tracing.CONSUME_SPAN)
+    (consume,) = [s for s in collect().spans if processing(s)]
     assert consume.context.trace_id == 0x0AF7651916CD43DD8448EB211C80319C
     assert parent_of(consume) == 0xB7AD6B7169203331
 
@@ -227,8 +244,8 @@ def test_failed_publishes_and_consumers_say_the_errors_type_only(collect: Any, a
     with pytest.raises(PublishFailed):
         Relay(app=app).drain()
     got = collect()
-    (consume,) = got.named(tracing.CONSUME_SPAN)
-    (publish,) = got.named(tracing.PUBLISH_SPAN)
+    (consume,) = [s for s in got.spans if processing(s)]
+    (publish,) = [s for s in got.spans if sending(s)]
     assert consume.status.status_code == publish.status.status_code == StatusCode.ERROR
     assert consume.status.description == publish.status.description == "ValueError"
     assert not [value for value in got.every_value() if SECRET in value]
@@ -241,7 +258,7 @@ def test_a_consumer_under_a_span_already_current_makes_no_span_of_its_own(
     with trace.get_tracer("tests.trace").start_as_current_span("run/tests.trace.settle") as run:
         app.tasks[TASK].apply((6,), task_id=str(uuid.uuid4()))
     spans = collect().spans
-    assert not [s for s in spans if s.name == tracing.CONSUME_SPAN]
+    assert not [s for s in spans if processing(s)]
     (claim,) = [s for s in spans if s.name == CLAIM_SPAN]
     assert parent_of(claim) == run.get_span_context().span_id
 
@@ -265,10 +282,12 @@ def test_nats_messages_carry_the_publish_spans_context_in_their_headers(
             assert relay.drain() == 1
         finally:
             relay.destinations.close()
-    (publish,) = collect().named(tracing.PUBLISH_SPAN)
+    (publish,) = [s for s in collect().spans if sending(s)]
     assert parent_of(publish) == request.get_span_context().span_id
     assert publish.attributes[tracing.OUTBOX_DESTINATION] == "default"
     assert publish.attributes[tracing.DESTINATION] == "outbox.payments.captured"
+    assert publish.name == "send outbox.payments.captured"
+    assert publish.attributes[tracing.SYSTEM] == "nats"
     headers = nats_server.message(1).headers
     assert headers["Nats-Msg-Id"] == event
     assert carried(headers) == (request.get_span_context().trace_id, publish.context.span_id)
@@ -286,10 +305,12 @@ def test_nats_messages_carry_the_publish_spans_context_in_their_headers(
     finally:
         consumer.close()
     assert handled == [event]
-    (consume,) = collect().named(tracing.CONSUME_SPAN)
+    (consume,) = [s for s in collect().spans if processing(s)]
     assert consume.context.trace_id == request.get_span_context().trace_id
     assert parent_of(consume) == publish.context.span_id
     assert consume.attributes[tracing.MESSAGE_ID] == event
+    assert consume.name == "process outbox.payments.captured"
+    assert consume.attributes[tracing.SYSTEM] == "nats"
 
 
 # Django's Tasks framework ---------------------------------------------------------------
@@ -297,15 +318,17 @@ def test_nats_messages_carry_the_publish_spans_context_in_their_headers(
 
 def test_the_django_tasks_runner_continues_the_trace_its_message_carried(collect: Any) -> None:
     tracer = trace.get_tracer("tests.trace")
-    with tracer.start_as_current_span("idempotency.outbox.publish") as publish:
+    with tracer.start_as_current_span("send tests.support.task_targets.record") as publish:
         carrier: dict[str, str] = {}
         propagate.inject(carrier)
     message_id = str(uuid.uuid4())
     deliver.func(None, message_id, "tests.support.task_targets.record", [1], {}, trace=carrier)
     spans = collect()
-    (consume,) = spans.named(tracing.CONSUME_SPAN)
+    (consume,) = [s for s in spans.spans if processing(s)]
     assert parent_of(consume) == publish.get_span_context().span_id
     assert consume.attributes[tracing.MESSAGE_ID] == message_id
+    assert consume.name == "process tests.support.task_targets.record"
+    assert consume.attributes[tracing.SYSTEM] == "django_tasks"
     (claim,) = spans.named(CLAIM_SPAN)
     assert parent_of(claim) == consume.context.span_id
 
@@ -338,7 +361,7 @@ def test_the_django_tasks_destination_hands_the_runner_the_publish_spans_context
         finally:
             relay.destinations.close()
         (handed,) = task_backends["dummy"].results
-    (publish,) = collect().named(tracing.PUBLISH_SPAN)
+    (publish,) = [s for s in collect().spans if sending(s)]
     assert parent_of(publish) == request.get_span_context().span_id
     assert carried(handed.kwargs["trace"]) == (
         request.get_span_context().trace_id,

@@ -1,6 +1,7 @@
 """Webhook receivers: the payments API's ``POST /api/webhooks/processor/``, deduplicated by
-``X-Processor-Delivery`` per sender, behind an HMAC-SHA256 signature of the delivery id, the
-timestamp and the body; and the ``key_header`` and ``key_from`` options on their own."""
+``webhook-id`` per sender, behind a Standard Webhooks signature of the delivery id, the
+timestamp and the body (``django_idempotency.contrib.standard_webhooks``); and the
+``key_header`` and ``key_from`` options on their own."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from typing import Any
 
 import pytest
 import requests
+from django.core.exceptions import ImproperlyConfigured
 from django.db import connections
 from django.http import HttpRequest, JsonResponse
 from django.test import Client, override_settings
@@ -22,10 +24,10 @@ from django.views.decorators.csrf import csrf_exempt
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
+from django_idempotency.contrib.standard_webhooks import webhook_principal
 from django_idempotency.decorators import idempotent
 from django_idempotency.models import IdempotencyRecord
 from django_idempotency.rest_framework import IdempotencyMixin
-from testproject.payments.chain import WEBHOOK_TOLERANCE
 from testproject.payments.models import Charge, Settlement
 from testproject.processor import DELIVERY_HEADER, signed_headers
 from tests.support.client import problem, replayed
@@ -33,7 +35,9 @@ from tests.support.client import problem, replayed
 pytestmark = pytest.mark.django_db(transaction=True)
 
 URL = "/api/webhooks/processor/"
-SECRET = "test-webhook-secret"
+SECRET = "whsec_dGVzdC13ZWJob29rLXNlY3JldC0zMi1ieXRlcy14eA=="
+# Standard Webhooks' tolerance for a signature's time (the standardwebhooks package's).
+WEBHOOK_TOLERANCE = 300
 
 
 @pytest.fixture(autouse=True)
@@ -106,7 +110,7 @@ def test_concurrent_redeliveries_settle_once(charge: Charge, settings: Any) -> N
 
 def test_a_bad_signature_is_refused_before_the_delivery_id_is_claimed(charge: Charge) -> None:
     delivery, body = str(uuid.uuid4()), event(charge.pk)
-    forged = deliver(body, delivery, sign_with="not the secret")
+    forged = deliver(body, delivery, sign_with="whsec_bm90IHRoZSBzZWNyZXQ=")
     assert forged.status_code == 401
     assert not IdempotencyRecord.objects.exists() and not Settlement.objects.exists()
     # The genuine delivery of that id is not answered with the forger's 401.
@@ -117,7 +121,7 @@ def test_a_bad_signature_is_refused_before_the_delivery_id_is_claimed(charge: Ch
 def test_a_delivery_without_its_id_is_refused_naming_the_header(charge: Charge) -> None:
     response = deliver(event(charge.pk), None)
     assert response.status_code == 400
-    assert "X-Processor-Delivery" in response.json()["detail"]
+    assert "webhook-id" in response.json()["detail"]
     assert not Settlement.objects.exists()
 
 
@@ -155,8 +159,49 @@ def test_a_delivery_signed_outside_the_tolerance_is_refused_before_the_claim(
     body = event(charge.pk)
     headers = signed_headers(SECRET, str(uuid.uuid4()), body, at=time.time() - age)
     response = Client().post(URL, body, content_type="application/json", headers=headers)
-    assert response.status_code == 401 and "signed more than" in response.json()["detail"]
+    assert response.status_code == 401 and "timestamp too" in response.json()["detail"]
     assert not IdempotencyRecord.objects.exists() and not Settlement.objects.exists()
+
+
+@pytest.mark.parametrize(
+    ("header", "value", "status"),
+    [
+        ("webhook-signature", None, 400),
+        ("webhook-timestamp", None, 400),
+        ("webhook-signature", "v1,bm90IGEgc2lnbmF0dXJl", 401),
+        ("webhook-signature", "no comma here", 401),
+        ("webhook-timestamp", "yesterday", 401),
+    ],
+)
+def test_a_missing_or_malformed_standard_webhooks_header_is_a_4xx_that_claims_nothing(
+    charge: Charge, header: str, value: str | None, status: int
+) -> None:
+    body = event(charge.pk)
+    headers = signed_headers(SECRET, str(uuid.uuid4()), body)
+    if value is None:
+        del headers[header]
+    else:
+        headers[header] = value
+    response = Client().post(URL, body, content_type="application/json", headers=headers)
+    assert response.status_code == status
+    assert response["Content-Type"] == "application/problem+json"
+    assert not IdempotencyRecord.objects.exists() and not Settlement.objects.exists()
+
+
+def test_an_unusable_secret_is_a_misconfiguration_that_names_the_fix(charge: Charge) -> None:
+    body = event(charge.pk)
+    headers = signed_headers(SECRET, str(uuid.uuid4()), body)
+    with (
+        override_settings(PAYMENTS_WEBHOOK_SECRET=""),
+        pytest.raises(ImproperlyConfigured, match=r'"whsec_" and base64'),
+    ):
+        Client().post(URL, body, content_type="application/json", headers=headers)
+    assert not IdempotencyRecord.objects.exists()
+
+
+def test_webhook_principal_refuses_a_request_that_was_not_verified() -> None:
+    with pytest.raises(ImproperlyConfigured, match="above @idempotent"):
+        webhook_principal(HttpRequest())
 
 
 @pytest.fixture(scope="module")

@@ -11,6 +11,7 @@ import zlib
 from datetime import timedelta
 
 import pytest
+import zstandard
 from django.contrib.auth.models import Permission, User
 from django.db import connection, transaction
 from django.test import override_settings
@@ -240,9 +241,13 @@ def test_detail_shows_the_request_fingerprint_and_the_pretty_printed_response(su
     assert 'name="_save"' not in page
 
 
-def test_detail_decompresses_a_zlib_body(superuser_client):
+@pytest.mark.parametrize(
+    ("encoding", "compress"),
+    [("zlib", zlib.compress), ("zstd", zstandard.ZstdCompressor().compress)],
+)
+def test_detail_decompresses_a_compressed_body(superuser_client, encoding, compress):
     body = json.dumps({"items": list(range(500))}).encode()
-    record = IdempotencyRecordFactory(response_body=zlib.compress(body), body_encoding="zlib")
+    record = IdempotencyRecordFactory(response_body=compress(body), body_encoding=encoding)
 
     response = superuser_client.get(detail_url(record))
 

@@ -25,6 +25,7 @@ from django.test import modify_settings, override_settings
 from django_idempotency import checks
 from django_idempotency import conf as conf_module
 from django_idempotency.partitions.tables import RECORDS
+from django_idempotency.storage import bodies
 from tests.support.partitions import detach_and_drop, execute, today
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -140,6 +141,30 @@ def test_e001_malformed_crontab() -> None:
     (message,) = checks.check_beat(None)
     assert message.id == "django_idempotency.E001"
     assert "expected 5 fields" in message.msg and "17 * * * *" in message.hint
+
+
+@needs_beat
+@pytest.mark.parametrize(
+    ("spec", "said"),
+    [
+        ("61 * * * *", "the minute '61' (Invalid end range: 61 > 59)"),
+        ("17 25 * * *", "the hour '25'"),
+        ("17 * 0 * *", "the day-of-month '0'"),
+        ("*/x * * * *", "the minute '*/x'"),
+    ],
+)
+def test_e001_a_crontab_field_celerys_parser_refuses(spec: str, said: str) -> None:
+    with override_settings(IDEMPOTENCY_BEAT_REGISTER=True, IDEMPOTENCY_BEAT_CRONTAB=spec):
+        (message,) = checks.check_beat(None)
+    assert message.id == "django_idempotency.E001"
+    assert said in message.msg and "Celery cannot read" in message.msg
+    assert "17 * * * *" in message.hint
+
+
+@needs_beat
+@override_settings(IDEMPOTENCY_BEAT_REGISTER=True, IDEMPOTENCY_BEAT_CRONTAB="*/15 1-5 * * mon-fri")
+def test_a_crontab_celery_reads_passes() -> None:
+    assert checks.check_beat(None) == []
 
 
 def test_the_check_command_runs_the_database_checks() -> None:
@@ -314,6 +339,27 @@ def test_e005_unknown_error_format() -> None:
     assert message.id == "django_idempotency.E005"
     assert "'json'" in message.msg and '"stripe"' in message.hint
     with override_settings(IDEMPOTENCY_ERROR_FORMAT="stripe"):
+        assert setting_ids() == []
+
+
+@pytest.mark.parametrize(
+    ("value", "said"),
+    [
+        ("myproject.errors.envelope", "cannot be imported"),
+        ("django_idempotency.conf.KINDS", "is not callable"),
+    ],
+)
+def test_e005_an_error_format_function_that_is_not_one(value: str, said: str) -> None:
+    with override_settings(IDEMPOTENCY_ERROR_FORMAT=value):
+        (message,) = checks.check_settings(None)
+    assert message.id == "django_idempotency.E005"
+    assert repr(value) in message.msg and said in message.msg
+    assert "dotted path of a function" in message.hint
+
+
+@pytest.mark.parametrize("value", ["tests.test_rest_framework.envelope", lambda error: {}])
+def test_an_error_format_function_passes(value) -> None:
+    with override_settings(IDEMPOTENCY_ERROR_FORMAT=value, IDEMPOTENCY_DRF_EXCEPTION_HANDLER=True):
         assert setting_ids() == []
 
 
@@ -703,6 +749,7 @@ WRONG_VALUES = {
     conf_module.OPTIONAL_DURATION: 600,
     conf_module.FUNCTION: 42,
     conf_module.OPTIONAL_FUNCTION: 42,
+    conf_module.ERROR_FORMAT_KIND: 42,
     conf_module.MAPPING: [("default", "celery")],
 }
 
@@ -831,6 +878,7 @@ def test_manage_py_check_warns_of_a_misspelt_setting(tmp_path: Path) -> None:
         ({"IDEMPOTENCY_UNSTORED_STATUSES": [4290]}, "IDEMPOTENCY_UNSTORED_STATUSES [4290]"),
         ({"IDEMPOTENCY_FINGERPRINT_HEADERS": ["X_Account"]}, "['X_Account']"),
         ({"IDEMPOTENCY_REPLAY_HEADERS": ["X-Request Id"]}, "['X-Request Id']"),
+        ({"IDEMPOTENCY_BODY_COMPRESSION": "gzip"}, "IDEMPOTENCY_BODY_COMPRESSION 'gzip'"),
     ],
 )
 def test_e020_a_value_outside_its_settings_allowed_set(overrides: dict, said: str) -> None:
@@ -840,9 +888,18 @@ def test_e020_a_value_outside_its_settings_allowed_set(overrides: dict, said: st
     assert isinstance(errors[0], Error) and errors[0].hint
 
 
+def test_e020_zstd_named_where_it_cannot_be_imported_says_what_to_install(monkeypatch) -> None:
+    monkeypatch.setattr(bodies, "zstd_codec", lambda: None)
+    with override_settings(IDEMPOTENCY_BODY_COMPRESSION="zstd"):
+        errors = [m for m in checks.check_settings(None) if m.id == "django_idempotency.E020"]
+    assert len(errors) == 1 and "cannot import" in errors[0].msg
+    assert "django-idempotency[zstd]" in errors[0].hint
+
+
 def test_known_methods_statuses_and_headers_are_fine() -> None:
     with override_settings(
         IDEMPOTENCY_METHODS=["post", "PUT", "PATCH", "DELETE"],
+        IDEMPOTENCY_BODY_COMPRESSION="zlib",
         IDEMPOTENCY_UNSTORED_STATUSES=[408, 409, 425, 429, 503],
         IDEMPOTENCY_FINGERPRINT_HEADERS=["X-Account"],
         IDEMPOTENCY_REPLAY_HEADERS=["X-Request-Id"],

@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import json
 import re
-import zlib
 from collections import Counter, defaultdict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from django_idempotency.storage import bodies
 from tests.reliability.client import EFFECT_OR_REFUSAL, Attempt, Exchange
 from tests.reliability.postgres import Database
 from tests.reliability.traffic import DRF_ENDPOINTS
@@ -287,10 +287,7 @@ def check_records(database: Database, exchanges: Sequence[Exchange] = ()) -> Fin
 
 def stored_json(body: bytes | None, encoding: str) -> dict[str, Any]:
     """A record's stored body, as JSON."""
-    raw = bytes(body or b"")
-    if encoding == "zlib":
-        raw = zlib.decompress(raw)
-    return _json(raw)
+    return _json(bodies.decode_body(body, encoding))
 
 
 def scan_logs(

@@ -310,9 +310,9 @@ def test_the_processors_webhook_settles_the_charge_once_however_often_it_is_deli
         sent = requests.get(f"{processor}/v1/deliveries", timeout=5).json()["deliveries"]
         captured = sent[-1]
         body, headers = captured["body"].encode(), captured["headers"]
-        delivery = headers["X-Processor-Delivery"]
+        delivery = headers["webhook-id"]
         for _ in range(3):
-            forged = {**headers, "X-Processor-Delivery": str(uuid.uuid4())}
+            forged = {**headers, "webhook-id": str(uuid.uuid4())}
             refused = requests.post(hook["url"], data=body, headers=forged, timeout=30)
             assert refused.status_code == 401, refused.text
         replayed = requests.post(hook["url"], data=body, headers=headers, timeout=30)

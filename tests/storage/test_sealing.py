@@ -79,6 +79,11 @@ def test_the_first_key_seals_and_the_record_names_it_in_eight_characters() -> No
     assert compressed == "@" + keys.sealing.id + "z"
     assert len(compressed) <= 8
     assert sealing.inner_encoding(compressed) == bodies.ZLIB
+    _, zstd = sealing.seal(
+        keys, scope="s", key="k", status=200, headers=[], body=b"x", encoding=bodies.ZSTD
+    )
+    assert zstd == "@" + keys.sealing.id + "s"
+    assert sealing.inner_encoding(zstd) == bodies.ZSTD
     assert sealing.inner_encoding(encoding) == ""
 
 

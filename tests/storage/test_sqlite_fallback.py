@@ -23,6 +23,7 @@ from django.test import Client
 from django.utils import timezone
 
 from django_idempotency.models import IdempotencyRecord
+from django_idempotency.storage import bodies
 from django_idempotency.storage import records as storage
 from django_idempotency.storage.erasure import erase, tombstone_scope
 from django_idempotency.storage.records import Outcome
@@ -147,7 +148,7 @@ def test_on_sqlite_a_large_body_is_compressed_by_the_app_and_looked_up(client) -
     retry = send(client, "POST", "/drf/lookup-first/", script, key=key)
     assert retry["Idempotent-Replayed"] == "true"
     assert retry.content == first.content
-    assert IdempotencyRecord.objects.get(key=key).body_encoding == "zlib"
+    assert IdempotencyRecord.objects.get(key=key).body_encoding == bodies.compression(None)
 
 
 @on_sqlite

@@ -40,6 +40,8 @@ IMPORT_NAMES = {
     "nats-py": "nats",
     "opentelemetry-api": "opentelemetry",
     "psycopg": "psycopg",
+    "standardwebhooks": "standardwebhooks",
+    "zstandard": "zstandard",
 }
 # Django's own modules that only some Django versions have: the Tasks framework is built in
 # from 6.0; on 5.2 the tasks extra's backport stands in (messaging/tasks_framework.py).

@@ -46,6 +46,7 @@ class Command(BaseCommand):
                 after=after,
                 size=options["batch_size"],
                 min_bytes=conf.COMPRESS_MIN_BYTES,
+                codec=conf.BODY_COMPRESSION,
             )
             if done.last_id is None:
                 break

@@ -19,7 +19,7 @@ from django.core.exceptions import ImproperlyConfigured
 from django_idempotency.messaging.destinations import Publication, Stopping
 from django_idempotency.messaging.leases import Message
 from django_idempotency.messaging.nats_loop import ClientLoop, result
-from django_idempotency.messaging.tracing import publishing
+from django_idempotency.messaging.tracing import NATS, publishing
 from django_idempotency.models import OutboxMessage
 
 MSG_ID = "Nats-Msg-Id"
@@ -205,7 +205,7 @@ class NatsDestination:
                 # In order, each written before the next; the acknowledgements come back
                 # while the rest is sent.
                 subject = self.subject_of(message)
-                with publishing(message.id, subject, message.options, self.name) as traced:
+                with publishing(message.id, subject, message.options, self.name, NATS) as traced:
                     headers = {**traced, MSG_ID: message.id}
                     if self.stream is not None:
                         headers[EXPECTED_STREAM] = self.stream

@@ -16,7 +16,7 @@ from django_idempotency.messaging.exactly_once import principal
 from django_idempotency.messaging.leases import Message
 from django_idempotency.messaging.task_runner import DELIVER
 from django_idempotency.messaging.tasks_framework import task_backends
-from django_idempotency.messaging.tracing import publishing
+from django_idempotency.messaging.tracing import DJANGO_TASKS, publishing
 from django_idempotency.models import OutboxMessage
 
 # Out of reach: the backend's store (Redis, a database) down, not a fault of the message.
@@ -94,7 +94,10 @@ class TasksDestination:
                     run_after=run_after(message),
                 )
                 arguments = [message.id, message.name, message.args, message.kwargs]
-                with publishing(message.id, message.name, message.options, self.name) as traced:
+                options = message.options
+                with publishing(
+                    message.id, message.name, options, self.name, DJANGO_TASKS
+                ) as traced:
                     # The runner continues the trace from it (its own argument: the backends
                     # carry no headers).
                     backend.enqueue(task, arguments, {"trace": dict(traced)} if traced else {})
