@@ -49,6 +49,35 @@ hypothesis_settings.register_profile("ci", deadline=None, print_blob=True)
 hypothesis_settings.load_profile("ci" if os.environ.get("CI") else "dev")
 
 
+# The modules that take the longest (servers, brokers, workers and clusters of their own, a
+# docs build): dealt first. pytest-xdist's --dist loadfile hands modules out in collection order,
+# so a long one dealt last keeps the run going on one worker while the others sit idle.
+LONG_MODULES = (
+    "tests/scenarios/",
+    "tests/messaging/test_relay.py",
+    "tests/messaging/test_nats",
+    "tests/messaging/test_builtin_tasks.py",
+    "tests/messaging/test_order.py",
+    "tests/messaging/test_redrive.py",
+    "tests/operators/test_checks.py",
+    "tests/project/test_testproject.py",
+    "tests/project/test_docs.py",
+    "tests/project/test_ledger.py",
+    "tests/storage/test_squashed_migration.py",
+    "tests/storage/test_secret.py",
+    "tests/test_spectacular.py",
+)
+
+
+@pytest.hookimpl(trylast=True)  # after pytest-randomly's shuffle, which it keeps within each part
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    def later(item: pytest.Item) -> bool:
+        path = Path(str(item.path)).relative_to(ROOT).as_posix()
+        return not path.startswith(LONG_MODULES)
+
+    items.sort(key=later)
+
+
 def pytest_report_header(config: pytest.Config) -> list[str]:
     import psycopg
     import rest_framework
