@@ -267,6 +267,82 @@ def test_every_test_named_in_the_guards_table_exists(reference):
     assert callable(found), f"{reference} is named in docs/guards.md but does not exist"
 
 
+# The guard column names code as `path.py`: `name`, `Class.method` (a note in parentheses);
+# each name up to the next `;`, the next path or the end of the enclosing parenthesis.
+GUARD_MODULE = re.compile(r"`([\w/]+\.py)`:")
+CODE_NAME = re.compile(r"[A-Za-z_]\w*(?:\.[A-Za-z_]\w*)*(?:\(\))?")
+
+
+def _names_after(text: str) -> list[str]:
+    """The backticked code names of the list that opens ``text``, its notes left out."""
+    depth, kept = 0, []
+    for char in text:
+        if char == "(":
+            depth += 1
+        elif char == ")":
+            if depth == 0:
+                break  # the parenthesis this list was written in closes
+            depth -= 1
+        elif depth == 0:
+            if char == ";":
+                break
+            kept.append(char)
+    listed = re.split(r"`[\w/]+\.py`", "".join(kept))[0]
+    return [name for name in re.findall(r"`([^`]+)`", listed) if CODE_NAME.fullmatch(name)]
+
+
+def guard_code_names() -> list[tuple[str, str]]:
+    """(module path, name) for each module and name the guard column of guards.md names."""
+    found = set()
+    for row in guard_rows():
+        for module in GUARD_MODULE.finditer(row[2]):
+            found |= {(module[1], name) for name in _names_after(row[2][module.end() :])}
+    return sorted(found)
+
+
+def defined_names(path: Path) -> set[str]:
+    """What a module defines or imports: functions and classes (methods too), assigned names
+    and attributes, parameters, imported names."""
+    import ast
+
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+            names.add(node.name)
+        elif isinstance(node, ast.Assign | ast.AnnAssign | ast.AugAssign):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            for target in targets:
+                for part in ast.walk(target):
+                    if isinstance(part, ast.Name):
+                        names.add(part.id)
+                    elif isinstance(part, ast.Attribute):
+                        names.add(part.attr)
+        elif isinstance(node, ast.arg):
+            names.add(node.arg)
+        elif isinstance(node, ast.Import | ast.ImportFrom):
+            names |= {(alias.asname or alias.name).split(".")[0] for alias in node.names}
+            if isinstance(node, ast.ImportFrom) and node.module:
+                names.add(node.module.split(".")[0])  # `ParamSpec` from `typing`
+    return names
+
+
+def test_the_guards_table_names_code_in_most_rows() -> None:
+    assert len(guard_code_names()) > 150, "the guard column's `path.py`: `name` form is lost"
+
+
+@pytest.mark.parametrize(
+    ("module", "name"), [pytest.param(*found, id=":".join(found)) for found in guard_code_names()]
+)
+def test_every_code_name_in_the_guards_table_exists(module: str, name: str) -> None:
+    # Guards live under django_idempotency/; a few in the test project (repository-relative).
+    path = next(
+        (f for f in (ROOT / "django_idempotency" / module, ROOT / module) if f.is_file()), None
+    )
+    assert path is not None, f"docs/guards.md names {module}, which does not exist"
+    missing = set(name.removesuffix("()").split(".")) - defined_names(path)
+    assert not missing, f"docs/guards.md names {module}: {name}, which it does not define"
+
+
 def test_the_quickstarts_sample_charges_have_the_fields_the_demo_answers() -> None:
     from testproject.payments.serializers import ChargeSerializer
 
