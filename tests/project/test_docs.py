@@ -343,6 +343,70 @@ def test_every_code_name_in_the_guards_table_exists(module: str, name: str) -> N
     assert not missing, f"docs/guards.md names {module}: {name}, which it does not define"
 
 
+def _headers_in(sentence: str) -> set[str]:
+    return {name.lower() for name in re.findall(r"`([A-Za-z-]+)`", sentence)}
+
+
+def test_how_it_works_lists_the_replayed_and_the_never_stored_headers_of_the_code() -> None:
+    from django_idempotency.http.request import NEVER_STORED_HEADERS, REPLAY_HEADERS
+
+    text = " ".join(page("how-it-works.md").split())
+    kept = text.split("response headers on an allow-list: ", 1)[1].split(", plus", 1)[0]
+    never = text.split(".md#idempotency-replay-headers). ", 1)[1].split(" are never stored", 1)[0]
+    assert _headers_in(kept) == REPLAY_HEADERS
+    assert _headers_in(never) == NEVER_STORED_HEADERS
+
+
+# how-it-works.md: "every SQL statement of the request path on the records' table" lives in
+# storage/, and "every SQL statement the relay and the redrive run on the outbox rows" in
+# messaging/leases.py. Read from the source: who names the table, its manager or a cursor.
+REQUEST_PATH = ("engine", "http", "rest_framework.py", "decorators.py", "ninja.py", "contrib")
+RELAY_SIDE = ("messaging/relay.py", "messaging/redrive.py", "messaging/destinations")
+
+
+def _sources(*places: str) -> dict[str, str]:
+    found = {}
+    for place in places:
+        path = ROOT / "django_idempotency" / place
+        for file in [path] if path.is_file() else sorted(path.rglob("*.py")):
+            found[str(file.relative_to(ROOT))] = file.read_text()
+    return found
+
+
+def test_the_request_path_runs_no_sql_on_the_records_table_outside_storage() -> None:
+    assert "every SQL statement of the request path on the records' table" in " ".join(
+        page("how-it-works.md").split()
+    )
+    touching = re.compile(r"IdempotencyRecord\.objects|\bRECORDS\b|django_idempotency_record\b")
+    assert [name for name, text in _sources(*REQUEST_PATH).items() if touching.search(text)] == []
+
+
+def test_the_relay_and_the_redrive_run_their_outbox_sql_through_leases() -> None:
+    assert "Every SQL statement the relay and the redrive run on the outbox rows lives in " in (
+        " ".join(page("how-it-works.md").split())
+    )
+    touching = re.compile(r"OutboxMessage\.objects|\.raw\(|cursor\(\)|\bTABLE\b")
+    # The relay's LISTEN is no statement on the rows.
+    executes = re.compile(r"\.execute\((?!f\"LISTEN )")
+    found = _sources(*RELAY_SIDE)
+    assert [n for n, text in found.items() if touching.search(text) or executes.search(text)] == []
+
+
+# A figure goes stale in a module docstring unseen; the docs' Speed sections keep them.
+MEASUREMENT = re.compile(r"\d\s*(?:µs|ms|ns)\b|\d+(?:\.\d+)?\u00d7|\b[Mm]easured\b")
+
+
+def test_no_module_docstring_carries_a_benchmark_figure() -> None:
+    import ast
+
+    found = []
+    for path in sorted((ROOT / "django_idempotency").rglob("*.py")):
+        docstring = ast.get_docstring(ast.parse(path.read_text())) or ""
+        if MEASUREMENT.search(docstring):
+            found.append(str(path.relative_to(ROOT)))
+    assert found == []
+
+
 def test_the_quickstarts_sample_charges_have_the_fields_the_demo_answers() -> None:
     from testproject.payments.serializers import ChargeSerializer
 
