@@ -340,16 +340,12 @@ def _backlog() -> list[tuple[float, float, float, str]]:
     from django.utils import timezone
 
     from django_idempotency.messaging import leases
-    from django_idempotency.models import OutboxMessage
 
     found = []
     for alias in _aliases(OUTBOX_MODEL):
 
         def read(connection: Any, alias: str = alias) -> list[tuple[float, float, float, str]]:
-            pending = OutboxMessage.objects.using(alias).filter(
-                published_at__isnull=True, dead_at__isnull=True
-            )
-            count = pending.values("pk")[:BACKLOG_COUNT_LIMIT].count()
+            count = leases.backlog(alias, BACKLOG_COUNT_LIMIT)
             oldest = leases.oldest_pending(alias)
             age = 0.0 if oldest is None else (timezone.now() - oldest).total_seconds()
             dead = leases.dead_letters(alias, BACKLOG_COUNT_LIMIT)

@@ -12,7 +12,7 @@ from datetime import datetime, timedelta
 from typing import Any
 
 from django.db import connections, transaction
-from django.db.models import Case, DateTimeField, Exists, F, Min, OuterRef, Q, Value, When
+from django.db.models import Case, DateTimeField, Exists, F, Min, OuterRef, Q, QuerySet, Value, When
 from django.db.models.functions import Now
 from django.utils import timezone
 
@@ -379,6 +379,24 @@ def requeue(using: str, ids: Collection[str] | None = None) -> int:
     return count
 
 
+# The three questions operators ask of the outbox, each answered here only: the relay, the
+# gauges, the checks (W120, W121), `idempotency_outbox status` and the probe all call these.
+# The one rule: a dead letter is no part of the backlog (it waits for an operator, not for a
+# relay), so it never ages the backlog; it is counted apart, by dead_letters().
+
+
+def _pending(using: str) -> QuerySet[OutboxMessage]:
+    return OutboxMessage.objects.using(using).filter(
+        published_at__isnull=True, dead_at__isnull=True
+    )
+
+
+def backlog(using: str, limit: int) -> int:
+    """How many unpublished messages wait to be tried, counted up to ``limit`` (a count stays
+    cheap however far behind the relay is); dead letters are not among them."""
+    return _pending(using).values("pk")[:limit].count()
+
+
 def dead_letters(using: str, limit: int) -> int:
     """How many dead letters the outbox holds, counted up to ``limit``."""
     found = OutboxMessage.objects.using(using).filter(dead_at__isnull=False)
@@ -388,8 +406,5 @@ def dead_letters(using: str, limit: int) -> int:
 def oldest_pending(using: str) -> datetime | None:
     """When the oldest unpublished message still to be tried was written; None when there is
     none (dead letters wait for an operator, and are counted apart)."""
-    found = OutboxMessage.objects.using(using).filter(
-        published_at__isnull=True, dead_at__isnull=True
-    )
-    oldest: datetime | None = found.aggregate(oldest=Min("created_at"))["oldest"]
+    oldest: datetime | None = _pending(using).aggregate(oldest=Min("created_at"))["oldest"]
     return oldest

@@ -85,9 +85,7 @@ class Redrive:
         if self.after is None:
             return
         for destination in self._redriving:
-            prepare = getattr(type(destination), "import_tasks", None)
-            if prepare is not None:
-                prepare(destination)
+            destination.import_tasks()
 
     def to_check(self, messages: Iterable[Message]) -> list[str]:
         """The ids, among ``messages`` just published, whose consumer record is to be checked."""

@@ -25,6 +25,7 @@ from django.db import DatabaseError, connections, transaction
 from django.db.backends.base.base import BaseDatabaseWrapper
 
 from django_idempotency.conf import conf
+from django_idempotency.db import sqlstate
 from django_idempotency.partitions.catalog import (
     DROPPING_COMMENT,
     PARTITION_COMMENT,
@@ -47,13 +48,6 @@ T = TypeVar("T")
 
 class PartitionConflict(Exception):
     """A table of a partition's name exists but is not what we expect; it is left alone."""
-
-
-def sqlstate(exc: BaseException) -> str | None:
-    """The SQLSTATE of a database error (psycopg 3 or psycopg2) that Django wrapped."""
-    cause = exc.__cause__
-    code = getattr(cause, "sqlstate", None) or getattr(cause, "pgcode", None)
-    return str(code) if code else None
 
 
 def retrying(action: Callable[[], T], *, what: str, retry_for: timedelta) -> T:

@@ -13,8 +13,8 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 from django.db import DatabaseError, IntegrityError, connections, transaction
 from django.utils import timezone
 
+from django_idempotency.db import sqlstate
 from django_idempotency.models import IdempotencyRecord
-from django_idempotency.partitions.apply import sqlstate
 from django_idempotency.storage import cursors
 from django_idempotency.storage.bodies import decode_body
 from django_idempotency.storage.erasure import tombstone_scope

@@ -18,7 +18,7 @@ from django.db import transaction
 from django.test import override_settings
 
 from django_idempotency.messaging import leases
-from django_idempotency.messaging.destinations import NATS, Destinations
+from django_idempotency.messaging.destinations import NATS, Destination, Destinations
 from django_idempotency.messaging.outbox import enqueue_event, enqueue_task
 from django_idempotency.messaging.relay import PublishFailed, Relay
 from django_idempotency.models import OutboxMessage
@@ -223,7 +223,7 @@ def test_routes_choose_a_destination_by_kind_and_name() -> None:
     ]
 
 
-class Recorder:
+class Recorder(Destination):
     """A destination that keeps what it is given (tests)."""
 
     redrives = False

@@ -36,7 +36,7 @@ from django.utils import timezone
 
 from django_idempotency import signals
 from django_idempotency.messaging import leases
-from django_idempotency.messaging.destinations import Publication
+from django_idempotency.messaging.destinations import Destination, Publication
 from django_idempotency.messaging.outbox import enqueue_event, enqueue_task
 from django_idempotency.messaging.relay import PublishFailed, Relay
 from django_idempotency.models import OutboxMessage
@@ -237,7 +237,7 @@ def test_a_relay_whose_lease_expired_cannot_mark_rows(
 SLOWLY_PUBLISHED: list[str] = []
 
 
-class SlowDestination:
+class SlowDestination(Destination):
     """A destination that takes a round trip of 0.25 s per message (as RQ takes one per job,
     on a slow link), acknowledging each at once."""
 

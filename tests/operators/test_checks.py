@@ -1215,6 +1215,8 @@ CELERY_OPTIONS = {"BACKEND": CELERY_BACKEND, "OPTIONS": {"broker": "x"}}
         ({"default": NATS_OPTIONS}, {}, "unknown OPTIONS ['server']"),
         ({"default": NATS_SUBJECT}, {}, "unknown field"),
         ({"default": CELERY_OPTIONS}, {}, "unknown OPTIONS ['broker']"),
+        # A class that does not derive from the declared contract (here, no destination).
+        ({"default": {"BACKEND": "collections.OrderedDict"}}, {}, "is no subclass of"),
     ],
 )
 def test_e121_a_destination_that_cannot_be_made_is_one_error_saying_why(

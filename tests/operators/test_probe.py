@@ -172,6 +172,26 @@ def test_an_outbox_message_older_than_its_max_age_fails_the_backlog_fact(setting
     assert "idempotency_relay" in fact.detail
 
 
+def test_an_old_dead_letter_is_no_backlog_but_a_warning_of_its_own(settings: Any) -> None:
+    # One rule with W120 and the backlog gauge: a dead letter waits for an operator, not for
+    # a relay, so the probe counts it apart (W121) and never fails the backlog on it.
+    from django_idempotency.models import OutboxMessage
+
+    settings.IDEMPOTENCY_OUTBOX_MAX_AGE = timedelta(minutes=5)
+    OutboxMessage.objects.create(
+        id=uuid.uuid4(),
+        created_at=timezone.now() - timedelta(minutes=6),
+        dead_at=timezone.now(),
+        kind=0,
+        name="t",
+    )
+
+    found = facts()
+
+    assert (found["outbox backlog"].verdict, found["outbox backlog"].value) == ("pass", "empty")
+    assert found["system check django_idempotency.W121"].verdict == "warn"
+
+
 # The probe header on the project's own views: their checks run, the view does not.
 
 PROBED = {"Idempotency-Probe": TOKEN, "Idempotency-Key": "probe-k"}

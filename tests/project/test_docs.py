@@ -267,6 +267,146 @@ def test_every_test_named_in_the_guards_table_exists(reference):
     assert callable(found), f"{reference} is named in docs/guards.md but does not exist"
 
 
+# The guard column names code as `path.py`: `name`, `Class.method` (a note in parentheses);
+# each name up to the next `;`, the next path or the end of the enclosing parenthesis.
+GUARD_MODULE = re.compile(r"`([\w/]+\.py)`:")
+CODE_NAME = re.compile(r"[A-Za-z_]\w*(?:\.[A-Za-z_]\w*)*(?:\(\))?")
+
+
+def _names_after(text: str) -> list[str]:
+    """The backticked code names of the list that opens ``text``, its notes left out."""
+    depth, kept = 0, []
+    for char in text:
+        if char == "(":
+            depth += 1
+        elif char == ")":
+            if depth == 0:
+                break  # the parenthesis this list was written in closes
+            depth -= 1
+        elif depth == 0:
+            if char == ";":
+                break
+            kept.append(char)
+    listed = re.split(r"`[\w/]+\.py`", "".join(kept))[0]
+    return [name for name in re.findall(r"`([^`]+)`", listed) if CODE_NAME.fullmatch(name)]
+
+
+def guard_code_names() -> list[tuple[str, str]]:
+    """(module path, name) for each module and name the guard column of guards.md names."""
+    found = set()
+    for row in guard_rows():
+        for module in GUARD_MODULE.finditer(row[2]):
+            found |= {(module[1], name) for name in _names_after(row[2][module.end() :])}
+    return sorted(found)
+
+
+def defined_names(path: Path) -> set[str]:
+    """What a module defines or imports: functions and classes (methods too), assigned names
+    and attributes, parameters, imported names."""
+    import ast
+
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+            names.add(node.name)
+        elif isinstance(node, ast.Assign | ast.AnnAssign | ast.AugAssign):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            for target in targets:
+                for part in ast.walk(target):
+                    if isinstance(part, ast.Name):
+                        names.add(part.id)
+                    elif isinstance(part, ast.Attribute):
+                        names.add(part.attr)
+        elif isinstance(node, ast.arg):
+            names.add(node.arg)
+        elif isinstance(node, ast.Import | ast.ImportFrom):
+            names |= {(alias.asname or alias.name).split(".")[0] for alias in node.names}
+            if isinstance(node, ast.ImportFrom) and node.module:
+                names.add(node.module.split(".")[0])  # `ParamSpec` from `typing`
+    return names
+
+
+def test_the_guards_table_names_code_in_most_rows() -> None:
+    assert len(guard_code_names()) > 150, "the guard column's `path.py`: `name` form is lost"
+
+
+@pytest.mark.parametrize(
+    ("module", "name"), [pytest.param(*found, id=":".join(found)) for found in guard_code_names()]
+)
+def test_every_code_name_in_the_guards_table_exists(module: str, name: str) -> None:
+    # Guards live under django_idempotency/; a few in the test project (repository-relative).
+    path = next(
+        (f for f in (ROOT / "django_idempotency" / module, ROOT / module) if f.is_file()), None
+    )
+    assert path is not None, f"docs/guards.md names {module}, which does not exist"
+    missing = set(name.removesuffix("()").split(".")) - defined_names(path)
+    assert not missing, f"docs/guards.md names {module}: {name}, which it does not define"
+
+
+def _headers_in(sentence: str) -> set[str]:
+    return {name.lower() for name in re.findall(r"`([A-Za-z-]+)`", sentence)}
+
+
+def test_how_it_works_lists_the_replayed_and_the_never_stored_headers_of_the_code() -> None:
+    from django_idempotency.http.request import NEVER_STORED_HEADERS, REPLAY_HEADERS
+
+    text = " ".join(page("how-it-works.md").split())
+    kept = text.split("response headers on an allow-list: ", 1)[1].split(", plus", 1)[0]
+    never = text.split(".md#idempotency-replay-headers). ", 1)[1].split(" are never stored", 1)[0]
+    assert _headers_in(kept) == REPLAY_HEADERS
+    assert _headers_in(never) == NEVER_STORED_HEADERS
+
+
+# how-it-works.md: "every SQL statement of the request path on the records' table" lives in
+# storage/, and "every SQL statement the relay and the redrive run on the outbox rows" in
+# messaging/leases.py. Read from the source: who names the table, its manager or a cursor.
+REQUEST_PATH = ("engine", "http", "rest_framework.py", "decorators.py", "ninja.py", "contrib")
+RELAY_SIDE = ("messaging/relay.py", "messaging/redrive.py", "messaging/destinations")
+
+
+def _sources(*places: str) -> dict[str, str]:
+    found = {}
+    for place in places:
+        path = ROOT / "django_idempotency" / place
+        for file in [path] if path.is_file() else sorted(path.rglob("*.py")):
+            found[str(file.relative_to(ROOT))] = file.read_text()
+    return found
+
+
+def test_the_request_path_runs_no_sql_on_the_records_table_outside_storage() -> None:
+    assert "every SQL statement of the request path on the records' table" in " ".join(
+        page("how-it-works.md").split()
+    )
+    touching = re.compile(r"IdempotencyRecord\.objects|\bRECORDS\b|django_idempotency_record\b")
+    assert [name for name, text in _sources(*REQUEST_PATH).items() if touching.search(text)] == []
+
+
+def test_the_relay_and_the_redrive_run_their_outbox_sql_through_leases() -> None:
+    assert "Every SQL statement the relay and the redrive run on the outbox rows lives in " in (
+        " ".join(page("how-it-works.md").split())
+    )
+    touching = re.compile(r"OutboxMessage\.objects|\.raw\(|cursor\(\)|\bTABLE\b")
+    # The relay's LISTEN is no statement on the rows.
+    executes = re.compile(r"\.execute\((?!f\"LISTEN )")
+    found = _sources(*RELAY_SIDE)
+    assert [n for n, text in found.items() if touching.search(text) or executes.search(text)] == []
+
+
+# A figure goes stale in a module docstring unseen; the docs' Speed sections keep them.
+MEASUREMENT = re.compile(r"\d\s*(?:µs|ms|ns)\b|\d+(?:\.\d+)?\u00d7|\b[Mm]easured\b")
+
+
+def test_no_module_docstring_carries_a_benchmark_figure() -> None:
+    import ast
+
+    found = []
+    for path in sorted((ROOT / "django_idempotency").rglob("*.py")):
+        docstring = ast.get_docstring(ast.parse(path.read_text())) or ""
+        if MEASUREMENT.search(docstring):
+            found.append(str(path.relative_to(ROOT)))
+    assert found == []
+
+
 def test_the_quickstarts_sample_charges_have_the_fields_the_demo_answers() -> None:
     from testproject.payments.serializers import ChargeSerializer
 

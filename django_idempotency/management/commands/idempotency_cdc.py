@@ -9,16 +9,12 @@ from django.core.management.base import BaseCommand, CommandError, CommandParser
 from django.db import DatabaseError, connections, router
 
 from django_idempotency.conf import conf
+from django_idempotency.db import sqlstate
 from django_idempotency.messaging import publication
 from django_idempotency.models import OutboxEvent
 
 # PostgreSQL's insufficient_privilege.
 INSUFFICIENT_PRIVILEGE = "42501"
-
-
-def _sqlstate(exc: BaseException) -> str | None:
-    cause = exc.__cause__
-    return getattr(cause, "sqlstate", None) or getattr(cause, "pgcode", None)
 
 
 class Command(BaseCommand):
@@ -77,7 +73,7 @@ class Command(BaseCommand):
         try:
             done = publication.apply(using, name)
         except DatabaseError as exc:
-            if _sqlstate(exc) != INSUFFICIENT_PRIVILEGE:
+            if sqlstate(exc) != INSUFFICIENT_PRIVILEGE:
                 raise CommandError(f"Could not create the publication: {exc}") from exc
             raise CommandError(
                 f"This role may not create the publication: {exc}. CREATE PUBLICATION "

@@ -67,10 +67,7 @@ class Command(BaseCommand):
 
     def status(self, using: str) -> None:
         now = timezone.now()
-        pending = OutboxMessage.objects.using(using).filter(
-            published_at__isnull=True, dead_at__isnull=True
-        )
-        backlog = pending.values("pk")[:COUNT_LIMIT].count()
+        backlog = leases.backlog(using, COUNT_LIMIT)
         oldest = leases.oldest_pending(using)
         age = "" if oldest is None else f", the oldest {(now - oldest).total_seconds():.0f} s old"
         self.stdout.write(f"Backlog: {backlog} messages waiting to be published{age}.")

@@ -1,4 +1,4 @@
-"""``manage.py idempotency_relay``: publish the outbox to the broker, until stopped."""
+"""``manage.py idempotency_relay``: publish the outbox to its destinations, until stopped."""
 
 from __future__ import annotations
 
@@ -16,8 +16,10 @@ from django_idempotency.messaging.relay import PublishFailed, Relay
 
 class Command(BaseCommand):
     help = (
-        "Publish committed outbox messages to the Celery broker: woken by each commit "
-        "(LISTEN/NOTIFY), with a slow poll underneath. Run one or more, each a process."
+        "Publish committed outbox messages to the destinations of "
+        "IDEMPOTENCY_OUTBOX_DESTINATIONS (a Celery broker, NATS JetStream, a backend of "
+        "Django's Tasks framework): woken by each commit (LISTEN/NOTIFY), with a slow poll "
+        "underneath. Run one or more, each a process."
     )
 
     def add_arguments(self, parser: CommandParser) -> None:

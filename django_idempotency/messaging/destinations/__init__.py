@@ -41,41 +41,70 @@ class Stopping(Protocol):
     def is_set(self) -> bool: ...
 
 
-class Destination(Protocol):
-    """Publishes claimed outbox messages somewhere, under their message ids."""
+# What ``publish_later`` returns: a call that waits for the outcome, as ``publish`` would
+# have returned it.
+Waiting = Callable[[], Publication]
 
-    name: str
+
+class Destination:
+    """Publishes claimed outbox messages somewhere, under their message ids: the base class of
+    every destination, declaring all that the relay and the redrive ask of one, with defaults
+    (as Django's ``BaseTaskBackend`` does for task backends). A destination subclasses it,
+    sets its capabilities and implements ``open``, ``publish``, ``close`` and ``describe``."""
+
     # Whether the relay checks the exactly-once consumer's record of what it published here
     # (the redrive: Celery, and Django Tasks), through ``consumer_principal``; other
     # destinations' consumers keep none.
-    redrives: bool
+    redrives: bool = False
+    # Whether it implements ``publish_later``: the relay then marks the previous batch and
+    # claims the next while this one is in flight.
+    pipelines: bool = False
+
+    def __init__(self, name: str, options: Mapping[str, Any], *, app: Any = None) -> None:
+        # ``options``: its OPTIONS, already validated; ``app``: the relay's Celery app, for
+        # destinations that publish with Celery.
+        self.name = name
+
+    @classmethod
+    def validate(cls, name: str, options: Mapping[str, Any]) -> None:
+        """Raise ImproperlyConfigured, naming the fix, when ``options`` cannot work (E121
+        shows it); connects to nothing. By default any OPTIONS are taken."""
 
     def consumer_principal(self, kind: int, name: str) -> str | None:
         """The records' principal under which the exactly-once consumer of such a message
         records it, found by this destination's own means (its Celery app's tasks, the
         Tasks runner's); None when no consumer records it. Asked only when ``redrives``."""
+        return None
+
+    def import_tasks(self) -> None:
+        """Make ready, once, what ``consumer_principal`` reads (a Celery app's task modules),
+        before a running relay's first pass; asked only when ``redrives``."""
 
     def open(self) -> None:
         """Connect, if not connected yet (the relay calls it before each batch)."""
+        raise NotImplementedError
 
     def publish(self, messages: Sequence[Message], stopping: Stopping) -> Publication:
         """Publish in order; return once the destination has acknowledged what it counts as
         sent. Stop early (and say so) once ``stopping`` is set."""
+        raise NotImplementedError
+
+    def publish_later(self, messages: Sequence[Message], stopping: Stopping) -> Waiting:
+        """Start publishing and return at once the wait for what ``publish`` would have
+        returned; called instead of ``publish`` when ``pipelines``."""
+        raise NotImplementedError
 
     def close(self) -> None:
         """Drop the connection; the next ``open()`` makes a new one."""
+        raise NotImplementedError
 
     def is_connection_error(self, exc: Exception) -> bool:
         """Whether ``exc`` says the destination is out of reach, rather than refusing a message."""
+        return False
 
     def describe(self) -> str:
         """Where it publishes, for the relay's start line (no password)."""
-
-
-# A destination may also have ``publish_later(messages, stopping)``: start publishing and
-# return at once a call that waits for the outcome, as ``publish`` would have returned it.
-# The relay then marks the previous batch and claims the next while this one is in flight.
-Waiting = Callable[[], Publication]
+        raise NotImplementedError
 
 
 def start(destination: Destination, messages: Sequence[Message], stopping: Stopping) -> Waiting:
@@ -83,11 +112,10 @@ def start(destination: Destination, messages: Sequence[Message], stopping: Stopp
     the wait for its Publication; a failure to connect or send is a Publication that says so."""
     try:
         destination.open()
-        later: Callable[..., Waiting] | None = getattr(destination, "publish_later", None)
-        if later is None:
+        if not destination.pipelines:
             done = destination.publish(messages, stopping)
             return lambda: done
-        wait = later(messages, stopping)
+        wait = destination.publish_later(messages, stopping)
     except Exception as exc:  # connecting failed: nothing went out
         failed = Publication([], messages[0], exc)
         return lambda: failed
@@ -131,10 +159,10 @@ def backend(name: str, path: str) -> Any:
         ) from exc
 
 
-def configured() -> dict[str, tuple[Any, Mapping[str, Any]]]:
+def configured() -> dict[str, tuple[type[Destination], Mapping[str, Any]]]:
     """The destinations of the settings as (class, options), each class imported and its
     options validated, without connecting; ImproperlyConfigured on the first problem."""
-    found: dict[str, tuple[Any, Mapping[str, Any]]] = {}
+    found: dict[str, tuple[type[Destination], Mapping[str, Any]]] = {}
     destinations = conf.OUTBOX_DESTINATIONS
     if DEFAULT not in destinations:
         raise ImproperlyConfigured(
@@ -146,9 +174,13 @@ def configured() -> dict[str, tuple[Any, Mapping[str, Any]]]:
     for name, value in destinations.items():
         path, options = _spec(name, value)
         cls = backend(name, path)
-        validate = getattr(cls, "validate", None)
-        if validate is not None:
-            validate(name, options)
+        if not (isinstance(cls, type) and issubclass(cls, Destination)):
+            raise ImproperlyConfigured(
+                f"The BACKEND {path!r} of outbox destination {name!r} is no subclass of "
+                "django_idempotency.messaging.destinations.Destination: derive it from that "
+                "class, which declares what the relay asks of a destination."
+            )
+        cls.validate(name, options)
         found[name] = (cls, options)
     for pattern, target in conf.OUTBOX_ROUTES.items():
         if not isinstance(pattern, str) or target not in found:

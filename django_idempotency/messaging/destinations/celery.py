@@ -11,7 +11,7 @@ from typing import Any
 from django.core.exceptions import ImproperlyConfigured
 from django.utils.module_loading import import_string
 
-from django_idempotency.messaging.destinations import Publication, Stopping
+from django_idempotency.messaging.destinations import Destination, Publication, Stopping
 from django_idempotency.messaging.leases import Message
 from django_idempotency.messaging.outbox import task_name
 from django_idempotency.messaging.publishing import Broker, celery_app
@@ -21,7 +21,7 @@ logger = logging.getLogger("django_idempotency.relay")
 _unknown: set[str] = set()
 
 
-class CeleryDestination:
+class CeleryDestination(Destination):
     """Publishes to the broker of a Celery app: ``OPTIONS["app"]`` (a dotted path), else the
     relay's app (``IDEMPOTENCY_OUTBOX_CELERY_APP``, else Celery's current app)."""
 
@@ -35,8 +35,8 @@ class CeleryDestination:
         self._principals: dict[str, str | None] = {}
         self._tasks_imported = False
 
-    @staticmethod
-    def validate(name: str, options: Mapping[str, Any]) -> None:
+    @classmethod
+    def validate(cls, name: str, options: Mapping[str, Any]) -> None:
         unknown = set(options) - {"app"}
         if unknown:
             raise ImproperlyConfigured(

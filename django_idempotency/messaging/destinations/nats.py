@@ -16,7 +16,7 @@ import nats.errors
 import nats.js.errors
 from django.core.exceptions import ImproperlyConfigured
 
-from django_idempotency.messaging.destinations import Publication, Stopping
+from django_idempotency.messaging.destinations import Destination, Publication, Stopping
 from django_idempotency.messaging.leases import Message
 from django_idempotency.messaging.nats_loop import ClientLoop, result
 from django_idempotency.messaging.tracing import NATS, publishing
@@ -73,10 +73,10 @@ def body(message: Message) -> bytes:
     return json.dumps(document, separators=(",", ":")).encode()
 
 
-class NatsDestination:
+class NatsDestination(Destination):
     """Publishes to NATS JetStream, on the subject ``OPTIONS["subject"]`` names."""
 
-    redrives = False
+    pipelines = True
 
     def __init__(self, name: str, options: Mapping[str, Any], *, app: Any = None) -> None:
         self.name = name
@@ -94,8 +94,8 @@ class NatsDestination:
         self._replies: dict[str, asyncio.Future[None]] = {}
         self._tokens = itertools.count()
 
-    @staticmethod
-    def validate(name: str, options: Mapping[str, Any]) -> None:
+    @classmethod
+    def validate(cls, name: str, options: Mapping[str, Any]) -> None:
         unknown = set(options) - set(DEFAULTS)
         subject = options.get("subject", DEFAULTS["subject"])
         problem = ""

@@ -11,7 +11,7 @@ from typing import Any
 from django.core.exceptions import ImproperlyConfigured
 from django.db import InterfaceError, OperationalError
 
-from django_idempotency.messaging.destinations import Publication, Stopping
+from django_idempotency.messaging.destinations import Destination, Publication, Stopping
 from django_idempotency.messaging.exactly_once import principal
 from django_idempotency.messaging.leases import Message
 from django_idempotency.messaging.task_runner import DELIVER
@@ -40,7 +40,7 @@ def _backend_alias(message: Message) -> str:
     return alias
 
 
-class TasksDestination:
+class TasksDestination(Destination):
     """Publishes to backends of Django's Tasks framework (messages written by
     ``task_backend.OutboxBackend``, which names the backend in each). The redrive checks
     the consumer record ``deliver`` makes, and publishes a message again if there is none
@@ -51,8 +51,8 @@ class TasksDestination:
     def __init__(self, name: str, options: Mapping[str, Any], *, app: Any = None) -> None:
         self.name = name
 
-    @staticmethod
-    def validate(name: str, options: Mapping[str, Any]) -> None:
+    @classmethod
+    def validate(cls, name: str, options: Mapping[str, Any]) -> None:
         if options:
             raise ImproperlyConfigured(
                 f"The Django Tasks outbox destination {name!r} takes no OPTIONS (the real "
