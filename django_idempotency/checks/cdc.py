@@ -11,16 +11,19 @@ from django.apps import AppConfig
 from django.core.checks import CheckMessage, Tags, register
 from django.core.checks import Warning as CheckWarning
 from django.db import DatabaseError, connections, router
+from django.utils.translation import gettext as _
 
 from django_idempotency.checks.base import ours
 from django_idempotency.conf import conf, wrong_type
 from django_idempotency.messaging import publication
 from django_idempotency.models import OutboxEvent
 
-COMMAND_HINT = (
-    "Run `manage.py idempotency_cdc publication` as the event table's owner, or hand the "
-    "SQL that `manage.py idempotency_cdc publication --sql` prints to your DBA."
-)
+
+def command_hint() -> str:
+    return _(
+        "Run `manage.py idempotency_cdc publication` as the event table's owner, or hand the "
+        "SQL that `manage.py idempotency_cdc publication --sql` prints to your DBA."
+    )
 
 
 @register(Tags.database)
@@ -50,19 +53,27 @@ def _messages(alias: str, found: publication.State) -> list[CheckMessage]:
     if not found.decodes:
         messages.append(
             CheckWarning(
-                f"Database {alias!r} runs with wal_level = {found.wal_level!r}: no logical "
-                "replication slot can read the event table's rows from its log.",
-                hint="Set wal_level = logical in postgresql.conf (or the managed service's "
-                "logical replication flag) and restart the server.",
+                _(
+                    "Database %(alias)r runs with wal_level = %(level)r: no logical "
+                    "replication slot can read the event table's rows from its log."
+                )
+                % {"alias": alias, "level": found.wal_level},
+                hint=_(
+                    "Set wal_level = logical in postgresql.conf (or the managed service's "
+                    "logical replication flag) and restart the server."
+                ),
                 id="django_idempotency.W132",
             )
         )
     if not found.exists:
         messages.append(
             CheckWarning(
-                f"The publication {found.publication!r} (IDEMPOTENCY_CDC_PUBLICATION) does "
-                f"not exist on database {alias!r}: a connector reading it sees no events.",
-                hint=COMMAND_HINT,
+                _(
+                    "The publication %(publication)r (IDEMPOTENCY_CDC_PUBLICATION) does not "
+                    "exist on database %(alias)r: a connector reading it sees no events."
+                )
+                % {"publication": found.publication, "alias": alias},
+                hint=command_hint(),
                 id="django_idempotency.W130",
             )
         )
@@ -71,9 +82,12 @@ def _messages(alias: str, found: publication.State) -> list[CheckMessage]:
     if wrong:
         messages.append(
             CheckWarning(
-                f"On database {alias!r}: {'; '.join(wrong)}. Debezium would miss the events "
-                "or see each day's partition as its own table.",
-                hint=COMMAND_HINT,
+                _(
+                    "On database %(alias)r: %(problems)s. Debezium would miss the events or "
+                    "see each day's partition as its own table."
+                )
+                % {"alias": alias, "problems": "; ".join(wrong)},
+                hint=command_hint(),
                 id="django_idempotency.W131",
             )
         )

@@ -11,6 +11,7 @@ from django.apps import AppConfig
 from django.core.checks import CheckMessage, Error, Tags, register
 from django.core.checks import Warning as CheckWarning
 from django.db import DatabaseError, connections, router, transaction
+from django.utils.translation import gettext as _
 
 from django_idempotency.checks.base import ours
 from django_idempotency.conf import conf, wrong_type
@@ -20,16 +21,24 @@ from django_idempotency.storage.secret import SecretMissing
 
 # The levels whose snapshot is taken before the claim holds the key's lock (the claim refuses them).
 REFUSED_LEVELS = frozenset({"repeatable read", "serializable"})
-# pg_settings.source of default_transaction_isolation: where a level that DATABASES does not
-# show was set.
-LEVEL_SOURCES = {
+
+# pg_settings.source of default_transaction_isolation: the statement or file that set a level
+# that DATABASES does not show (level_source says the others).
+LEVEL_STATEMENTS = {
     "database": "ALTER DATABASE ... SET default_transaction_isolation",
     "user": "ALTER ROLE ... SET default_transaction_isolation",
     "database user": "ALTER ROLE ... IN DATABASE ... SET default_transaction_isolation",
-    "client": "the connection's options (OPTIONS['options'] or PGOPTIONS)",
-    "session": "SET default_transaction_isolation on the connection",
     "configuration file": "postgresql.conf",
 }
+
+
+def level_source(source: str) -> str:
+    """Where a level that DATABASES does not show was set."""
+    if source == "client":
+        return _("the connection's options (OPTIONS['options'] or PGOPTIONS)")
+    if source == "session":
+        return _("SET default_transaction_isolation on the connection")
+    return LEVEL_STATEMENTS.get(source, source)
 
 
 @register()
@@ -43,10 +52,13 @@ def check_databases(app_configs: Sequence[AppConfig] | None, **kwargs: Any) -> l
     if connection.vendor != "postgresql":
         messages.append(
             CheckWarning(
-                f"Idempotency records are stored on {connection.display_name} (database "
-                f"{alias!r}) in a plain table: expired records leave by batched DELETEs and a "
-                "duplicate request gets 409 at once instead of waiting for the replay.",
-                hint="This fallback is meant for development; use PostgreSQL in production.",
+                _(
+                    "Idempotency records are stored on %(vendor)s (database %(alias)r) in a "
+                    "plain table: expired records leave by batched DELETEs and a duplicate "
+                    "request gets 409 at once instead of waiting for the replay."
+                )
+                % {"vendor": connection.display_name, "alias": alias},
+                hint=_("This fallback is meant for development; use PostgreSQL in production."),
                 id="django_idempotency.W003",
             )
         )
@@ -58,12 +70,17 @@ def check_databases(app_configs: Sequence[AppConfig] | None, **kwargs: Any) -> l
         if other != alias and connections[other].settings_dict.get("ATOMIC_REQUESTS"):
             messages.append(
                 CheckWarning(
-                    f"ATOMIC_REQUESTS is on for database {other!r}, but idempotency records "
-                    f"are stored on {alias!r}: the record commits before the request's "
-                    f"transaction on {other!r} does, so if that commit fails, retries replay a "
-                    "response whose writes never happened.",
-                    hint="Route IdempotencyRecord to the database your idempotent views write "
-                    "to; only writes to that database commit together with the record.",
+                    _(
+                        "ATOMIC_REQUESTS is on for database %(other)r, but idempotency records "
+                        "are stored on %(alias)r: the record commits before the request's "
+                        "transaction on %(other)r does, so if that commit fails, retries "
+                        "replay a response whose writes never happened."
+                    )
+                    % {"other": other, "alias": alias},
+                    hint=_(
+                        "Route IdempotencyRecord to the database your idempotent views write "
+                        "to; only writes to that database commit together with the record."
+                    ),
                     id="django_idempotency.W002",
                 )
             )
@@ -103,7 +120,7 @@ def check_isolation(
         except DatabaseError:
             continue  # unreachable: the request path answers 503 and says so
         if level in REFUSED_LEVELS:
-            where = _in_options(alias) if in_options else LEVEL_SOURCES.get(source, source)
+            where = _in_options(alias) if in_options else level_source(source)
             messages.append(_isolation_refused(alias, level, where))
     return messages
 
@@ -130,9 +147,12 @@ def check_secret(
         if problem is not None:
             messages.append(
                 Error(
-                    f"{problem}, so every idempotent request and exactly-once task this "
-                    "server claims there is refused (500 misconfigured).",
-                    hint=f"Fix: {MISMATCH_FIX}",
+                    _(
+                        "%(problem)s, so every idempotent request and exactly-once task this "
+                        "server claims there is refused (500 misconfigured)."
+                    )
+                    % {"problem": problem},
+                    hint=_("Fix: %(fix)s") % {"fix": MISMATCH_FIX},
                     id="django_idempotency.E016",
                 )
             )
@@ -150,18 +170,27 @@ def _refused_in_options(alias: str) -> str | None:
 
 
 def _in_options(alias: str) -> str:
-    return f"'isolation_level' in DATABASES[{alias!r}]['OPTIONS']"
+    return _("%(key)s in %(setting)s") % {
+        "key": "'isolation_level'",
+        "setting": f"DATABASES[{alias!r}]['OPTIONS']",
+    }
 
 
 def _isolation_refused(alias: str, level: str, where: str) -> Error:
     return Error(
-        f"Database {alias!r}, where idempotency records are stored, runs transactions at "
-        f"{level.upper()} (set by {where}): the claim cannot see a record committed while it "
-        "waited for the key's lock, so it refuses to run, and every idempotent request and "
-        "exactly-once task fails (500 misconfigured).",
-        hint="Run that database at READ COMMITTED, PostgreSQL's default: remove "
-        "'isolation_level' from its OPTIONS and default_transaction_isolation from its "
-        "OPTIONS['options'], and RESET default_transaction_isolation with ALTER DATABASE or "
-        "ALTER ROLE; or route IdempotencyRecord to a database that runs at READ COMMITTED.",
+        _(
+            "Database %(alias)r, where idempotency records are stored, runs transactions at "
+            "%(level)s (set by %(where)s): the claim cannot see a record committed while it "
+            "waited for the key's lock, so it refuses to run, and every idempotent request "
+            "and exactly-once task fails (500 misconfigured)."
+        )
+        % {"alias": alias, "level": level.upper(), "where": where},
+        hint=_(
+            "Run that database at READ COMMITTED, PostgreSQL's default: remove "
+            "'isolation_level' from its OPTIONS and default_transaction_isolation from its "
+            "OPTIONS['options'], and RESET default_transaction_isolation with ALTER DATABASE "
+            "or ALTER ROLE; or route IdempotencyRecord to a database that runs at READ "
+            "COMMITTED."
+        ),
         id="django_idempotency.E007",
     )

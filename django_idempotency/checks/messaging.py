@@ -18,6 +18,9 @@ from django.core.exceptions import ImproperlyConfigured
 from django.db import DatabaseError, router
 from django.utils import timezone
 from django.utils.module_loading import import_string
+from django.utils.text import get_text_list
+from django.utils.translation import gettext as _
+from django.utils.translation import ngettext
 
 from django_idempotency.checks.base import as_written, ours
 from django_idempotency.conf import conf, wrong_type
@@ -49,25 +52,48 @@ def check_outbox_backlog(
         if dead:
             messages.append(
                 CheckWarning(
-                    f"The outbox on database {alias!r} holds {dead}"
-                    f"{'+' if dead >= DEAD_COUNT_LIMIT else ''} dead letters: messages that "
-                    f"failed to publish IDEMPOTENCY_OUTBOX_MAX_ATTEMPTS "
-                    f"({conf.OUTBOX_MAX_ATTEMPTS}) times and are not tried again.",
-                    hint="Read their last error in the admin (outbox, state: dead letters), "
-                    "fix its cause, then requeue them there or with `manage.py "
-                    "idempotency_outbox requeue --all-dead`.",
+                    # The English reads the same for one; other languages do not.
+                    ngettext(
+                        "The outbox on database %(alias)r holds %(count)s dead letters: "
+                        "messages that failed to publish IDEMPOTENCY_OUTBOX_MAX_ATTEMPTS "
+                        "(%(attempts)d) times and are not tried again.",
+                        "The outbox on database %(alias)r holds %(count)s dead letters: "
+                        "messages that failed to publish IDEMPOTENCY_OUTBOX_MAX_ATTEMPTS "
+                        "(%(attempts)d) times and are not tried again.",
+                        dead,
+                    )
+                    % {
+                        "alias": alias,
+                        "count": f"{dead}{'+' if dead >= DEAD_COUNT_LIMIT else ''}",
+                        "attempts": conf.OUTBOX_MAX_ATTEMPTS,
+                    },
+                    hint=_(
+                        "Read their last error in the admin (outbox, state: dead letters), "
+                        "fix its cause, then requeue them there or with `manage.py "
+                        "idempotency_outbox requeue --all-dead`."
+                    ),
                     id="django_idempotency.W121",
                 )
             )
         if oldest is not None and timezone.now() - oldest > conf.OUTBOX_MAX_AGE:
             messages.append(
                 CheckWarning(
-                    f"The oldest unpublished outbox message on database {alias!r} was written "
-                    f"at {oldest.isoformat()}, more than IDEMPOTENCY_OUTBOX_MAX_AGE "
-                    f"({conf.OUTBOX_MAX_AGE}) ago: {relays_state(alias)}",
-                    hint="Run `manage.py idempotency_relay` (one or more, as long-running "
-                    "processes) and read its log; rows that fail to publish show their last "
-                    "error in the admin.",
+                    _(
+                        "The oldest unpublished outbox message on database %(alias)r was "
+                        "written at %(oldest)s, more than IDEMPOTENCY_OUTBOX_MAX_AGE "
+                        "(%(age)s) ago: %(relays)s"
+                    )
+                    % {
+                        "alias": alias,
+                        "oldest": oldest.isoformat(),
+                        "age": conf.OUTBOX_MAX_AGE,
+                        "relays": relays_state(alias),
+                    },
+                    hint=_(
+                        "Run `manage.py idempotency_relay` (one or more, as long-running "
+                        "processes) and read its log; rows that fail to publish show their "
+                        "last error in the admin."
+                    ),
                     id="django_idempotency.W120",
                 )
             )
@@ -78,15 +104,21 @@ def relays_state(alias: str) -> str:
     """What the relays' heartbeats say of why a backlog is old."""
     freshest = heartbeats.freshest(alias)
     if freshest is None or not heartbeats.alive(freshest):
-        return (
-            f"no relay has beaten in the last {heartbeats.STALE_AFTER.total_seconds():.0f} s "
-            "(none runs, or it hangs)."
-        )
-    error = f" (its last error: {freshest.last_error})" if freshest.last_error else ""
+        return _("no relay has beaten in the last %(seconds).0f s (none runs, or it hangs).") % {
+            "seconds": heartbeats.STALE_AFTER.total_seconds()
+        }
+    said = {"owner": freshest.owner, "host": freshest.host, "age": heartbeats.age(freshest)}
+    if freshest.last_error:
+        return _(
+            "relay %(owner)s on %(host)s runs (last beat %(age).0f s ago) but does not keep "
+            "up, or cannot reach its destination (its last error: %(error)s)."
+        ) % {**said, "error": freshest.last_error}
     return (
-        f"relay {freshest.owner} on {freshest.host} runs (last beat "
-        f"{heartbeats.age(freshest):.0f} s ago) but does not keep up, or cannot reach its "
-        f"destination{error}."
+        _(
+            "relay %(owner)s on %(host)s runs (last beat %(age).0f s ago) but does not keep "
+            "up, or cannot reach its destination."
+        )
+        % said
     )
 
 
@@ -109,9 +141,11 @@ def check_destinations(
         return [
             Error(
                 str(exc),
-                hint="See docs/outbox.md, Destinations: IDEMPOTENCY_OUTBOX_DESTINATIONS "
-                'maps names to {"BACKEND": ..., "OPTIONS": {...}} and must define "default"; '
-                "IDEMPOTENCY_OUTBOX_ROUTES maps name patterns to those names.",
+                hint=_(
+                    "See docs/outbox.md, Destinations: IDEMPOTENCY_OUTBOX_DESTINATIONS maps "
+                    'names to {"BACKEND": ..., "OPTIONS": {...}} and must define "default"; '
+                    "IDEMPOTENCY_OUTBOX_ROUTES maps name patterns to those names."
+                ),
                 id="django_idempotency.E121",
             )
         ]
@@ -146,7 +180,7 @@ def check_task_backends(
         errors += [
             Error(
                 problem,
-                hint="See docs/outbox.md, Django's Tasks framework.",
+                hint=_("See docs/outbox.md, Django's Tasks framework."),
                 obj=f"TASKS[{alias!r}]",
                 id="django_idempotency.E122",
             )
@@ -185,11 +219,16 @@ def check_consumers(app_configs: Sequence[AppConfig] | None, **kwargs: Any) -> l
         if off and getattr(task, "name", None):
             messages.append(
                 Error(
-                    f"The exactly-once task {task.name!r} runs with {' and '.join(off)} off, so "
-                    "a worker that dies while running it loses the message instead of "
-                    "having it redelivered.",
-                    hint="Remove acks_late=False / reject_on_worker_lost=False from the task's "
-                    "decorator: ExactlyOnceTask turns both on.",
+                    _(
+                        "The exactly-once task %(task)r runs with %(off)s off, so a worker "
+                        "that dies while running it loses the message instead of having it "
+                        "redelivered."
+                    )
+                    % {"task": task.name, "off": get_text_list(off, _("and"))},
+                    hint=_(
+                        "Remove acks_late=False / reject_on_worker_lost=False from the task's "
+                        "decorator: ExactlyOnceTask turns both on."
+                    ),
                     id="django_idempotency.E010",
                 )
             )

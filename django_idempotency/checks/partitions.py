@@ -11,16 +11,20 @@ from django.apps import AppConfig
 from django.core.checks import CheckMessage, Error, Tags, register
 from django.core.checks import Warning as CheckWarning
 from django.db import connections, router
+from django.utils.translation import gettext as _
+from django.utils.translation import ngettext
 
 from django_idempotency.checks.base import ours
 from django_idempotency.conf import conf, wrong_type
 from django_idempotency.partitions import catalog, tables
 
-SCHEDULE_HINT = (
-    "Run `manage.py idempotency_partitions` now, and schedule it hourly: the Celery task "
-    "django_idempotency.maintain_partitions (IDEMPOTENCY_BEAT_REGISTER = True with "
-    "django-celery-beat), cron, or a Kubernetes CronJob."
-)
+
+def schedule_hint() -> str:
+    return _(
+        "Run `manage.py idempotency_partitions` now, and schedule it hourly: the Celery task "
+        "django_idempotency.maintain_partitions (IDEMPOTENCY_BEAT_REGISTER = True with "
+        "django-celery-beat), cron, or a Kubernetes CronJob."
+    )
 
 
 @register(Tags.database)
@@ -52,11 +56,16 @@ def _check_table(alias: str, table: tables.PartitionedTable) -> list[CheckMessag
     if kind == "plain":
         return [
             CheckWarning(
-                f"{table.table} on database {alias!r} is not partitioned: expired rows are "
-                "removed by batched DELETEs, which write much more WAL and leave the table "
-                "bloated.",
-                hint="The table was not created by django_idempotency's migration. Migrate "
-                "django_idempotency to zero and back (this deletes the rows).",
+                _(
+                    "%(table)s on database %(alias)r is not partitioned: expired rows are "
+                    "removed by batched DELETEs, which write much more WAL and leave the table "
+                    "bloated."
+                )
+                % {"table": table.table, "alias": alias},
+                hint=_(
+                    "The table was not created by django_idempotency's migration. Migrate "
+                    "django_idempotency to zero and back (this deletes the rows)."
+                ),
                 id="django_idempotency.W102",
             )
         ]
@@ -70,31 +79,48 @@ def _check_table(alias: str, table: tables.PartitionedTable) -> list[CheckMessag
     if not catalog.holds(found, now):
         messages.append(
             Error(
-                f"No partition of {table.table} on database {alias!r} holds the current "
-                f"time ({now:%Y-%m-%d %H:%M} UTC): every write to it fails, and idempotent "
-                "requests answer 503.",
-                hint=SCHEDULE_HINT,
+                _(
+                    "No partition of %(table)s on database %(alias)r holds the current time "
+                    "(%(now)s UTC): every write to it fails, and idempotent requests answer 503."
+                )
+                % {"table": table.table, "alias": alias, "now": f"{now:%Y-%m-%d %H:%M}"},
+                hint=schedule_hint(),
                 id="django_idempotency.E101",
             )
         )
     elif future < enough:
         messages.append(
             CheckWarning(
-                f"Only {future} future partitions of {table.table} exist on database "
-                f"{alias!r} (IDEMPOTENCY_PARTITIONS_AHEAD is {conf.PARTITIONS_AHEAD}): "
-                f"partition maintenance is not running. Writes fail (503) in {future + 1} "
-                "days at most.",
-                hint=SCHEDULE_HINT,
+                ngettext(
+                    "Only %(future)d future partition of %(table)s exists on database "
+                    "%(alias)r (IDEMPOTENCY_PARTITIONS_AHEAD is %(ahead)d): partition "
+                    "maintenance is not running. Writes fail (503) in %(days)d days at most.",
+                    "Only %(future)d future partitions of %(table)s exist on database "
+                    "%(alias)r (IDEMPOTENCY_PARTITIONS_AHEAD is %(ahead)d): partition "
+                    "maintenance is not running. Writes fail (503) in %(days)d days at most.",
+                    future,
+                )
+                % {
+                    "future": future,
+                    "table": table.table,
+                    "alias": alias,
+                    "ahead": conf.PARTITIONS_AHEAD,
+                    "days": future + 1,
+                },
+                hint=schedule_hint(),
                 id="django_idempotency.W101",
             )
         )
     if any(p.default for p in found):
         messages.append(
             CheckWarning(
-                f"{table.table} on database {alias!r} has a DEFAULT partition: PostgreSQL "
-                "cannot detach partitions concurrently while it exists, so maintenance drops "
-                "none, and every new partition scans it under an exclusive lock.",
-                hint="Move its rows out and drop it; django_idempotency never creates one.",
+                _(
+                    "%(table)s on database %(alias)r has a DEFAULT partition: PostgreSQL "
+                    "cannot detach partitions concurrently while it exists, so maintenance "
+                    "drops none, and every new partition scans it under an exclusive lock."
+                )
+                % {"table": table.table, "alias": alias},
+                hint=_("Move its rows out and drop it; django_idempotency never creates one."),
                 id="django_idempotency.W103",
             )
         )

@@ -9,6 +9,7 @@ from typing import Any
 from django.apps import AppConfig
 from django.core.checks import CheckMessage, Error, Tags, register
 from django.core.checks import Warning as CheckWarning
+from django.utils.translation import gettext as _
 
 from django_idempotency.checks.base import ours
 from django_idempotency.conf import conf, wrong_type
@@ -28,10 +29,16 @@ def check_keys(app_configs: Sequence[AppConfig] | None, **kwargs: Any) -> list[C
     except sealing.MalformedKeys as exc:
         return [
             Error(
-                f"{exc} Idempotent requests are refused (500 misconfigured) until it is fixed; "
-                "no response is ever stored in plain text instead.",
-                hint=f"Each key is 32 random bytes in base64, listed once: {GENERATE} (and "
-                "install django-idempotency[encryption]).",
+                _(
+                    "%(problem)s Idempotent requests are refused (500 misconfigured) until it "
+                    "is fixed; no response is ever stored in plain text instead."
+                )
+                % {"problem": exc},
+                hint=_(
+                    "Each key is 32 random bytes in base64, listed once: %(command)s (and "
+                    "install django-idempotency[encryption])."
+                )
+                % {"command": GENERATE},
                 id="django_idempotency.E015",
             )
         ]
@@ -45,10 +52,13 @@ def check_plain_text(app_configs: Sequence[AppConfig] | None, **kwargs: Any) -> 
         return []
     return [
         CheckWarning(
-            "Stored responses are kept in plain text: whoever reads the records' table (a "
-            "backup, a replica, a read-only database user) reads every response replayed "
-            "for a day, tokens and personal data included.",
-            hint=f"Set IDEMPOTENCY_ENCRYPTION_KEYS to a list holding one key: {GENERATE}",
+            _(
+                "Stored responses are kept in plain text: whoever reads the records' table (a "
+                "backup, a replica, a read-only database user) reads every response replayed "
+                "for a day, tokens and personal data included."
+            ),
+            hint=_("Set IDEMPOTENCY_ENCRYPTION_KEYS to a list holding one key: %(command)s")
+            % {"command": GENERATE},
             id="django_idempotency.W010",
         )
     ]

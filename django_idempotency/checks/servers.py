@@ -11,6 +11,7 @@ from django.conf import settings
 from django.core.checks import CheckMessage, register
 from django.core.checks import Warning as CheckWarning
 from django.db import connections
+from django.utils.translation import gettext as _
 
 from django_idempotency.checks.base import as_written, ours
 from django_idempotency.engine.waiting import server_threads
@@ -27,12 +28,18 @@ def check_servers(app_configs: Sequence[AppConfig] | None, **kwargs: Any) -> lis
     if isinstance(cap, int) and cap > 0 and threads is not None and cap >= threads:
         messages.append(
             CheckWarning(
-                f"IDEMPOTENCY_MAX_WAITERS is {cap}, but a server process has {threads} "
-                f"request thread(s) ({source}): waiting duplicates could hold every thread, "
-                "and other requests would wait behind them.",
-                hint=f"Set IDEMPOTENCY_MAX_WAITERS to {max(threads - 1, 0)} or fewer (leave "
-                "a thread for each slow request you expect at once), or to 0 so that "
-                "duplicates get 409 at once.",
+                _(
+                    "IDEMPOTENCY_MAX_WAITERS is %(cap)d, but a server process has %(threads)d "
+                    "request thread(s) (%(source)s): waiting duplicates could hold every "
+                    "thread, and other requests would wait behind them."
+                )
+                % {"cap": cap, "threads": threads, "source": source},
+                hint=_(
+                    "Set IDEMPOTENCY_MAX_WAITERS to %(most)d or fewer (leave a thread for each "
+                    "slow request you expect at once), or to 0 so that duplicates get 409 at "
+                    "once."
+                )
+                % {"most": max(threads - 1, 0)},
                 id="django_idempotency.W008",
             )
         )
@@ -43,13 +50,18 @@ def check_servers(app_configs: Sequence[AppConfig] | None, **kwargs: Any) -> lis
             if age != 0 and not database.get("OPTIONS", {}).get("pool"):
                 messages.append(
                     CheckWarning(
-                        f"Database {alias!r} keeps connections open (CONN_MAX_AGE = {age!r}) "
-                        "and the project runs under ASGI (ASGI_APPLICATION is set): Django "
-                        "opens a connection in each request's thread there, so connections "
-                        "pile up until the database refuses new clients.",
-                        hint=f"Use Django's connection pool (DATABASES[{alias!r}]['OPTIONS']"
-                        "['pool'] = {'max_size': ...} with CONN_MAX_AGE = 0; install "
-                        "psycopg[pool]), or set CONN_MAX_AGE = 0.",
+                        _(
+                            "Database %(alias)r keeps connections open (CONN_MAX_AGE = "
+                            "%(age)r) and the project runs under ASGI (ASGI_APPLICATION is "
+                            "set): Django opens a connection in each request's thread there, "
+                            "so connections pile up until the database refuses new clients."
+                        )
+                        % {"alias": alias, "age": age},
+                        hint=_(
+                            "Use Django's connection pool (%(pool)s = {'max_size': ...} with "
+                            "CONN_MAX_AGE = 0; install psycopg[pool]), or set CONN_MAX_AGE = 0."
+                        )
+                        % {"pool": f"DATABASES[{alias!r}]['OPTIONS']['pool']"},
                         id="django_idempotency.W009",
                     )
                 )

@@ -15,6 +15,7 @@ from django.conf import settings
 from django.core.checks import CheckMessage, Error, register
 from django.core.checks import Warning as CheckWarning
 from django.utils.module_loading import import_string
+from django.utils.translation import gettext as _
 
 from django_idempotency import beat
 from django_idempotency.checks.base import as_written, ours
@@ -78,15 +79,15 @@ def check_settings(app_configs: Sequence[AppConfig] | None, **kwargs: Any) -> li
         try:
             import_string(celery_app)
         except ImportError as exc:
-            problems["OUTBOX_CELERY_APP"] = (
-                f"IDEMPOTENCY_OUTBOX_CELERY_APP {celery_app!r} cannot be imported ({exc})."
-            )
+            problems["OUTBOX_CELERY_APP"] = _(
+                "IDEMPOTENCY_OUTBOX_CELERY_APP %(path)r cannot be imported (%(error)s)."
+            ) % {"path": celery_app, "error": exc}
     for name, problem in problems.items():
         messages.append(
             Error(
                 problem,
-                hint=f"Give IDEMPOTENCY_{name} {KINDS[name].description}, or remove it to use "
-                "its default.",
+                hint=_("Give IDEMPOTENCY_%(name)s %(kind)s, or remove it to use its default.")
+                % {"name": name, "kind": KINDS[name].description},
                 id="django_idempotency.E013",
             )
         )
@@ -95,9 +96,11 @@ def check_settings(app_configs: Sequence[AppConfig] | None, **kwargs: Any) -> li
     if "HEADER" not in invalid and not HEADER_NAME.fullmatch(header):
         messages.append(
             Error(
-                f"IDEMPOTENCY_HEADER {header!r} is not an HTTP header name.",
-                hint="Use letters, digits and hyphens, such as the default 'Idempotency-Key'. "
-                "Underscores are out: web servers drop headers whose name has one.",
+                _("IDEMPOTENCY_HEADER %(header)r is not an HTTP header name.") % {"header": header},
+                hint=_(
+                    "Use letters, digits and hyphens, such as the default 'Idempotency-Key'. "
+                    "Underscores are out: web servers drop headers whose name has one."
+                ),
                 id="django_idempotency.E002",
             )
         )
@@ -107,14 +110,18 @@ def check_settings(app_configs: Sequence[AppConfig] | None, **kwargs: Any) -> li
             continue
         if value < least:
             invalid.add(name)
-            wanted = "a positive timedelta" if least else "a timedelta, zero or more"
+            wanted = _("a positive timedelta") if least else _("a timedelta, zero or more")
             if name in OPTIONAL_DURATIONS:
-                wanted += ", or None"
+                wanted = _("%(kind)s, or None") % {"kind": wanted}
             messages.append(
                 Error(
-                    f"IDEMPOTENCY_{name} is {value!r}; it must be {wanted}.",
-                    hint=f"Set IDEMPOTENCY_{name} to a datetime.timedelta, or remove it to "
-                    "use its default.",
+                    _("IDEMPOTENCY_%(name)s is %(value)r; it must be %(wanted)s.")
+                    % {"name": name, "value": value, "wanted": wanted},
+                    hint=_(
+                        "Set IDEMPOTENCY_%(name)s to a datetime.timedelta, or remove it to use "
+                        "its default."
+                    )
+                    % {"name": name},
                     id="django_idempotency.E003",
                 )
             )
@@ -123,27 +130,34 @@ def check_settings(app_configs: Sequence[AppConfig] | None, **kwargs: Any) -> li
         if not invalid & {default, maximum} and low > high:
             messages.append(
                 Error(
-                    f"IDEMPOTENCY_{default} ({low}) is longer than IDEMPOTENCY_{maximum} "
-                    f"({high}), which caps it.",
-                    hint=f"Lower IDEMPOTENCY_{default} or raise IDEMPOTENCY_{maximum}.",
+                    _(
+                        "IDEMPOTENCY_%(default)s (%(low)s) is longer than "
+                        "IDEMPOTENCY_%(maximum)s (%(high)s), which caps it."
+                    )
+                    % {"default": default, "low": low, "maximum": maximum, "high": high},
+                    hint=_("Lower IDEMPOTENCY_%(default)s or raise IDEMPOTENCY_%(maximum)s.")
+                    % {"default": default, "maximum": maximum},
                     id="django_idempotency.E004",
                 )
             )
     error_format = as_written("ERROR_FORMAT")
     if "ERROR_FORMAT" not in invalid and error_format is not None:
         if isinstance(error_format, str) and "." not in error_format:
-            wrong = None if error_format in ERROR_FORMATS else "is not a known error format"
+            wrong = None if error_format in ERROR_FORMATS else _("is not a known error format")
         else:
             wrong = _not_a_function("ERROR_FORMAT")
         if wrong:
             messages.append(
                 Error(
-                    f"IDEMPOTENCY_ERROR_FORMAT {error_format!r} {wrong}.",
-                    hint='Use "problem" (RFC 9457 problem details, the default), "stripe", or '
-                    "the dotted path of a function that takes the error and returns the JSON "
-                    'body of its response ("myproject.errors.idempotency_error"). In DRF '
-                    "views, IDEMPOTENCY_DRF_EXCEPTION_HANDLER = True hands the errors to "
-                    "REST_FRAMEWORK's EXCEPTION_HANDLER instead.",
+                    _("IDEMPOTENCY_ERROR_FORMAT %(value)r %(wrong)s.")
+                    % {"value": error_format, "wrong": wrong},
+                    hint=_(
+                        'Use "problem" (RFC 9457 problem details, the default), "stripe", or '
+                        "the dotted path of a function that takes the error and returns the "
+                        'JSON body of its response ("myproject.errors.idempotency_error"). In '
+                        "DRF views, IDEMPOTENCY_DRF_EXCEPTION_HANDLER = True hands the errors "
+                        "to REST_FRAMEWORK's EXCEPTION_HANDLER instead."
+                    ),
                     id="django_idempotency.E005",
                 )
             )
@@ -153,9 +167,12 @@ def check_settings(app_configs: Sequence[AppConfig] | None, **kwargs: Any) -> li
         if safe:
             messages.append(
                 Error(
-                    f"IDEMPOTENCY_METHODS {methods!r}: {safe}.",
-                    hint='List unsafe methods only, such as ["POST", "PATCH"]: safe methods '
-                    "change nothing, so they need no key and their answers must stay fresh.",
+                    _("IDEMPOTENCY_METHODS %(methods)r: %(safe)s.")
+                    % {"methods": methods, "safe": safe},
+                    hint=_(
+                        'List unsafe methods only, such as ["POST", "PATCH"]: safe methods '
+                        "change nothing, so they need no key and their answers must stay fresh."
+                    ),
                     id="django_idempotency.E006",
                 )
             )
@@ -164,9 +181,12 @@ def check_settings(app_configs: Sequence[AppConfig] | None, **kwargs: Any) -> li
         if number is not None and name not in invalid and number < smallest:
             messages.append(
                 Error(
-                    f"IDEMPOTENCY_{name} is {number!r}; it must be an integer of at least "
-                    f"{smallest}.",
-                    hint=f"Remove IDEMPOTENCY_{name} to use its default.",
+                    _(
+                        "IDEMPOTENCY_%(name)s is %(value)r; it must be an integer of at least "
+                        "%(least)d."
+                    )
+                    % {"name": name, "value": number, "least": smallest},
+                    hint=_("Remove IDEMPOTENCY_%(name)s to use its default.") % {"name": name},
                     id="django_idempotency.E008",
                 )
             )
@@ -176,16 +196,20 @@ def check_settings(app_configs: Sequence[AppConfig] | None, **kwargs: Any) -> li
     messages += _function_setting(
         "PRINCIPAL",
         invalid,
-        hint="Give a function taking the request and returning a string, or its dotted path, "
-        'such as "myproject.api.tenant_of".',
+        hint=_(
+            "Give a function taking the request and returning a string, or its dotted path, "
+            'such as "myproject.api.tenant_of".'
+        ),
         id="django_idempotency.E009",
     )
     # Found only when the admin's records page fails, without this check.
     messages += _function_setting(
         "PRINCIPAL_DISPLAY",
         invalid,
-        hint="Give a function taking a list of principals and returning a dict from principal "
-        "to label, or its dotted path, or remove the setting.",
+        hint=_(
+            "Give a function taking a list of principals and returning a dict from principal "
+            "to label, or its dotted path, or remove the setting."
+        ),
         id="django_idempotency.E011",
     )
     return messages
@@ -201,12 +225,30 @@ def _unknown_settings() -> list[CheckMessage]:
             continue
         # Without the prefix every name shares, which would make anything look close.
         nearest = [f"IDEMPOTENCY_{n}" for n in difflib.get_close_matches(suffix, KINDS, n=1)]
-        guess = f" Did you mean {nearest[0]}?" if nearest else ""
+        said = {"name": name, "nearest": nearest[0] if nearest else ""}
         messages.append(
             CheckWarning(
-                f"{name} is not a setting of django-idempotency, so it has no effect.{guess}",
-                hint=(f"Rename it to {nearest[0]}, or remove it" if nearest else "Remove it")
-                + " (the settings: docs/settings.md; another package's: docs/migrating.md).",
+                (
+                    _(
+                        "%(name)s is not a setting of django-idempotency, so it has no "
+                        "effect. Did you mean %(nearest)s?"
+                    )
+                    if nearest
+                    else _("%(name)s is not a setting of django-idempotency, so it has no effect.")
+                )
+                % said,
+                hint=(
+                    _(
+                        "Rename it to %(nearest)s, or remove it (the settings: "
+                        "docs/settings.md; another package's: docs/migrating.md)."
+                    )
+                    if nearest
+                    else _(
+                        "Remove it (the settings: docs/settings.md; another package's: "
+                        "docs/migrating.md)."
+                    )
+                )
+                % said,
                 id="django_idempotency.W020",
             )
         )
@@ -225,8 +267,9 @@ def _outside_allowed_sets(invalid: set[str]) -> list[CheckMessage]:
             problems.append(
                 (
                     "METHODS",
-                    f"{unknown!r}: not an HTTP method a view can be asked for",
-                    'List unsafe methods only, among "POST", "PUT", "PATCH" and "DELETE".',
+                    _("%(values)r: not an HTTP method a view can be asked for")
+                    % {"values": unknown},
+                    _('List unsafe methods only, among "POST", "PUT", "PATCH" and "DELETE".'),
                 )
             )
     statuses = as_written("UNSTORED_STATUSES")
@@ -236,9 +279,12 @@ def _outside_allowed_sets(invalid: set[str]) -> list[CheckMessage]:
             problems.append(
                 (
                     "UNSTORED_STATUSES",
-                    f"{outside!r}: not a 4xx or 5xx status",
-                    "List 4xx statuses that mean 'try again' (the default: 408, 409, 425, "
-                    "429); a success listed here would roll back every answer of that status.",
+                    _("%(values)r: not a 4xx or 5xx status") % {"values": outside},
+                    _(
+                        "List 4xx statuses that mean 'try again' (the default: 408, 409, 425, "
+                        "429); a success listed here would roll back every answer of that "
+                        "status."
+                    ),
                 )
             )
     for name in ("FINGERPRINT_HEADERS", "REPLAY_HEADERS"):
@@ -250,9 +296,11 @@ def _outside_allowed_sets(invalid: set[str]) -> list[CheckMessage]:
             problems.append(
                 (
                     name,
-                    f"{bad!r}: not an HTTP header name",
-                    'Use header names as sent, letters, digits and hyphens ("X-Account"); '
-                    "web servers drop names with an underscore.",
+                    _("%(values)r: not an HTTP header name") % {"values": bad},
+                    _(
+                        'Use header names as sent, letters, digits and hyphens ("X-Account"); '
+                        "web servers drop names with an underscore."
+                    ),
                 )
             )
     codec = as_written("BODY_COMPRESSION")
@@ -261,22 +309,25 @@ def _outside_allowed_sets(invalid: set[str]) -> list[CheckMessage]:
             problems.append(
                 (
                     "BODY_COMPRESSION",
-                    f"{codec!r} is not a compression the records can be stored with",
-                    'Use "zstd" or "zlib", or remove it: zstd where it is installed, else zlib.',
+                    _("%(value)r is not a compression the records can be stored with")
+                    % {"value": codec},
+                    _('Use "zstd" or "zlib", or remove it: zstd where it is installed, else zlib.'),
                 )
             )
         elif codec == bodies.ZSTD and bodies.zstd_codec() is None:
             problems.append(
                 (
                     "BODY_COMPRESSION",
-                    "'zstd' names zstd, which this Python cannot import",
-                    "Install django-idempotency[zstd] (the zstandard package; Python 3.14 has "
-                    'compression.zstd), or set it to "zlib".',
+                    _("'zstd' names zstd, which this Python cannot import"),
+                    _(
+                        "Install django-idempotency[zstd] (the zstandard package; Python 3.14 "
+                        'has compression.zstd), or set it to "zlib".'
+                    ),
                 )
             )
     return [
         Error(
-            f"IDEMPOTENCY_{name} {said}.",
+            _("IDEMPOTENCY_%(name)s %(said)s.") % {"name": name, "said": said},
             hint=hint,
             id="django_idempotency.E020",
         )
@@ -299,17 +350,23 @@ def _waiting_that_cannot_wait(invalid: set[str]) -> list[CheckMessage]:
     if cap > 0:
         if threads != 1:
             return []
-        why = f"a server process has one request thread ({source}), which never waits"
+        why = _("a server process has one request thread (%(source)s), which never waits") % {
+            "source": source
+        }
     elif getattr(settings, "ASGI_APPLICATION", None):
         return []  # async views under ASGI wait without a cap: waiting works there
     else:
-        why = "IDEMPOTENCY_MAX_WAITERS is 0 (its default), so no sync view waits"
+        why = _("IDEMPOTENCY_MAX_WAITERS is 0 (its default), so no sync view waits")
     return [
         CheckWarning(
-            f"IDEMPOTENCY_WAIT is {wait}, but {why}: duplicates get 409 at once.",
-            hint="Set IDEMPOTENCY_MAX_WAITERS to how many requests of a process may wait at "
-            "once, below its thread count (and IDEMPOTENCY_SERVER_THREADS to that count), or "
-            "remove IDEMPOTENCY_WAIT (docs/settings.md, waiting without starving the server).",
+            _("IDEMPOTENCY_WAIT is %(wait)s, but %(why)s: duplicates get 409 at once.")
+            % {"wait": wait, "why": why},
+            hint=_(
+                "Set IDEMPOTENCY_MAX_WAITERS to how many requests of a process may wait at "
+                "once, below its thread count (and IDEMPOTENCY_SERVER_THREADS to that count), "
+                "or remove IDEMPOTENCY_WAIT (docs/settings.md, waiting without starving the "
+                "server)."
+            ),
             id="django_idempotency.W022",
         )
     ]
@@ -323,7 +380,12 @@ def _function_setting(name: str, invalid: set[str], *, hint: str, id: str) -> li
     problem = _not_a_function(name)
     if not problem:
         return []
-    return [Error(f"IDEMPOTENCY_{name} {written!r} {problem}.", hint=hint, id=id)]
+    said = _("IDEMPOTENCY_%(name)s %(value)r %(problem)s.") % {
+        "name": name,
+        "value": written,
+        "problem": problem,
+    }
+    return [Error(said, hint=hint, id=id)]
 
 
 def _not_a_function(name: str) -> str | None:
@@ -331,8 +393,8 @@ def _not_a_function(name: str) -> str | None:
     try:
         func = getattr(conf, name)
     except ImportError as exc:
-        return f"cannot be imported ({exc})"
-    return None if callable(func) else "is not callable"
+        return _("cannot be imported (%(error)s)") % {"error": exc}
+    return None if callable(func) else _("is not callable")
 
 
 @register()
@@ -343,11 +405,16 @@ def check_beat(app_configs: Sequence[AppConfig] | None, **kwargs: Any) -> list[C
     if not apps.is_installed("django_celery_beat"):
         messages.append(
             CheckWarning(
-                "IDEMPOTENCY_BEAT_REGISTER is True but django_celery_beat is not installed, so "
-                "no periodic task runs partition maintenance.",
-                hint="Install django-idempotency[beat] and add 'django_celery_beat' to "
-                "INSTALLED_APPS, or set IDEMPOTENCY_BEAT_REGISTER = False and schedule "
-                "`manage.py idempotency_partitions` hourly with cron or a Kubernetes CronJob.",
+                _(
+                    "IDEMPOTENCY_BEAT_REGISTER is True but django_celery_beat is not installed, "
+                    "so no periodic task runs partition maintenance."
+                ),
+                hint=_(
+                    "Install django-idempotency[beat] and add 'django_celery_beat' to "
+                    "INSTALLED_APPS, or set IDEMPOTENCY_BEAT_REGISTER = False and schedule "
+                    "`manage.py idempotency_partitions` hourly with cron or a Kubernetes "
+                    "CronJob."
+                ),
                 id="django_idempotency.W001",
             )
         )
@@ -356,9 +423,11 @@ def check_beat(app_configs: Sequence[AppConfig] | None, **kwargs: Any) -> list[C
     except ValueError as exc:
         messages.append(
             Error(
-                f"IDEMPOTENCY_BEAT_CRONTAB: {exc}.",
-                hint="Five fields Celery's crontab reads: minute (0-59) hour (0-23) "
-                'day-of-month (1-31) month (1-12) day-of-week (0-6 or mon-sun), e.g. "17 * * * *".',
+                _("IDEMPOTENCY_BEAT_CRONTAB: %(problem)s.") % {"problem": exc},
+                hint=_(
+                    "Five fields Celery's crontab reads: minute (0-59) hour (0-23) day-of-month "
+                    '(1-31) month (1-12) day-of-week (0-6 or mon-sun), e.g. "17 * * * *".'
+                ),
                 id="django_idempotency.E001",
             )
         )

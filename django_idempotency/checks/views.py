@@ -14,6 +14,7 @@ from django.conf import settings
 from django.core.checks import CheckMessage, Error, Tags, register
 from django.core.checks import Warning as CheckWarning
 from django.db import router
+from django.utils.translation import gettext as _
 
 from django_idempotency.checks.base import ours
 from django_idempotency.engine.errors import Misconfigured
@@ -40,40 +41,53 @@ def check_views(app_configs: Sequence[AppConfig] | None, **kwargs: Any) -> list[
         if early:
             messages.append(
                 Error(
-                    f"The idempotent view {_routes(early)} ({label}) is decorated with "
-                    "@idempotent outside the view's own dispatch (above @api_view, around "
-                    "as_view(), or on dispatch()), so the key is claimed before the view "
-                    "authenticates the client: every caller shares the anonymous principal.",
-                    hint="Put @idempotent below @api_view (next to the function), use "
-                    "IdempotencyMixin on a DRF class view, or decorate the method handler "
-                    '(method_decorator(idempotent, name="post")).',
+                    _(
+                        "The idempotent view %(routes)s (%(view)s) is decorated with "
+                        "@idempotent outside the view's own dispatch (above @api_view, around "
+                        "as_view(), or on dispatch()), so the key is claimed before the view "
+                        "authenticates the client: every caller shares the anonymous principal."
+                    )
+                    % {"routes": _routes(early), "view": label},
+                    hint=_(
+                        "Put @idempotent below @api_view (next to the function), use "
+                        "IdempotencyMixin on a DRF class view, or decorate the method handler "
+                        '(method_decorator(idempotent, name="post")).'
+                    ),
                     id="django_idempotency.E014",
                 )
             )
         if shared:
             messages.append(
                 Error(
-                    f"The idempotent view {_routes(shared)} ({label}) can be reached by "
-                    "anonymous clients, and gives their keys no scope of their own: each of "
-                    "their keyed requests is refused (500 misconfigured), since all of them "
-                    "would share one principal and replay each other's responses.",
-                    hint="Require authentication before the claim (DRF permission classes, "
-                    "Ninja auth, login_required or the view's own authentication decorator "
-                    "above @idempotent), or give the view a principal callable "
-                    "(idempotency_principal / principal=) that tells anonymous clients "
-                    "apart, such as by API client; or, where anonymous keys are meant (a "
-                    "receiver scoped by its key), set allow_anonymous=True.",
+                    _(
+                        "The idempotent view %(routes)s (%(view)s) can be reached by "
+                        "anonymous clients, and gives their keys no scope of their own: each "
+                        "of their keyed requests is refused (500 misconfigured), since all of "
+                        "them would share one principal and replay each other's responses."
+                    )
+                    % {"routes": _routes(shared), "view": label},
+                    hint=_(
+                        "Require authentication before the claim (DRF permission classes, "
+                        "Ninja auth, login_required or the view's own authentication decorator "
+                        "above @idempotent), or give the view a principal callable "
+                        "(idempotency_principal / principal=) that tells anonymous clients "
+                        "apart, such as by API client; or, where anonymous keys are meant (a "
+                        "receiver scoped by its key), set allow_anonymous=True."
+                    ),
                     id="django_idempotency.E017",
                 )
             )
         if _opens_durable_block(handler):
             messages.append(
                 CheckWarning(
-                    f"The idempotent view {_routes(endpoints)} ({label}) opens "
-                    "transaction.atomic(durable=True), which cannot run inside the "
-                    "transaction that holds its key: such requests fail with a clear error "
-                    "instead of running.",
-                    hint="Use a plain transaction.atomic() in an idempotent view.",
+                    _(
+                        "The idempotent view %(routes)s (%(view)s) opens "
+                        "transaction.atomic(durable=True), which cannot run inside the "
+                        "transaction that holds its key: such requests fail with a clear "
+                        "error instead of running."
+                    )
+                    % {"routes": _routes(endpoints), "view": label},
+                    hint=_("Use a plain transaction.atomic() in an idempotent view."),
                     id="django_idempotency.W005",
                 )
             )
@@ -81,14 +95,19 @@ def check_views(app_configs: Sequence[AppConfig] | None, **kwargs: Any) -> list[
         if rerun:
             messages.append(
                 CheckWarning(
-                    f"The idempotent view {_routes(rerun)} ({label}) runs a key's request "
-                    "again when its record was stored under another response version "
-                    "(rerun_other_versions): after a version change, a retry of a request "
-                    "that already took effect takes effect a second time.",
-                    hint="Keep this only where the view's effect is itself idempotent (it "
-                    "sets state rather than adding to it); otherwise remove "
-                    "rerun_other_versions, and such retries get 410 "
-                    "response-version-changed.",
+                    _(
+                        "The idempotent view %(routes)s (%(view)s) runs a key's request again "
+                        "when its record was stored under another response version "
+                        "(rerun_other_versions): after a version change, a retry of a request "
+                        "that already took effect takes effect a second time."
+                    )
+                    % {"routes": _routes(rerun), "view": label},
+                    hint=_(
+                        "Keep this only where the view's effect is itself idempotent (it sets "
+                        "state rather than adding to it); otherwise remove "
+                        "rerun_other_versions, and such retries get 410 "
+                        "response-version-changed."
+                    ),
                     id="django_idempotency.W021",
                 )
             )
@@ -202,11 +221,17 @@ def check_records_follow_writes(
         if alias in databases and not router.allow_migrate_model(alias, IdempotencyRecord):
             messages.append(
                 Error(
-                    f"The idempotent view {endpoint.route} writes {model._meta.label} to "
-                    f"database {alias!r}, where its records must live to commit with those "
-                    "writes, but the routers do not migrate IdempotencyRecord there.",
-                    hint=f"Let allow_migrate() accept django_idempotency on {alias!r} and "
-                    "migrate it, or give the view idempotency_using.",
+                    _(
+                        "The idempotent view %(route)s writes %(model)s to database "
+                        "%(alias)r, where its records must live to commit with those writes, "
+                        "but the routers do not migrate IdempotencyRecord there."
+                    )
+                    % {"route": endpoint.route, "model": model._meta.label, "alias": alias},
+                    hint=_(
+                        "Let allow_migrate() accept django_idempotency on %(alias)r and "
+                        "migrate it, or give the view idempotency_using."
+                    )
+                    % {"alias": alias},
                     id="django_idempotency.E012",
                 )
             )

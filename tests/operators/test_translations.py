@@ -1,8 +1,6 @@
-"""The admin speaks the project's language: every string it shows is marked for translation,
-the German catalogue translates each of them, and the compiled catalogue is the one shipped.
-
-System check messages stay in English, as Django's own do: developers read them, and search
-for them by id and text."""
+"""The admin and the system checks speak the project's language: every string they show is
+marked for translation, the German catalogue translates each of them, and the compiled
+catalogue is the one shipped. A check's id stays the same in every language: search by it."""
 
 from __future__ import annotations
 
@@ -12,8 +10,10 @@ import re
 from pathlib import Path
 
 import pytest
+from django.test import override_settings
 from django.utils import translation
 
+from django_idempotency import checks
 from django_idempotency.models import IdempotencyRecord, OutboxMessage
 
 PACKAGE = Path(__file__).resolve().parents[2] / "django_idempotency"
@@ -21,9 +21,13 @@ LOCALE = PACKAGE / "locale"
 LANGUAGES = sorted(p.name for p in LOCALE.iterdir() if p.is_dir())
 # What a person reads: the admin, the models' names and choices, the app's name.
 SOURCES = sorted([*(PACKAGE / "admin").glob("*.py"), PACKAGE / "models.py", PACKAGE / "apps.py"])
+# What a developer reads: the system checks' messages and hints.
+CHECK_SOURCES = sorted((PACKAGE / "checks").glob("*.py"))
 TEMPLATES = sorted((PACKAGE / "templates").rglob("*.html"))
 
 MARKERS = {"_", "gettext", "gettext_lazy", "ngettext", "ngettext_lazy", "pgettext"}
+# The system check messages.
+CHECK_MESSAGES = {"Critical", "Error", "Warning", "CheckWarning", "Info", "Debug"}
 # Keyword arguments and class attributes whose value the admin shows.
 SHOWN_KEYWORDS = {
     "description",
@@ -90,10 +94,64 @@ def shown_expressions(tree: ast.Module) -> list[ast.AST]:
     return shown
 
 
+def check_expressions(tree: ast.Module) -> list[ast.AST]:
+    """What a check says: its messages and hints (any call's ``hint=``, and a helper's tuple of
+    what it found), the text a function of the checks returns, and what the local names in
+    them were assigned."""
+    shown: list[ast.AST] = []
+    for function in (n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef)):
+        assigned: dict[str, list[ast.AST]] = {}
+        for node in ast.walk(function):
+            if isinstance(node, ast.Assign | ast.AugAssign | ast.AnnAssign) and node.value:
+                targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+                for target in targets:
+                    if isinstance(target, ast.Name):
+                        assigned.setdefault(target.id, []).append(node.value)
+        roots: list[ast.AST] = []
+        returns = ast.unparse(function.returns) if function.returns else ""
+        for node in ast.walk(function):
+            if isinstance(node, ast.Call):
+                name = node.func.id if isinstance(node.func, ast.Name) else node.func.attr
+                if name in CHECK_MESSAGES:
+                    roots += node.args[:1]
+                    roots += [kw.value for kw in node.keywords if kw.arg == "msg"]
+                roots += [kw.value for kw in node.keywords if kw.arg == "hint"]
+                if name == "append" and node.args and isinstance(node.args[0], ast.Tuple):
+                    roots.append(node.args[0])
+            elif isinstance(node, ast.Return) and node.value and returns.startswith("str"):
+                roots.append(node.value)
+        seen: set[int] = set()
+        while roots:
+            root = roots.pop()
+            if id(root) in seen:
+                continue
+            seen.add(id(root))
+            shown.append(root)
+            for name in (n for n in ast.walk(root) if isinstance(n, ast.Name)):
+                roots += assigned.get(name.id, [])
+    return shown
+
+
+def unmarked_prose(node: ast.AST) -> list[str]:
+    """Literal prose (letters and a space) in ``node`` that no marker call wraps. A check's
+    text is full of names that read the same in every language (ids, settings, paths, SQL
+    keywords passed as parameters), and none of them has a space."""
+    if marker(node):
+        return []
+    if isinstance(node, ast.Constant) and isinstance(node.value, str):
+        return [node.value] if re.search(r"[A-Za-z]", node.value) and " " in node.value else []
+    if isinstance(node, ast.JoinedStr):
+        literal = "".join(v.value for v in node.values if isinstance(v, ast.Constant))
+        return [ast.unparse(node)] if re.search(r"[A-Za-z]", literal) and " " in literal else []
+    if isinstance(node, ast.Dict):  # the parameters of a marked string, not their names
+        return [text for value in node.values for text in unmarked_prose(value)]
+    return [text for child in ast.iter_child_nodes(node) for text in unmarked_prose(child)]
+
+
 def marked_strings() -> set[str]:
     """Every msgid the sources and templates mark, as makemessages extracts them."""
     found: set[str] = set()
-    for source in SOURCES:
+    for source in [*SOURCES, *CHECK_SOURCES]:
         for node in ast.walk(ast.parse(source.read_text())):
             if marker(node) and isinstance(node, ast.Call) and node.args:
                 first = node.args[1 if marker(node) == "pgettext" else 0]
@@ -150,6 +208,29 @@ def test_the_scan_finds_an_unmarked_string() -> None:
     assert found == ["state", "Pending", "f'{n} done'"]
 
 
+@pytest.mark.parametrize("source", CHECK_SOURCES, ids=lambda p: p.name)
+def test_every_string_a_check_says_is_marked_for_translation(source: Path) -> None:
+    tree = ast.parse(source.read_text())
+    unmarked = [text for node in check_expressions(tree) for text in unmarked_prose(node)]
+    assert unmarked == []
+
+
+def test_the_scan_finds_an_unmarked_check_string() -> None:
+    # Guards the test above: a message, a hint, a fragment assigned to a name and the text a
+    # helper returns are all found; ids, and parameters of a marked string, are not text.
+    tree = ast.parse(
+        "def check(a):\n"
+        "    why = 'no relay'\n"
+        "    return [Error(_('%(a)s: %(why)s') % {'a': a, 'why': why}, hint=f'Run {a}',\n"
+        "                  id='django_idempotency.E999'),\n"
+        "            CheckWarning('Too late', hint=_('Run it'), id='django_idempotency.W999')]\n"
+        "def said(a) -> str:\n"
+        "    return 'is not callable' if as_written('TTL') else _('ok')\n"
+    )
+    found = [text for node in check_expressions(tree) for text in unmarked_prose(node)]
+    assert sorted(found) == ["Too late", "f'Run {a}'", "is not callable", "no relay"]
+
+
 @pytest.mark.parametrize("language", LANGUAGES)
 def test_the_catalogue_translates_every_marked_string_and_no_other(language: str) -> None:
     entries = catalogue(language)
@@ -179,3 +260,19 @@ def test_the_admin_reads_german_where_the_project_asks_for_it() -> None:
         many = translation.ngettext("Erased %(count)d record.", "Erased %(count)d records.", 3)
         assert many % {"count": 3} == "3 Einträge gelöscht."
     assert str(IdempotencyRecord._meta.verbose_name_plural) == "idempotency records"
+
+
+@override_settings(IDEMPOTENCY_HEADER="Idempotency_Key", IDEMPOTENCY_REQUIRD=True)
+def test_a_check_reads_german_where_the_project_asks_for_it() -> None:
+    with translation.override("de"):
+        header, unknown = checks.check_settings(None)
+    assert header.id == "django_idempotency.E002"
+    assert header.msg == "IDEMPOTENCY_HEADER 'Idempotency_Key' ist kein HTTP-Headername."
+    assert header.hint.startswith("Verwenden Sie Buchstaben, Ziffern und Bindestriche")
+    assert unknown.id == "django_idempotency.W020"
+    assert unknown.msg == (
+        "IDEMPOTENCY_REQUIRD ist keine Einstellung von django-idempotency und hat deshalb "
+        "keine Wirkung. Meinten Sie IDEMPOTENCY_REQUIRED?"
+    )
+    # Outside the override, the same check says it in English.
+    assert checks.check_settings(None)[0].msg.endswith("is not an HTTP header name.")
