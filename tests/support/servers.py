@@ -516,8 +516,13 @@ class PostgresCluster:
         if self.user is not None:
             shutil.chown(self.socket_dir, self.user)
         options = f"-p {self.port} -c listen_addresses=127.0.0.1 -k {self.socket_dir}"
-        self.run("pg_ctl", "-w", "-t", "60", "-D", str(self.pgdata), "-o", options,
-                 "-l", str(self.pgdata / "server.log"), "start")  # fmt: skip
+        try:
+            # A standby is ready once it is consistent: on a busy machine that can take a
+            # while; the wait guards against a hang, it is not a claim about speed.
+            self.run("pg_ctl", "-w", "-t", "180", "-D", str(self.pgdata), "-o", options,
+                     "-l", str(self.pgdata / "server.log"), "start", timeout=240)  # fmt: skip
+        except RuntimeError as exc:
+            raise RuntimeError(f"{exc}\nserver.log:\n{self.log_tail()}") from None
 
     def stop(self) -> None:
         with contextlib.suppress(RuntimeError, subprocess.SubprocessError, OSError):
