@@ -104,12 +104,12 @@ def test_parallel_identical_requests_execute_once(
     assert (retry.status_code, replayed(retry), retry.content) == (201, True, created[0].content)
 
 
-def test_with_lookup_first_racing_duplicates_execute_once_and_retries_are_replayed_over_http(
+def test_with_claim_first_racing_duplicates_execute_once_and_retries_are_replayed_over_http(
     gunicorn_server: Callable[..., Any], alice: Any
 ) -> None:
-    """The lock-free lookup before the claim (IDEMPOTENCY_LOOKUP_FIRST), as a client sees it:
-    the same answers as without it."""
-    env = {"DJANGO_SETTINGS_MODULE": "tests.support.lookup_first_settings"}
+    """The claim without the lookup before it (IDEMPOTENCY_LOOKUP_FIRST = False), as a client
+    sees it: the same answers as the default's."""
+    env = {"DJANGO_SETTINGS_MODULE": "tests.support.claim_first_settings"}
     with gunicorn_server(workers=2, threads=4, env=env) as server:
         base_url, key = server.url, str(uuid.uuid4())
         before = counts(base_url)
