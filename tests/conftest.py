@@ -203,6 +203,18 @@ def flush_keeping_migrated_rows() -> Iterator[None]:
     TransactionTestCase._fixture_teardown = original  # type: ignore[method-assign]
 
 
+@pytest.fixture(autouse=True)
+def settings_restored() -> Iterator[None]:
+    """A test leaves Django's settings as it found them. (pytest-django's ``settings``
+    fixture used under an ``@override_settings`` decorator restores the decorator's
+    settings at its teardown, so they stayed on for the modules that ran next.)"""
+    from django.conf import settings
+
+    before = settings._wrapped
+    yield
+    assert settings._wrapped is before, "this test left its settings overrides on"
+
+
 @pytest.fixture(scope="session")
 def cleanup_in_background() -> Iterator[Callable[[Callable[[], object]], None]]:
     """``cleanup_in_background(cleanup)`` runs ``cleanup`` in a thread of its own; the

@@ -12,7 +12,6 @@ from typing import Any
 import pytest
 from django.core.exceptions import ImproperlyConfigured
 from django.db import transaction
-from django.test import override_settings
 
 from django_idempotency.checks.messaging import check_task_backends
 from django_idempotency.messaging import destinations
@@ -38,7 +37,15 @@ TASKS_ONLY: dict[str, Any] = {
 }
 
 
-@override_settings(**TASKS_ONLY)
+@pytest.fixture(autouse=True)
+def tasks_only(settings: Any) -> None:
+    # Through pytest-django's fixture, which the tests change further: under an
+    # @override_settings decorator its teardown would restore the decorator's settings and
+    # leave them on for the modules that run next.
+    for name, value in TASKS_ONLY.items():
+        setattr(settings, name, value)
+
+
 def test_the_tasks_destination_as_the_default_needs_no_destination_option() -> None:
     assert check_task_backends(None) == []
     with transaction.atomic():
@@ -53,7 +60,6 @@ def test_the_tasks_destination_as_the_default_needs_no_destination_option() -> N
     assert handed.args[0] == message_id
 
 
-@override_settings(**TASKS_ONLY)
 def test_a_destination_named_in_the_options_is_still_the_one_used(settings: Any) -> None:
     settings.TASKS = {
         **TASKS_ONLY["TASKS"],
@@ -63,7 +69,6 @@ def test_a_destination_named_in_the_options_is_still_the_one_used(settings: Any)
     assert "no 'x' destination" in error.msg
 
 
-@override_settings(**TASKS_ONLY)
 def test_without_a_default_destination_the_error_shows_the_tasks_only_setting(
     settings: Any,
 ) -> None:
