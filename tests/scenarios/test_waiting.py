@@ -34,8 +34,6 @@ pytestmark = pytest.mark.django_db(transaction=True)
 
 HOLD_MS = 5000
 DUPLICATES = 24
-# Answered "at once": well before the 5 s holder finishes, with room for a busy machine.
-PROMPT = 2.0
 
 
 @dataclass(frozen=True)
@@ -83,25 +81,35 @@ def serve(
     return gunicorn_server(workers=shape.workers, threads=shape.threads, env={**settings, **env})
 
 
-def timed(call: Callable[[], requests.Response]) -> tuple[requests.Response, float]:
+@dataclass(frozen=True)
+class Timed:
+    response: requests.Response
+    seconds: float
+    ended: float  # time.monotonic() when the answer came
+
+
+def timed(call: Callable[[], requests.Response]) -> Timed:
     started = time.monotonic()
     response = call()
-    return response, time.monotonic() - started
+    ended = time.monotonic()
+    return Timed(response, ended - started, ended)
 
 
 @dataclass
 class Flood:
-    holder: requests.Response
-    duplicates: list[tuple[requests.Response, float]]
-    gets: list[tuple[requests.Response, float]]
-    other_post: tuple[requests.Response, float]
+    holder: Timed
+    duplicates: list[Timed]
+    gets: list[Timed]
+    other_post: Timed
 
-    @property
-    def slowest_bystander(self) -> float:
-        return max(seconds for _, seconds in [*self.gets, self.other_post])
+    def at_once(self, answer: Timed) -> bool:
+        """Answered while the 5 s holder still held its key: not queued behind the
+        duplicates waiting on it, which are answered only when it ends. (An order of
+        events, not a number of seconds: it holds on a machine of any load.)"""
+        return answer.ended < self.holder.ended
 
     def statuses(self) -> Counter[tuple[int, bool]]:
-        return Counter((r.status_code, replayed(r)) for r, _ in self.duplicates)
+        return Counter((d.response.status_code, replayed(d.response)) for d in self.duplicates)
 
 
 def flood(base_url: str, alice: Any, bob: Any, path: str = "/api/charges/") -> Flood:
@@ -110,7 +118,7 @@ def flood(base_url: str, alice: Any, bob: Any, path: str = "/api/charges/") -> F
     key, body = str(uuid.uuid4()), {**CHARGE, "delay_ms": HOLD_MS}
     before = counts(base_url)
     with ThreadPoolExecutor(DUPLICATES + 1) as pool:
-        holder = pool.submit(post, base_url, alice, key, body, path)
+        holder = pool.submit(timed, lambda: post(base_url, alice, key, body, path))
         # Its handler runs (it counts itself first): the key is held.
         wait_for(lambda: holder.done() or counts(base_url).executions > before.executions)
         duplicates = [
@@ -132,20 +140,23 @@ def flood(base_url: str, alice: Any, bob: Any, path: str = "/api/charges/") -> F
 
 
 def report(label: str, result: Flood) -> None:
+    refused = [d.seconds for d in result.duplicates if d.response.status_code == 409]
     print(
         f"\n{label}: unrelated GETs "
-        + ", ".join(f"{seconds:.2f}s" for _, seconds in result.gets)
-        + f"; Bob's POST {result.other_post[1]:.2f}s; duplicates {dict(result.statuses())}, "
+        + ", ".join(f"{get.seconds:.2f}s" for get in result.gets)
+        + f"; Bob's POST {result.other_post.seconds:.2f}s; duplicates {dict(result.statuses())}, "
         f"slowest 409 in "
-        f"{max((s for r, s in result.duplicates if r.status_code == 409), default=0):.2f}s"
+        f"{max(refused, default=0):.2f}s; "
+        f"the holder's {result.holder.seconds:.2f}s"
     )
 
 
 def assert_bystanders_served_at_once(result: Flood) -> None:
-    for response, _ in result.gets:
-        assert response.status_code == 200
-    assert result.other_post[0].status_code == 201, result.other_post[0].text
-    assert result.slowest_bystander < PROMPT, result.slowest_bystander
+    for get in result.gets:
+        assert get.response.status_code == 200
+    assert result.other_post.response.status_code == 201, result.other_post.response.text
+    for bystander in [*result.gets, result.other_post]:
+        assert result.at_once(bystander), (bystander.seconds, result.holder.seconds)
 
 
 @pytest.fixture
@@ -167,14 +178,16 @@ def test_by_default_duplicates_get_409_at_once_and_never_starve_the_server(
     report(f"{shape}, default settings", result)
 
     assert_bystanders_served_at_once(result)
-    assert (result.holder.status_code, replayed(result.holder)) == (201, False)
+    holder = result.holder.response
+    assert (holder.status_code, replayed(holder)) == (201, False)
     # Waiting is opt-in: every duplicate is told at once, and its preference not applied.
     assert result.statuses() == {(409, False): DUPLICATES}
-    for response, seconds in result.duplicates:
+    for duplicate in result.duplicates:
+        response = duplicate.response
         assert response.json()["type"].endswith("in-progress")
         assert int(response.headers["Retry-After"]) >= 1
         assert "Preference-Applied" not in response.headers
-        assert seconds < PROMPT
+        assert result.at_once(duplicate)
 
 
 @pytest.mark.parametrize("shape", list(SHAPES))
@@ -187,20 +200,22 @@ def test_with_waiting_on_duplicates_wait_within_the_cap_and_never_starve_the_ser
     report(f"{shape}, waiting on (IDEMPOTENCY_MAX_WAITERS={spec.max_waiters})", result)
 
     assert_bystanders_served_at_once(result)
-    assert (result.holder.status_code, replayed(result.holder)) == (201, False)
+    holder = result.holder.response
+    assert (holder.status_code, replayed(holder)) == (201, False)
     statuses = result.statuses()
     assert set(statuses) <= {(201, True), (409, False)}, statuses
     # Those that waited got the replay; no more than the cap of each process waited (none
     # on a sync worker, whose only thread serves on the main thread).
     cap = 0 if spec.threads == 1 and spec.server == "gunicorn" else spec.max_waiters
     assert statuses[(201, True)] <= cap * spec.workers, statuses
-    for response, seconds in result.duplicates:
+    for duplicate in result.duplicates:
+        response = duplicate.response
         assert response.headers["Preference-Applied"] == "wait=10"
         if response.status_code == 201:
-            assert response.content == result.holder.content
+            assert response.content == holder.content
         else:
             # Past the cap: told at once.
-            assert seconds < PROMPT
+            assert result.at_once(duplicate)
 
 
 @pytest.mark.parametrize(
@@ -217,11 +232,12 @@ def test_async_views_under_uvicorn_wait_without_holding_a_thread_or_a_connection
     report(f"uvicorn, async view {path}, waiting on", result)
 
     assert_bystanders_served_at_once(result)
-    assert (result.holder.status_code, replayed(result.holder)) == (201, False)
+    holder = result.holder.response
+    assert (holder.status_code, replayed(holder)) == (201, False)
     # No cap for async views under ASGI: every duplicate waited and got the replay.
     assert result.statuses() == {(201, True): DUPLICATES}
-    for response, _ in result.duplicates:
-        assert response.content == result.holder.content
+    for duplicate in result.duplicates:
+        assert duplicate.response.content == holder.content
 
 
 # Connections under ASGI (issue 22, item 8).
