@@ -1,5 +1,8 @@
 """The unit of work: one key's claim, the work and its stored result, in one transaction;
-``failing_closed`` turns a lost store into a refusal."""
+``failing_closed`` turns a lost store into a refusal.
+
+Over 400 lines as one concern: the claim, the waits, the run and the store of one key, sync and
+async, are the steps of one transaction, read together."""
 
 from __future__ import annotations
 

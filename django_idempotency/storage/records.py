@@ -1,5 +1,8 @@
 """Every query on the records table, the only writer of new records: claim, lookup, store (the
-migrations' functions on PostgreSQL, a unique index elsewhere), the redrive's check, a delete."""
+migrations' functions on PostgreSQL, a unique index elsewhere), the redrive's check, a delete.
+
+Over 400 lines as one concern: the table's every statement in one place, so that no other
+module writes SQL on it."""
 
 from __future__ import annotations
 
