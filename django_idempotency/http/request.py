@@ -365,6 +365,10 @@ class RequestUnit:
             return self.respond(self._refuse(error))
         return response
 
+    def answer_for(self, decision: Answer) -> HttpResponse | None:
+        """None after ``Run``: the view runs; else the response to send instead."""
+        return None if isinstance(decision, Run) else self.respond(decision)
+
     def respond(self, decision: Replay | Refuse | Probed) -> HttpResponse:
         """The response to send instead of running the view: the replay, the refusal, or a
         probe's answer."""
