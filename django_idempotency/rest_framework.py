@@ -21,7 +21,7 @@ from rest_framework.views import APIView
 from django_idempotency.conf import PrincipalFunc, conf
 from django_idempotency.engine.errors import IdempotencyError
 from django_idempotency.engine.unit import failing_closed
-from django_idempotency.engine.work import Refuse, Replay, Run, view_name
+from django_idempotency.engine.work import Refuse, Replay, view_name
 from django_idempotency.http.endpoints import written_model
 from django_idempotency.http.identity import has_body, unparseable_multipart
 from django_idempotency.http.options import (
@@ -181,8 +181,9 @@ class IdempotencyMixin:
         """After ``Run``, keep the unit for ``close()``; else leave with the answer."""
         if isinstance(decision, Refuse) and conf.DRF_EXCEPTION_HANDLER:
             raise decision.error  # to the project's EXCEPTION_HANDLER (handle_exception)
-        if not isinstance(decision, Run):
-            raise Answered(unit.respond(decision))
+        answered = unit.answer_for(decision)
+        if answered is not None:
+            raise Answered(answered)
         self._idempotency = unit
 
     def _check_object_permissions(self) -> None:
