@@ -18,7 +18,7 @@ from django_idempotency.engine.errors import IdempotencyError
 from django_idempotency.http import problems
 from django_idempotency.http.identity import unparseable_multipart
 from django_idempotency.http.options import ViewOptions, policy_for
-from django_idempotency.http.request import RequestUnit
+from django_idempotency.http.request import RequestUnit, lost_or_raise
 
 # Exceptions that Django turns into a 4xx response rather than a 500.
 CLIENT_ERRORS = (Http404, PermissionDenied, BadRequest, SuspiciousOperation)
@@ -208,16 +208,14 @@ def _kept(request: Any, exc: BaseException) -> HttpResponseBase | None:
     return None if _unread(request, exc) else _client_error(request, exc)
 
 
-def _failed(request: Any, exc: BaseException, lost: HttpResponseBase | None) -> HttpResponseBase:
+def _failed(request: Any, exc: BaseException, lost: HttpResponse | None) -> HttpResponseBase:
     """After the rollback: the 415 of a view that does not read multipart, a lost store's
     503 (``lost``), or the view's exception, raised again."""
     if _unread(request, exc):
         return unsupported_media_type(
             getattr(request, "_request", request), "this view does not read multipart bodies"
         )
-    if lost is None:
-        raise exc
-    return lost
+    return lost_or_raise(exc, lost)
 
 
 def _client_error(request: Any, exc: BaseException) -> HttpResponseBase | None:

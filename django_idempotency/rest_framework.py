@@ -37,7 +37,7 @@ from django_idempotency.http.problems import (
     status_for,
     with_error_headers,
 )
-from django_idempotency.http.request import Answer, Probed, RequestUnit
+from django_idempotency.http.request import Answer, Probed, RequestUnit, lost_or_raise
 
 
 class Answered(Exception):
@@ -228,10 +228,7 @@ class IdempotencyMixin:
             # An exception escaped the view (DRF re-raises what it cannot handle), so
             # finalize_response never ran: roll the claim back with everything else.
             unit = self._take_unit()
-            lost = None if unit is None else unit.fail(exc)
-            if lost is None:
-                raise
-            return lost
+            return lost_or_raise(exc, None if unit is None else unit.fail(exc))
         if isawaitable(response):
             # adrf's async dispatch, not started yet. Its finalize_response will run on the
             # event loop, where the ORM may not: close the unit after it instead.
@@ -247,10 +244,7 @@ class IdempotencyMixin:
             response = await dispatching
         except BaseException as exc:
             unit = self._take_unit()
-            lost = None if unit is None else await sync_to_async(unit.fail)(exc)
-            if lost is None:
-                raise
-            return lost
+            return lost_or_raise(exc, None if unit is None else await sync_to_async(unit.fail)(exc))
         unit = self._take_unit()
         return response if unit is None else await sync_to_async(unit.close)(response)
 

@@ -426,6 +426,14 @@ class RequestUnit:
             ) from exc
 
 
+def lost_or_raise(exc: BaseException, lost: HttpResponse | None) -> HttpResponse:
+    """What to send instead of the view's exception once ``fail(exc)`` rolled back: the
+    lost store's answer it returned, else the exception, raised again."""
+    if lost is None:
+        raise exc
+    return lost
+
+
 @instrumentation.traced_replay
 def replay_response(replay: Replay, accepted: bool, headers: dict[str, str]) -> HttpResponse:
     """The stored response, byte for byte (after decoding, unless the client ``accepted``
