@@ -15,11 +15,10 @@ from django.http.request import RawPostDataException
 from django.http.response import HttpResponseBase
 
 from django_idempotency.engine.errors import IdempotencyError
-from django_idempotency.engine.work import Run
 from django_idempotency.http import problems
 from django_idempotency.http.identity import unparseable_multipart
 from django_idempotency.http.options import ViewOptions, policy_for
-from django_idempotency.http.request import RequestUnit
+from django_idempotency.http.request import RequestUnit, lost_or_raise
 
 # Exceptions that Django turns into a 4xx response rather than a 500.
 CLIENT_ERRORS = (Http404, PermissionDenied, BadRequest, SuspiciousOperation)
@@ -76,18 +75,16 @@ def idempotent(view: Any = None, **options: Unpack[ViewOptions]) -> Any:
                 decision = await unit.aopen(
                     principal_request=request, media_type=_media_type(request)
                 )
-                if not isinstance(decision, Run):
-                    return unit.respond(decision)
+                instead = unit.answer_for(decision)
+                if instead is not None:
+                    return instead
                 try:
                     response = _answer(request, await func(request, *args, **kwargs))
                 except BaseException as exc:
-                    answered = _client_error(request, exc)
-                    if answered is None or _unread(request, exc):
-                        lost = await sync_to_async(unit.fail)(exc)
-                        if answered is None and lost is None:
-                            raise
-                        return answered or lost
-                    response = answered
+                    kept = _kept(request, exc)
+                    if kept is None:
+                        return _failed(request, exc, await sync_to_async(unit.fail)(exc))
+                    response = kept
                 return await sync_to_async(unit.close)(response)
 
             wrapper: Any = async_wrapper
@@ -101,18 +98,16 @@ def idempotent(view: Any = None, **options: Unpack[ViewOptions]) -> Any:
                 if isinstance(unit, HttpResponseBase):
                     return unit
                 decision = unit.open(principal_request=request, media_type=_media_type(request))
-                if not isinstance(decision, Run):
-                    return unit.respond(decision)
+                instead = unit.answer_for(decision)
+                if instead is not None:
+                    return instead
                 try:
                     response = _answer(request, func(request, *args, **kwargs))
                 except BaseException as exc:
-                    answered = _client_error(request, exc)
-                    if answered is None or _unread(request, exc):
-                        lost = unit.fail(exc)
-                        if answered is None and lost is None:
-                            raise
-                        return answered or lost
-                    response = answered
+                    kept = _kept(request, exc)
+                    if kept is None:
+                        return _failed(request, exc, unit.fail(exc))
+                    response = kept
                 return unit.close(response)
 
             wrapper = sync_wrapper
@@ -207,13 +202,25 @@ def _unread(request: Any, exc: BaseException) -> bool:
     )
 
 
-def _client_error(request: Any, exc: BaseException) -> HttpResponseBase | None:
-    """The 4xx that Django (or DRF, under ``@api_view``) would answer ``exc`` with, so the
-    outcome is stored and replayed like any other; None for errors that are 5xx."""
+def _kept(request: Any, exc: BaseException) -> HttpResponseBase | None:
+    """The response that the view's exception stands for and that is stored like any other
+    (a 4xx); None when the unit rolls back instead."""
+    return None if _unread(request, exc) else _client_error(request, exc)
+
+
+def _failed(request: Any, exc: BaseException, lost: HttpResponse | None) -> HttpResponseBase:
+    """After the rollback: the 415 of a view that does not read multipart, a lost store's
+    503 (``lost``), or the view's exception, raised again."""
     if _unread(request, exc):
         return unsupported_media_type(
             getattr(request, "_request", request), "this view does not read multipart bodies"
         )
+    return lost_or_raise(exc, lost)
+
+
+def _client_error(request: Any, exc: BaseException) -> HttpResponseBase | None:
+    """The 4xx that Django (or DRF, under ``@api_view``) would answer ``exc`` with, so the
+    outcome is stored and replayed like any other; None for errors that are 5xx."""
     view = _drf_view(request)
     if view is not None and isinstance(exc, Exception):
         from rest_framework.exceptions import APIException

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from functools import partial
 from typing import Any, TypeVar, Unpack, overload
 
@@ -16,7 +17,6 @@ from ninja.utils import contribute_operation_callback
 from django_idempotency.conf import conf
 from django_idempotency.engine.errors import IdempotencyError
 from django_idempotency.engine.unit import failing_closed
-from django_idempotency.engine.work import Run
 from django_idempotency.http.identity import MAX_KEY_LENGTH, has_body, unparseable_multipart
 from django_idempotency.http.options import Policy, ViewOptions, policy_for
 from django_idempotency.http.problems import (
@@ -129,11 +129,9 @@ class IdempotentOperation(_Idempotent):
         claim: _Claim | None = getattr(request, _CLAIM, None)
         if claim is None:
             return super()._run_checks(request)
-        if claim.unit.keyless:  # Ninja's own behaviour, then a transaction of its own
-            return super()._run_checks(request) or _open(claim, request)
-        with failing_closed():  # authentication usually queries the same database
+        with _checking(claim):
             error = super()._run_checks(request)
-        return error or _unsupported(self, request) or _open(claim, request)
+        return error or _unsupported(self, claim, request) or _open(claim, request)
 
 
 class AsyncIdempotentOperation(_Idempotent, AsyncOperation):
@@ -158,11 +156,9 @@ class AsyncIdempotentOperation(_Idempotent, AsyncOperation):
         claim: _Claim | None = getattr(request, _CLAIM, None)
         if claim is None:
             return await super()._run_checks(request)
-        if claim.unit.keyless:
-            return await super()._run_checks(request) or await _aopen(claim, request)
-        with failing_closed():
+        with _checking(claim):
             error = await super()._run_checks(request)
-        return error or _unsupported(self, request) or await _aopen(claim, request)
+        return error or _unsupported(self, claim, request) or await _aopen(claim, request)
 
 
 _subclasses: dict[type[Operation], type[Operation]] = {}
@@ -202,10 +198,18 @@ def _claim_for(operation: Any, request: HttpRequest) -> _Claim | HttpResponse | 
 _FORM_SOURCES = frozenset({"form", "file"})
 
 
-def _unsupported(operation: Any, request: HttpRequest) -> HttpResponse | None:
+def _checking(claim: _Claim) -> AbstractContextManager[None]:
+    """Around the operation's checks: authentication usually queries the same database as
+    the claim. A keyless request meets Ninja's own behaviour."""
+    return nullcontext() if claim.unit.keyless else failing_closed()
+
+
+def _unsupported(operation: Any, claim: _Claim, request: HttpRequest) -> HttpResponse | None:
     """The 415 for a multipart body that the operation cannot parse (it takes no ``Form``
     or ``File`` parameter, or Django cannot parse the body), before anything reads it: not
-    fingerprinted, not stored, and the key stays free."""
+    fingerprinted, not stored, and the key stays free. A keyless request is Ninja's own."""
+    if claim.unit.keyless:
+        return None
     if request.content_type != "multipart/form-data" or not has_body(request.META):
         return None
     reason = unparseable_multipart(request)
@@ -223,27 +227,21 @@ def _unsupported(operation: Any, request: HttpRequest) -> HttpResponse | None:
 def _open(claim: _Claim, request: HttpRequest) -> HttpResponse | None:
     """Claim the key now that the client is authenticated: None to run the view, or the
     replay or refusal to answer with."""
-    unit = claim.unit
-    if unit.keyless:  # no key, no principal: the operation runs in a transaction
-        return _decided(claim, unit.open())
-    decision = unit.open(principal_request=_principal_request(request, unit.policy))
+    decision = claim.unit.open(principal_request=_principal_request(claim, request))
     return _decided(claim, decision)
 
 
 async def _aopen(claim: _Claim, request: HttpRequest) -> HttpResponse | None:
     """``_open`` for an async operation: a duplicate waits on the event loop."""
-    if claim.unit.keyless:
-        return _decided(claim, await claim.unit.aopen())
-    principal_request = await sync_to_async(_principal_request)(request, claim.unit.policy)
+    principal_request = await sync_to_async(_principal_request)(claim, request)
     decision = await claim.unit.aopen(principal_request=principal_request)
     return _decided(claim, decision)
 
 
 def _decided(claim: _Claim, decision: Answer) -> HttpResponse | None:
-    if isinstance(decision, Run):
-        claim.claimed = True
-        return None
-    return claim.unit.respond(decision)
+    answer = claim.unit.answer_for(decision)
+    claim.claimed = answer is None
+    return answer
 
 
 def _failed(claim: _Claim, exc: BaseException) -> HttpResponseBase:
@@ -260,7 +258,10 @@ def _failed(claim: _Claim, exc: BaseException) -> HttpResponseBase:
     raise exc
 
 
-def _principal_request(request: HttpRequest, policy: Policy) -> Any:
+def _principal_request(claim: _Claim, request: HttpRequest) -> Any:
+    policy = claim.unit.policy
+    if claim.unit.keyless:  # no key, no principal: the operation runs in a transaction
+        return None
     if policy.principal is not None:
         return request
     user = getattr(request, "user", None)

@@ -21,7 +21,7 @@ from rest_framework.views import APIView
 from django_idempotency.conf import PrincipalFunc, conf
 from django_idempotency.engine.errors import IdempotencyError
 from django_idempotency.engine.unit import failing_closed
-from django_idempotency.engine.work import Refuse, Replay, Run, view_name
+from django_idempotency.engine.work import Refuse, Replay, view_name
 from django_idempotency.http.endpoints import written_model
 from django_idempotency.http.identity import has_body, unparseable_multipart
 from django_idempotency.http.options import (
@@ -37,7 +37,7 @@ from django_idempotency.http.problems import (
     status_for,
     with_error_headers,
 )
-from django_idempotency.http.request import Answer, Probed, RequestUnit
+from django_idempotency.http.request import Answer, Probed, RequestUnit, lost_or_raise
 
 
 class Answered(Exception):
@@ -181,8 +181,9 @@ class IdempotencyMixin:
         """After ``Run``, keep the unit for ``close()``; else leave with the answer."""
         if isinstance(decision, Refuse) and conf.DRF_EXCEPTION_HANDLER:
             raise decision.error  # to the project's EXCEPTION_HANDLER (handle_exception)
-        if not isinstance(decision, Run):
-            raise Answered(unit.respond(decision))
+        answered = unit.answer_for(decision)
+        if answered is not None:
+            raise Answered(answered)
         self._idempotency = unit
 
     def _check_object_permissions(self) -> None:
@@ -227,10 +228,7 @@ class IdempotencyMixin:
             # An exception escaped the view (DRF re-raises what it cannot handle), so
             # finalize_response never ran: roll the claim back with everything else.
             unit = self._take_unit()
-            lost = None if unit is None else unit.fail(exc)
-            if lost is None:
-                raise
-            return lost
+            return lost_or_raise(exc, None if unit is None else unit.fail(exc))
         if isawaitable(response):
             # adrf's async dispatch, not started yet. Its finalize_response will run on the
             # event loop, where the ORM may not: close the unit after it instead.
@@ -246,10 +244,7 @@ class IdempotencyMixin:
             response = await dispatching
         except BaseException as exc:
             unit = self._take_unit()
-            lost = None if unit is None else await sync_to_async(unit.fail)(exc)
-            if lost is None:
-                raise
-            return lost
+            return lost_or_raise(exc, None if unit is None else await sync_to_async(unit.fail)(exc))
         unit = self._take_unit()
         return response if unit is None else await sync_to_async(unit.close)(response)
 

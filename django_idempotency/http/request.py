@@ -365,6 +365,10 @@ class RequestUnit:
             return self.respond(self._refuse(error))
         return response
 
+    def answer_for(self, decision: Answer) -> HttpResponse | None:
+        """None after ``Run``: the view runs; else the response to send instead."""
+        return None if isinstance(decision, Run) else self.respond(decision)
+
     def respond(self, decision: Replay | Refuse | Probed) -> HttpResponse:
         """The response to send instead of running the view: the replay, the refusal, or a
         probe's answer."""
@@ -420,6 +424,14 @@ class RequestUnit:
                 "which cannot run inside the request's transaction (the one that holds the "
                 "key, or a keyless request's). Use a plain transaction.atomic() in this view."
             ) from exc
+
+
+def lost_or_raise(exc: BaseException, lost: HttpResponse | None) -> HttpResponse:
+    """What to send instead of the view's exception once ``fail(exc)`` rolled back: the
+    lost store's answer it returned, else the exception, raised again."""
+    if lost is None:
+        raise exc
+    return lost
 
 
 @instrumentation.traced_replay
