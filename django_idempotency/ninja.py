@@ -233,7 +233,10 @@ def _open(claim: _Claim, request: HttpRequest) -> HttpResponse | None:
 
 async def _aopen(claim: _Claim, request: HttpRequest) -> HttpResponse | None:
     """``_open`` for an async operation: a duplicate waits on the event loop."""
-    principal_request = await sync_to_async(_principal_request)(claim, request)
+    # A keyless request has no principal to find: no hop to a thread for it.
+    principal_request = (
+        None if claim.unit.keyless else await sync_to_async(_principal_request)(claim, request)
+    )
     decision = await claim.unit.aopen(principal_request=principal_request)
     return _decided(claim, decision)
 
