@@ -21,8 +21,8 @@ from nats.js.api import AckPolicy, ConsumerConfig
 
 from django_idempotency.engine.errors import KeyReused
 from django_idempotency.messaging.destinations.nats import CONNECT, DEFAULTS, MSG_ID, UNREACHABLE
+from django_idempotency.messaging.destinations.nats_loop import ClientLoop
 from django_idempotency.messaging.exactly_once import Delivery, consume
-from django_idempotency.messaging.nats_loop import ClientLoop
 from django_idempotency.messaging.tracing import NATS, consuming_headers
 
 logger = logging.getLogger("django_idempotency.consumers")

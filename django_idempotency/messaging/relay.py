@@ -1,4 +1,4 @@
-"""The relay's loop: passes that claim, publish and mark (``leases``, ``publishing``), LISTEN
+"""The relay's loop: passes that claim, publish and mark (``leases``, ``destinations``), LISTEN
 for commits, back off, warn of an old backlog and time the redrive (``docs/outbox.md``)."""
 
 from __future__ import annotations

@@ -130,7 +130,7 @@ celery_only = {
     "django_idempotency.tasks",
     "django_idempotency.messaging.consumers",
     "django_idempotency.messaging.outbox_task",
-    "django_idempotency.messaging.publishing",
+    "django_idempotency.messaging.destinations.celery_broker",
     "django_idempotency.messaging.destinations.celery",
 }
 for module in pkgutil.walk_packages(django_idempotency.__path__, "django_idempotency."):

@@ -1,5 +1,5 @@
 """The Celery destination (the default): each message sent as ``app.send_task()`` would, with
-the message id as task id, on one producer, a Redis batch as one pipeline (``publishing``)."""
+the message id as task id, on one producer, a Redis batch as one pipeline (``celery_broker``)."""
 
 from __future__ import annotations
 
@@ -12,9 +12,9 @@ from django.core.exceptions import ImproperlyConfigured
 from django.utils.module_loading import import_string
 
 from django_idempotency.messaging.destinations import Destination, Publication, Stopping
+from django_idempotency.messaging.destinations.celery_broker import Broker, celery_app
 from django_idempotency.messaging.leases import Message
 from django_idempotency.messaging.outbox import task_name
-from django_idempotency.messaging.publishing import Broker, celery_app
 
 logger = logging.getLogger("django_idempotency.relay")
 # Task names a Celery destination's app did not know, already named in a warning.

@@ -17,8 +17,8 @@ import nats.js.errors
 from django.core.exceptions import ImproperlyConfigured
 
 from django_idempotency.messaging.destinations import Destination, Publication, Stopping
+from django_idempotency.messaging.destinations.nats_loop import ClientLoop, result
 from django_idempotency.messaging.leases import Message
-from django_idempotency.messaging.nats_loop import ClientLoop, result
 from django_idempotency.messaging.tracing import NATS, publishing
 from django_idempotency.models import OutboxMessage
 

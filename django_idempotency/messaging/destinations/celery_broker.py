@@ -1,5 +1,6 @@
-"""The broker: the relay's Celery app, its connection and producer, and ``TaskSender``, which
-sends outbox rows as ``app.send_task()`` would, at the broker's pace (``docs/outbox.md``)."""
+"""The Celery destination's transport: the relay's Celery app, its connection and producer,
+and ``TaskSender``, which sends outbox rows as ``app.send_task()`` would, at the broker's
+pace (``docs/outbox.md``)."""
 
 from __future__ import annotations
 
