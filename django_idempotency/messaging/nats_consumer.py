@@ -23,7 +23,7 @@ from django_idempotency.engine.errors import KeyReused
 from django_idempotency.messaging.destinations.nats import CONNECT, DEFAULTS, MSG_ID, UNREACHABLE
 from django_idempotency.messaging.destinations.nats_loop import ClientLoop
 from django_idempotency.messaging.exactly_once import Delivery, consume
-from django_idempotency.messaging.tracing import NATS, consuming_headers
+from django_idempotency.messaging.tracing import NATS, consume_span_from_headers
 
 logger = logging.getLogger("django_idempotency.consumers")
 
@@ -184,7 +184,9 @@ class NatsConsumer:
             context=delivered,
         )
         try:
-            with consuming_headers(delivered.headers, delivered.id, delivered.subject, NATS):
+            with consume_span_from_headers(
+                delivered.headers, delivered.id, delivered.subject, NATS
+            ):
                 consume(delivery)
         except _GiveBack as exc:
             logger.info("NATS message %s goes back to the stream: %s", delivered.id, exc)

@@ -25,7 +25,7 @@ from django_idempotency.messaging import leases
 from django_idempotency.messaging.destinations import (
     Destination,
     Destinations,
-    Publication,
+    PublishResult,
     Waiting,
     start,
 )
@@ -426,8 +426,8 @@ class Relay:
         self.stopping.set()
 
 
-def _done(publication: Publication) -> Waiting:
-    return lambda: publication
+def _done(result: PublishResult) -> Waiting:
+    return lambda: result
 
 
 class LeaseDeadline:

@@ -11,7 +11,7 @@ from django.utils.module_loading import import_string
 
 from django_idempotency.messaging.exactly_once import Delivery, consume
 from django_idempotency.messaging.tasks_framework import InvalidTask, Task, TaskContext
-from django_idempotency.messaging.tracing import DJANGO_TASKS, consuming_headers
+from django_idempotency.messaging.tracing import DJANGO_TASKS, consume_span_from_headers
 
 logger = logging.getLogger("django_idempotency.consumers")
 
@@ -70,7 +70,7 @@ def deliver(
             return task.call(context, *args, **kwargs)
         return task.call(*args, **kwargs)
 
-    with consuming_headers(trace, message_id, target, DJANGO_TASKS):
+    with consume_span_from_headers(trace, message_id, target, DJANGO_TASKS):
         return consume(
             Delivery(
                 consumer=target,

@@ -36,7 +36,7 @@ from django.utils import timezone
 
 from django_idempotency import signals
 from django_idempotency.messaging import leases
-from django_idempotency.messaging.destinations import Destination, Publication
+from django_idempotency.messaging.destinations import Destination, PublishResult
 from django_idempotency.messaging.outbox import enqueue_event, enqueue_task
 from django_idempotency.messaging.relay import PublishFailed, Relay
 from django_idempotency.models import OutboxMessage
@@ -256,8 +256,8 @@ class SlowDestination(Destination):
     def describe(self) -> str:
         return "slowly"
 
-    def publish(self, messages: Any, stopping: Any) -> Publication:
-        done = Publication()
+    def publish(self, messages: Any, stopping: Any) -> PublishResult:
+        done = PublishResult()
         for message in messages:
             if stopping.is_set():
                 break

@@ -11,7 +11,7 @@ from typing import Any
 from django.core.exceptions import ImproperlyConfigured
 from django.utils.module_loading import import_string
 
-from django_idempotency.messaging.destinations import Destination, Publication, Stopping
+from django_idempotency.messaging.destinations import Destination, PublishResult, Stopping
 from django_idempotency.messaging.destinations.celery_broker import Broker, celery_app
 from django_idempotency.messaging.leases import Message
 from django_idempotency.messaging.outbox import task_name
@@ -91,13 +91,13 @@ class CeleryDestination(Destination):
     def is_connection_error(self, exc: Exception) -> bool:
         return self.broker.is_connection_error(exc)
 
-    def publish(self, messages: Sequence[Message], stopping: Stopping) -> Publication:
+    def publish(self, messages: Sequence[Message], stopping: Stopping) -> PublishResult:
         """Publish in order until one fails.
 
         Where the transport can (Redis), the publishes go out as one pipeline when the loop
         ends; if that fails, whether any arrived is unknown, so none counts as published.
         """
-        done = Publication()
+        done = PublishResult()
         producer = self.broker.producer()
         sender = self.broker.sender()
         batching = getattr(producer, "batch", None)  # kombu 5.7+
@@ -119,5 +119,5 @@ class CeleryDestination(Destination):
         except Exception as exc:
             if not done.sent:
                 raise
-            return Publication([], done.sent[0], exc)
+            return PublishResult([], done.sent[0], exc)
         return done

@@ -11,12 +11,12 @@ from typing import Any
 from django.core.exceptions import ImproperlyConfigured
 from django.db import InterfaceError, OperationalError
 
-from django_idempotency.messaging.destinations import Destination, Publication, Stopping
+from django_idempotency.messaging.destinations import Destination, PublishResult, Stopping
 from django_idempotency.messaging.exactly_once import principal
 from django_idempotency.messaging.leases import Message
 from django_idempotency.messaging.task_runner import DELIVER
 from django_idempotency.messaging.tasks_framework import task_backends
-from django_idempotency.messaging.tracing import DJANGO_TASKS, publishing
+from django_idempotency.messaging.tracing import DJANGO_TASKS, publish_span
 from django_idempotency.models import OutboxMessage
 
 # Out of reach: the backend's store (Redis, a database) down, not a fault of the message.
@@ -79,9 +79,9 @@ class TasksDestination(Destination):
             or type(exc).__name__ in UNREACHABLE_NAMES
         )
 
-    def publish(self, messages: Sequence[Message], stopping: Stopping) -> Publication:
+    def publish(self, messages: Sequence[Message], stopping: Stopping) -> PublishResult:
         """Enqueue each on its backend, in order, until one fails."""
-        done = Publication()
+        done = PublishResult()
         for message in messages:
             if stopping.is_set():
                 break
@@ -95,7 +95,7 @@ class TasksDestination(Destination):
                 )
                 arguments = [message.id, message.name, message.args, message.kwargs]
                 options = message.options
-                with publishing(
+                with publish_span(
                     message.id, message.name, options, self.name, DJANGO_TASKS
                 ) as traced:
                     # The runner continues the trace from it (its own argument: the backends
