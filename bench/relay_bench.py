@@ -179,7 +179,7 @@ def direct_loop(app: Any, count: int) -> float:
 
 
 def relay_drain(app: Any, count: int) -> float:
-    from django_idempotency.messaging.relay import Relay
+    from django_idempotency.messaging.relay.loop import Relay
 
     clear_outbox()
     fill_outbox(count)
@@ -251,7 +251,7 @@ def nats_loop(server: NatsServer, count: int) -> float:
 def nats_relay(server: NatsServer, count: int) -> float:
     from django.test import override_settings
 
-    from django_idempotency.messaging.relay import Relay
+    from django_idempotency.messaging.relay.loop import Relay
 
     clear_outbox()
     fill_outbox(count)
@@ -333,7 +333,7 @@ def tasks_loop(count: int) -> float:
 def tasks_relay(count: int) -> float:
     from django.db import transaction
 
-    from django_idempotency.messaging.relay import Relay
+    from django_idempotency.messaging.relay.loop import Relay
     from django_idempotency.messaging.tasks_framework import Task, task_backends
 
     clear_outbox()

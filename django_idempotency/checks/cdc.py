@@ -15,7 +15,7 @@ from django.utils.translation import gettext as _
 
 from django_idempotency.checks.base import ours
 from django_idempotency.conf import conf, wrong_type
-from django_idempotency.messaging import cdc_publication
+from django_idempotency.messaging.cdc import publication
 from django_idempotency.models import OutboxEvent
 
 
@@ -41,14 +41,14 @@ def check_cdc(
         if not router.allow_migrate_model(alias, OutboxEvent):
             continue
         try:
-            found = cdc_publication.state(alias, conf.CDC_PUBLICATION)
+            found = publication.state(alias, conf.CDC_PUBLICATION)
         except DatabaseError:
             continue  # not migrated yet, or no server
         messages += _messages(alias, found)
     return messages
 
 
-def _messages(alias: str, found: cdc_publication.State) -> list[CheckMessage]:
+def _messages(alias: str, found: publication.State) -> list[CheckMessage]:
     messages: list[CheckMessage] = []
     if not found.decodes:
         messages.append(

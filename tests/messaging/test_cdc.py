@@ -17,7 +17,8 @@ from django.test import override_settings
 
 from django_idempotency.checks.cdc import check_cdc
 from django_idempotency.engine.work import Result, Run
-from django_idempotency.messaging import cdc, cdc_publication, emit_event
+from django_idempotency.messaging import cdc, emit_event
+from django_idempotency.messaging.cdc import publication
 from django_idempotency.messaging.outbox import NotInTransaction, OutboxError
 from django_idempotency.models import OutboxEvent
 from django_idempotency.partitions.catalog import utc_today
@@ -187,7 +188,7 @@ def test_maintenance_keeps_the_event_table_ahead_and_drops_days_past_cdc_retenti
 # The publication: its SQL, the command, the checks -------------------------------------
 
 
-def _state(**changes: object) -> cdc_publication.State:
+def _state(**changes: object) -> publication.State:
     fields = {
         "publication": NAME,
         "wal_level": "logical",
@@ -198,22 +199,22 @@ def _state(**changes: object) -> cdc_publication.State:
         "slots": (),
         **changes,
     }
-    return cdc_publication.State(**fields)  # type: ignore[arg-type]
+    return publication.State(**fields)  # type: ignore[arg-type]
 
 
 def test_the_sql_creates_a_missing_publication_and_mends_one_that_falls_short() -> None:
     table = f'"{cdc.TABLE}"'
-    assert cdc_publication.statements("default", _state(exists=False)) == [
+    assert publication.statements("default", _state(exists=False)) == [
         f'CREATE PUBLICATION "{NAME}" FOR TABLE {table} '
         "WITH (publish = 'insert', publish_via_partition_root = true)"
     ]
-    assert cdc_publication.statements("default", _state()) == []
-    assert cdc_publication.statements("default", _state(includes_table=False, via_root=False)) == [
+    assert publication.statements("default", _state()) == []
+    assert publication.statements("default", _state(includes_table=False, via_root=False)) == [
         f'ALTER PUBLICATION "{NAME}" ADD TABLE {table}',
         f'ALTER PUBLICATION "{NAME}" SET (publish_via_partition_root = true)',
     ]
     # Not mended: the publication's owner decides what it publishes for its other tables.
-    assert cdc_publication.statements("default", _state(publishes_inserts=False)) == []
+    assert publication.statements("default", _state(publishes_inserts=False)) == []
     assert _state(publishes_inserts=False).problems() == [
         f"publication {NAME!r} does not publish inserts"
     ]
@@ -227,7 +228,7 @@ def test_the_command_creates_the_publication_and_the_checks_then_see_it() -> Non
         call_command("idempotency_cdc", "publication", "--sql", stdout=out)
         assert out.getvalue().startswith(f'CREATE PUBLICATION "{NAME}" FOR TABLE')
         call_command("idempotency_cdc", "publication", stdout=StringIO())
-        found = cdc_publication.state("default", NAME)
+        found = publication.state("default", NAME)
         after = {m.id for m in check_cdc(None, databases=["default"])}
         out = StringIO()
         call_command("idempotency_cdc", "publication", stdout=out)

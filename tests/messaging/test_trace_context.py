@@ -33,7 +33,7 @@ from django_idempotency.messaging.consumers import ExactlyOnceTask
 from django_idempotency.messaging.destinations import CELERY, NATS, TASKS
 from django_idempotency.messaging.nats_consumer import NatsConsumer
 from django_idempotency.messaging.outbox import enqueue_event, enqueue_task
-from django_idempotency.messaging.relay import PublishFailed, Relay
+from django_idempotency.messaging.relay.loop import PublishFailed, Relay
 from django_idempotency.messaging.task_runner import deliver
 from django_idempotency.messaging.tasks_framework import task_backends
 from django_idempotency.models import OutboxMessage

@@ -130,6 +130,7 @@ celery_only = {
     "django_idempotency.tasks",
     "django_idempotency.messaging.consumers",
     "django_idempotency.messaging.outbox_task",
+    "django_idempotency.messaging.outbox.celery",
     "django_idempotency.messaging.destinations.celery_broker",
     "django_idempotency.messaging.destinations.celery",
 }

@@ -10,7 +10,7 @@ from django.db import DatabaseError, connections, router
 
 from django_idempotency.conf import conf
 from django_idempotency.db import sqlstate
-from django_idempotency.messaging import cdc_publication
+from django_idempotency.messaging.cdc import publication
 from django_idempotency.models import OutboxEvent
 
 # PostgreSQL's insufficient_privilege.
@@ -58,20 +58,20 @@ class Command(BaseCommand):
                 "through a publication needs PostgreSQL."
             )
         try:
-            found = cdc_publication.state(using, name)
+            found = publication.state(using, name)
         except DatabaseError as exc:
             raise CommandError(f"Cannot read the publication on {using!r}: {exc}") from exc
         if options["action"] == "status":
             self._status(using, found)
         elif options["sql"]:
-            needed = cdc_publication.statements(using, found)
+            needed = publication.statements(using, found)
             self.stdout.write("\n".join(f"{s};" for s in needed) or "-- nothing to do")
         else:
             self._create(using, name)
 
     def _create(self, using: str, name: str) -> None:
         try:
-            done = cdc_publication.apply(using, name)
+            done = publication.apply(using, name)
         except DatabaseError as exc:
             if sqlstate(exc) != INSUFFICIENT_PRIVILEGE:
                 raise CommandError(f"Could not create the publication: {exc}") from exc
@@ -86,7 +86,7 @@ class Command(BaseCommand):
         for statement in done:
             self.stdout.write(f"{statement};")
 
-    def _status(self, using: str, found: cdc_publication.State) -> None:
+    def _status(self, using: str, found: publication.State) -> None:
         self.stdout.write(f"database {using!r}: wal_level = {found.wal_level}")
         shape = "; ".join(found.problems()) or (
             f"publication {found.publication!r}: inserts of the event table, through its root"

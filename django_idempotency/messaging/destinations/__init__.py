@@ -12,7 +12,7 @@ from django.core.exceptions import ImproperlyConfigured
 from django.utils.module_loading import import_string
 
 from django_idempotency.conf import conf
-from django_idempotency.messaging.leases import Message
+from django_idempotency.messaging.relay.leases import Message
 from django_idempotency.models import OutboxMessage
 
 # The destination that takes every message no route names.

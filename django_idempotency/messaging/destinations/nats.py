@@ -18,7 +18,7 @@ from django.core.exceptions import ImproperlyConfigured
 
 from django_idempotency.messaging.destinations import Destination, PublishResult, Stopping
 from django_idempotency.messaging.destinations.nats_loop import ClientLoop, result
-from django_idempotency.messaging.leases import Message
+from django_idempotency.messaging.relay.leases import Message
 from django_idempotency.messaging.tracing import NATS, publish_span
 from django_idempotency.models import OutboxMessage
 

@@ -21,7 +21,6 @@ from django.utils import timezone
 
 from django_idempotency import signals
 from django_idempotency.conf import conf
-from django_idempotency.messaging import leases
 from django_idempotency.messaging.destinations import (
     Destination,
     Destinations,
@@ -29,10 +28,11 @@ from django_idempotency.messaging.destinations import (
     Waiting,
     start,
 )
-from django_idempotency.messaging.heartbeats import BEAT_EVERY, Heartbeat
-from django_idempotency.messaging.leases import Batch, Message
 from django_idempotency.messaging.outbox import CHANNEL
-from django_idempotency.messaging.redrive import Redrive
+from django_idempotency.messaging.relay import leases
+from django_idempotency.messaging.relay.heartbeats import BEAT_EVERY, Heartbeat
+from django_idempotency.messaging.relay.leases import Batch, Message
+from django_idempotency.messaging.relay.redrive import Redrive
 from django_idempotency.models import OutboxMessage
 
 logger = logging.getLogger("django_idempotency.relay")
@@ -326,7 +326,7 @@ class Relay:
 
     def redrive_if_due(self) -> int:
         """Every little while, put back for publishing the published messages that their
-        exactly-once consumers have no record of (``messaging/redrive.py``); return how many."""
+        exactly-once consumers have no record of (``redrive``); return how many."""
         if self.redrive.after is None:
             return 0
         if time.monotonic() - self._redrive_checked < self.redrive.check_every:
