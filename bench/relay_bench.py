@@ -318,7 +318,7 @@ def tasks_settings(redis_url: str) -> dict[str, Any]:
 def tasks_loop(count: int) -> float:
     """Seconds for a plain loop to enqueue ``count`` jobs with the real backend itself (the
     same client, the same task and arguments the destination enqueues)."""
-    from django_idempotency.messaging.task_runner import DELIVER
+    from django_idempotency.messaging.consumers.tasks import DELIVER
     from django_idempotency.messaging.tasks_framework import task_backends
 
     backend = task_backends["rq"]

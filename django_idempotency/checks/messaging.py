@@ -207,7 +207,7 @@ def check_consumers(app_configs: Sequence[AppConfig] | None, **kwargs: Any) -> l
             importlib.import_module(f"{config.name}.tasks")
     from celery import current_app
 
-    from django_idempotency.messaging.consumers import declared
+    from django_idempotency.messaging.consumers.celery import declared
 
     # A shared task's class is made when an app is finalized; an app that finalizes only by
     # hand (autofinalize=False) is left alone.

@@ -128,7 +128,8 @@ import django_idempotency
 # publish path (imported when the relay publishes).
 celery_only = {
     "django_idempotency.tasks",
-    "django_idempotency.messaging.consumers",
+    "django_idempotency.messaging.consumers.celery",
+    "django_idempotency.messaging.consumers",  # its face, as old projects import it
     "django_idempotency.messaging.outbox_task",
     "django_idempotency.messaging.outbox.celery",
     "django_idempotency.messaging.destinations.celery_broker",

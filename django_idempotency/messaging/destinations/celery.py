@@ -53,7 +53,10 @@ class CeleryDestination(Destination):
         called = task_name(kind, name)
         with contextlib.suppress(KeyError):
             return self._principals[called]
-        from django_idempotency.messaging.consumers import ExactlyOnceTask, consumer_principal
+        from django_idempotency.messaging.consumers.celery import (
+            ExactlyOnceTask,
+            consumer_principal,
+        )
 
         self.import_tasks()
         task = self.app.tasks.get(called)

@@ -11,10 +11,10 @@ from typing import Any
 from django.core.exceptions import ImproperlyConfigured
 from django.db import InterfaceError, OperationalError
 
+from django_idempotency.messaging.consumers.exactly_once import principal
+from django_idempotency.messaging.consumers.tasks import DELIVER
 from django_idempotency.messaging.destinations import Destination, PublishResult, Stopping
-from django_idempotency.messaging.exactly_once import principal
 from django_idempotency.messaging.relay.leases import Message
-from django_idempotency.messaging.task_runner import DELIVER
 from django_idempotency.messaging.tasks_framework import task_backends
 from django_idempotency.messaging.tracing import DJANGO_TASKS, publish_span
 from django_idempotency.models import OutboxMessage

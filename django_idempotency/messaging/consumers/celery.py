@@ -9,26 +9,10 @@ from typing import TYPE_CHECKING, Any, NoReturn
 from celery import Task
 from celery.exceptions import Reject
 
-from django_idempotency.messaging.exactly_once import (
-    JSON_HEADERS,
-    METHOD,
-    PRINCIPAL_PREFIX,
-    Delivery,
-    arguments_digest,
-    consume,
-    principal,
-)
+from django_idempotency.messaging.consumers.exactly_once import Delivery, consume, principal
 from django_idempotency.messaging.tracing import broker_system, consume_span
 
-__all__ = [
-    "JSON_HEADERS",
-    "METHOD",
-    "PRINCIPAL_PREFIX",
-    "ExactlyOnceTask",
-    "arguments_digest",
-    "consumer_principal",
-    "run_exactly_once",
-]
+__all__ = ["ExactlyOnceTask", "consumer_principal", "run_exactly_once"]
 
 # A delivery that found the store down waits this long before giving the message back, so
 # an outage does not spin every worker through the broker.
