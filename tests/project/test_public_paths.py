@@ -29,6 +29,7 @@ PATHS = [
     "django_idempotency.messaging.tasks_framework.task",
     "django_idempotency.messaging.tasks_framework.TaskContext",
     "django_idempotency.messaging.destinations.Destination",
+    "django_idempotency.messaging.destinations.Publication",
     "django_idempotency.messaging.destinations.celery.CeleryDestination",
     "django_idempotency.messaging.destinations.nats.NatsDestination",
     "django_idempotency.messaging.destinations.tasks.TasksDestination",

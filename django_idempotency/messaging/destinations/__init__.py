@@ -34,6 +34,10 @@ class PublishResult:
     error: Exception | None = None
 
 
+# Its first name, which custom destinations' ``publish`` may still import and return.
+Publication = PublishResult
+
+
 class Stopping(Protocol):
     """What tells a destination to stop publishing a batch early: the relay stopping, or the
     batch's lease about to run out (``threading.Event`` is one)."""

@@ -1,6 +1,7 @@
 """The Django Tasks destination: each message handed to the real backend its message names
-(django-tasks-rq, django-tasks-db, ...) as ``task_runner.deliver``, which carries the message id
-and runs the target exactly once; sent once the backend's ``enqueue()`` has returned."""
+(django-tasks-rq, django-tasks-db, ...) as ``consumers.tasks.deliver``, which carries the
+message id and runs the target exactly once; sent once the backend's ``enqueue()`` has
+returned."""
 
 from __future__ import annotations
 
@@ -42,7 +43,7 @@ def _backend_alias(message: Message) -> str:
 
 class TasksDestination(Destination):
     """Publishes to backends of Django's Tasks framework (messages written by
-    ``task_backend.OutboxBackend``, which names the backend in each). The redrive checks
+    ``outbox.tasks.OutboxBackend``, which names the backend in each). The redrive checks
     the consumer record ``deliver`` makes, and publishes a message again if there is none
     (RQ does not run again a job whose worker died)."""
 

@@ -1,6 +1,6 @@
 """``OutboxBackend``: a backend of Django's Tasks framework whose ``enqueue()`` writes the task
 into the outbox, in the current transaction; the relay hands it to a real backend
-(``destinations.tasks``), where ``task_runner`` runs it exactly once (docs/outbox.md)."""
+(``destinations.tasks``), where ``consumers.tasks`` runs it exactly once (docs/outbox.md)."""
 
 from __future__ import annotations
 
