@@ -51,7 +51,7 @@ def make_tasks() -> tuple[Any, Any]:
     from celery import Celery
     from django.db import connection, transaction
 
-    from django_idempotency.messaging.consumers import ExactlyOnceTask
+    from django_idempotency.messaging.consumers.celery import ExactlyOnceTask
 
     app = Celery("consumer-bench", set_as_current=False)
     app.conf.update(broker_url="memory://", task_ignore_result=True)
@@ -82,7 +82,11 @@ class Floor:
 
         from django_idempotency.conf import conf
         from django_idempotency.engine.hashing import lock_id
-        from django_idempotency.messaging.consumers import JSON_HEADERS, METHOD, PRINCIPAL_PREFIX
+        from django_idempotency.messaging.consumers.exactly_once import (
+            JSON_HEADERS,
+            METHOD,
+            PRINCIPAL_PREFIX,
+        )
         from django_idempotency.storage import records
 
         self.conn = psycopg.connect(url)

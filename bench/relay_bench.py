@@ -179,7 +179,7 @@ def direct_loop(app: Any, count: int) -> float:
 
 
 def relay_drain(app: Any, count: int) -> float:
-    from django_idempotency.messaging.relay import Relay
+    from django_idempotency.messaging.relay.loop import Relay
 
     clear_outbox()
     fill_outbox(count)
@@ -251,7 +251,7 @@ def nats_loop(server: NatsServer, count: int) -> float:
 def nats_relay(server: NatsServer, count: int) -> float:
     from django.test import override_settings
 
-    from django_idempotency.messaging.relay import Relay
+    from django_idempotency.messaging.relay.loop import Relay
 
     clear_outbox()
     fill_outbox(count)
@@ -318,7 +318,7 @@ def tasks_settings(redis_url: str) -> dict[str, Any]:
 def tasks_loop(count: int) -> float:
     """Seconds for a plain loop to enqueue ``count`` jobs with the real backend itself (the
     same client, the same task and arguments the destination enqueues)."""
-    from django_idempotency.messaging.task_runner import DELIVER
+    from django_idempotency.messaging.consumers.tasks import DELIVER
     from django_idempotency.messaging.tasks_framework import task_backends
 
     backend = task_backends["rq"]
@@ -333,7 +333,7 @@ def tasks_loop(count: int) -> float:
 def tasks_relay(count: int) -> float:
     from django.db import transaction
 
-    from django_idempotency.messaging.relay import Relay
+    from django_idempotency.messaging.relay.loop import Relay
     from django_idempotency.messaging.tasks_framework import Task, task_backends
 
     clear_outbox()
@@ -454,7 +454,7 @@ def nats_latency(server: NatsServer, url: str, samples: int) -> list[float]:
 
     import nats
 
-    from django_idempotency.messaging.nats_loop import ClientLoop
+    from django_idempotency.messaging.destinations.nats_loop import ClientLoop
 
     clear_outbox()
     received: queue.Queue[bytes] = queue.Queue()

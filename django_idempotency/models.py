@@ -86,7 +86,7 @@ class OutboxMessage(models.Model):
     lease_until = models.DateTimeField(_("leased or held until"), null=True)
     fence = models.BigIntegerField(_("fence"), default=0)
     # When the relay looks for the exactly-once consumer's record of this published message,
-    # and publishes it again if there is none (messaging/redrive.py); null: nothing to check.
+    # and publishes it again if there is none (messaging/relay/redrive.py); null: nothing to check.
     redrive_at = models.DateTimeField(_("consumer record checked at"), null=True)
     # A database default too: the outbox writes its rows in SQL of its own (outbox.py).
     redrives = models.IntegerField(_("published again"), default=0, db_default=0)
@@ -94,7 +94,7 @@ class OutboxMessage(models.Model):
     # dropped, until an operator requeues it (manage.py idempotency_outbox requeue).
     dead_at = models.DateTimeField(_("dead letter since"), null=True)
     # Messages with the same key are published one after the other, in the order of their
-    # places, which follow commit order (messaging/outbox.py); null: no order kept.
+    # places, which follow commit order (messaging/outbox/__init__.py); null: no order kept.
     # Null rather than "": the claim and its partial index tell keyed rows by IS NOT NULL.
     ordering_key = models.CharField(_("ordering key"), max_length=255, null=True)  # noqa: DJ001
     ordering_seq = models.BigIntegerField(_("place in its key's order"), null=True)
@@ -167,7 +167,7 @@ class OutboxEvent(models.Model):
 
 class RelayHeartbeat(models.Model):
     """A running relay's last sign of life: one row per relay, beaten every few seconds
-    (``messaging/heartbeats.py``), removed when the relay stops cleanly. A row that stops
+    (``messaging/relay/heartbeats.py``), removed when the relay stops cleanly. A row that stops
     beating is a relay that died (its pid is gone) or hangs."""
 
     owner = models.CharField(_("relay"), max_length=64, primary_key=True)

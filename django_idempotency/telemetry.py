@@ -339,7 +339,7 @@ def _observe_headroom(options: CallbackOptions) -> Iterable[Observation]:
 def _backlog() -> list[tuple[float, float, float, str]]:
     from django.utils import timezone
 
-    from django_idempotency.messaging import leases
+    from django_idempotency.messaging.relay import leases
 
     found = []
     for alias in _aliases(OUTBOX_MODEL):
@@ -371,7 +371,7 @@ def _observe_dead(options: CallbackOptions) -> Iterable[Observation]:
 
 
 def _heartbeat_ages() -> list[tuple[float, dict[str, str]]]:
-    from django_idempotency.messaging import heartbeats
+    from django_idempotency.messaging.relay import heartbeats
 
     found = []
     for alias in _aliases(OUTBOX_MODEL):

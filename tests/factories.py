@@ -50,7 +50,7 @@ class IdempotencyRecordFactory(DjangoModelFactory):
 
 class ConsumerRecordFactory(IdempotencyRecordFactory):
     """The record an exactly-once consumer keeps of a message it ran: under the consumer's
-    principal, keyed by the message id (``messaging.consumers.consume``)."""
+    principal, keyed by the message id (``messaging.consumers.run_exactly_once``)."""
 
     class Params:
         task = "tests.consumer"

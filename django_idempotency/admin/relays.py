@@ -11,7 +11,7 @@ from django.utils.translation import gettext
 from django.utils.translation import gettext_lazy as _
 
 from django_idempotency.admin.base import ModelAdminOf, time_column
-from django_idempotency.messaging import heartbeats
+from django_idempotency.messaging.relay import heartbeats
 from django_idempotency.models import RelayHeartbeat
 
 

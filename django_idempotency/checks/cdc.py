@@ -15,7 +15,7 @@ from django.utils.translation import gettext as _
 
 from django_idempotency.checks.base import ours
 from django_idempotency.conf import conf, wrong_type
-from django_idempotency.messaging import publication
+from django_idempotency.messaging.cdc import publication
 from django_idempotency.models import OutboxEvent
 
 

@@ -24,7 +24,7 @@ from django.utils.translation import ngettext
 
 from django_idempotency.checks.base import as_written, ours
 from django_idempotency.conf import conf, wrong_type
-from django_idempotency.messaging import heartbeats, leases
+from django_idempotency.messaging.relay import heartbeats, leases
 from django_idempotency.models import OutboxMessage
 
 # Dead letters are counted up to this many.
@@ -162,7 +162,7 @@ def check_task_backends(
         return []
     if not any(importlib.util.find_spec(name) for name in ("django.tasks", "django_tasks")):
         return []  # no Tasks framework (Django 6.0+, or the backport): TASKS is not ours
-    from django_idempotency.messaging.task_backend import OutboxBackend
+    from django_idempotency.messaging.outbox.tasks import OutboxBackend
     from django_idempotency.messaging.tasks_framework import task_backends
 
     errors: list[CheckMessage] = []
@@ -207,7 +207,7 @@ def check_consumers(app_configs: Sequence[AppConfig] | None, **kwargs: Any) -> l
             importlib.import_module(f"{config.name}.tasks")
     from celery import current_app
 
-    from django_idempotency.messaging.consumers import declared
+    from django_idempotency.messaging.consumers.celery import declared
 
     # A shared task's class is made when an app is finalized; an app that finalizes only by
     # hand (autofinalize=False) is left alone.

@@ -1,6 +1,24 @@
-"""The exactly-once chain beside the request side: ``outbox`` writes, ``relay`` publishes
-(``leases``, ``publishing``, ``redrive``), ``consumers`` run once, ``downstream`` keys;
-``cdc`` writes events that leave by change data capture (``publication`` is its setup)."""
+"""The exactly-once chain, beside the request side and on the same storage.
+
+Who writes: ``outbox/`` puts a message in the caller's transaction (``enqueue_task``,
+``enqueue_event``; Celery's ``OutboxTask`` in ``outbox/celery.py``, Django's Tasks backend
+``OutboxBackend`` in ``outbox/tasks.py``); ``cdc/`` writes events that leave by change data
+capture instead (``emit_event``; ``cdc/publication.py`` sets up PostgreSQL's side).
+
+Who relays: ``relay/`` claims committed rows (``leases``), hands each to its destination,
+marks what was published, beats (``heartbeats``) and publishes again what a consumer lost
+(``redrive``). ``destinations/`` sends, each beside its transport: Celery (``celery``,
+``celery_broker``), NATS JetStream (``nats``, ``nats_loop``), Django's Tasks (``tasks``).
+
+Who consumes: ``consumers/`` runs each message once through one core (``exactly_once``), for
+Celery (``ExactlyOnceTask``), NATS (``NatsConsumer``) and Django's Tasks (``deliver``).
+
+Shared by all three: ``tracing`` (one trace from the request to the consumer),
+``downstream`` (``derive_key``) and ``tasks_framework`` (Django's Tasks, built in or the
+backport). ``outbox_task``, ``task_backend``, ``task_runner``, ``nats_consumer`` and
+``exactly_once`` are the first import paths of what moved into the sub-wings; settings and
+queued jobs name them.
+"""
 
 from __future__ import annotations
 

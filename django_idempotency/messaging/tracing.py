@@ -73,7 +73,7 @@ def stored_context(options: Mapping[str, Any]) -> dict[str, str] | None:
 _UNTRACED: contextlib.nullcontext[Mapping[str, str]] = contextlib.nullcontext(MappingProxyType({}))
 
 
-def publishing(
+def publish_span(
     message_id: str, name: str, options: Mapping[str, Any], destination: str, system: str
 ) -> contextlib.AbstractContextManager[Mapping[str, str]]:
     """Around the publish of one message: the headers to send it with (none when it has no
@@ -86,11 +86,11 @@ def publishing(
         return _UNTRACED
     if not _tracing():
         return contextlib.nullcontext(carrier)
-    return _publish_span(carrier, message_id, name, destination, system)
+    return _open_publish_span(carrier, message_id, name, destination, system)
 
 
 @contextlib.contextmanager
-def _publish_span(
+def _open_publish_span(
     carrier: dict[str, str], message_id: str, name: str, destination: str, system: str
 ) -> Iterator[Mapping[str, str]]:
     attributes = {
@@ -152,7 +152,7 @@ if ENABLED:
 _NO_SPAN: contextlib.nullcontext[None] = contextlib.nullcontext()
 
 
-def consuming(
+def consume_span(
     request: Any, task_name: str, system: str
 ) -> contextlib.AbstractContextManager[object]:
     """Around an exactly-once Celery task's run: the ``process {task}`` span, child of
@@ -161,21 +161,21 @@ def consuming(
     if not _tracing() or trace.get_current_span().get_span_context().is_valid:
         return _NO_SPAN
     parent = propagate.extract(request, getter=_REQUEST_GETTER)
-    return _consume_span(parent, str(request.id), task_name, system)
+    return _open_consume_span(parent, str(request.id), task_name, system)
 
 
-def consuming_headers(
+def consume_span_from_headers(
     headers: Mapping[str, str] | None, message_id: str, name: str, system: str
 ) -> contextlib.AbstractContextManager[object]:
     """As ``consuming``, for a consumer whose message carries its trace context as plain
     headers (a NATS message's, the Django Tasks runner's ``trace`` argument)."""
     if not headers or not _tracing() or trace.get_current_span().get_span_context().is_valid:
         return _NO_SPAN
-    return _consume_span(propagate.extract(headers), message_id, name, system)
+    return _open_consume_span(propagate.extract(headers), message_id, name, system)
 
 
 @contextlib.contextmanager
-def _consume_span(parent: Any, message_id: str, name: str, system: str) -> Iterator[None]:
+def _open_consume_span(parent: Any, message_id: str, name: str, system: str) -> Iterator[None]:
     attributes = {
         SYSTEM: system,
         OPERATION_NAME: PROCESS,

@@ -27,9 +27,9 @@ from django_idempotency.contrib.standard_webhooks import (
     webhook_principal,
 )
 from django_idempotency.decorators import idempotent
-from django_idempotency.messaging import heartbeats
 from django_idempotency.messaging.downstream import derive_key
 from django_idempotency.messaging.outbox import enqueue_task
+from django_idempotency.messaging.relay import heartbeats
 from django_idempotency.models import OutboxMessage, RelayHeartbeat
 from testproject import processor
 from testproject.payments.models import Capture, Charge, LedgerEntry, Payment, Settlement

@@ -50,7 +50,7 @@ from django.db import transaction
 call_command("migrate", verbosity=0)
 errors = [m for m in run_checks(include_deployment_checks=False) if m.level >= ERROR]
 assert not errors, errors
-from django_idempotency.messaging.relay import Relay
+from django_idempotency.messaging.relay.loop import Relay
 from django_idempotency.models import OutboxMessage
 from tests.support.task_targets import EFFECT, record
 

@@ -17,7 +17,8 @@ from django.test import override_settings
 
 from django_idempotency.checks.cdc import check_cdc
 from django_idempotency.engine.work import Result, Run
-from django_idempotency.messaging import cdc, emit_event, publication
+from django_idempotency.messaging import cdc, emit_event
+from django_idempotency.messaging.cdc import publication
 from django_idempotency.messaging.outbox import NotInTransaction, OutboxError
 from django_idempotency.models import OutboxEvent
 from django_idempotency.partitions.catalog import utc_today

@@ -27,8 +27,9 @@ from django.test import override_settings
 from django.utils import timezone
 
 from django_idempotency.engine.errors import KeyReused, RolledBack
-from django_idempotency.messaging import consumers
-from django_idempotency.messaging.consumers import ExactlyOnceTask, arguments_digest
+from django_idempotency.messaging.consumers import celery as consumers
+from django_idempotency.messaging.consumers.celery import ExactlyOnceTask
+from django_idempotency.messaging.consumers.exactly_once import arguments_digest
 from django_idempotency.messaging.downstream import derive_key
 from django_idempotency.messaging.outbox import enqueue_task
 from django_idempotency.models import IdempotencyRecord, OutboxMessage

@@ -17,8 +17,9 @@ from django.test import override_settings
 from django.urls import reverse
 
 from django_idempotency.checks import check_outbox_backlog
-from django_idempotency.messaging import leases, outbox
+from django_idempotency.messaging import outbox
 from django_idempotency.messaging.outbox import enqueue_task
+from django_idempotency.messaging.relay import leases
 from django_idempotency.models import OutboxMessage
 from django_idempotency.partitions import apply
 
@@ -66,7 +67,7 @@ def test_a_destination_out_of_reach_never_makes_a_dead_letter() -> None:
 def test_the_relay_logs_a_new_dead_letter_and_the_check_warns(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    from django_idempotency.messaging.relay import Relay
+    from django_idempotency.messaging.relay.loop import Relay
 
     with transaction.atomic():
         message_id = enqueue_task("tests.noop")

@@ -32,8 +32,8 @@ from django_tasks.exceptions import InvalidTaskError
 from django_idempotency.checks.messaging import check_task_backends
 from django_idempotency.messaging import NotInTransaction
 from django_idempotency.messaging import destinations as destinations_module
-from django_idempotency.messaging.exactly_once import principal
-from django_idempotency.messaging.relay import PublishFailed, Relay
+from django_idempotency.messaging.consumers.exactly_once import principal
+from django_idempotency.messaging.relay.loop import PublishFailed, Relay
 from django_idempotency.messaging.tasks_framework import InvalidTask, task_backends
 from django_idempotency.models import IdempotencyRecord, OutboxMessage
 from tests.conftest import ROOT, die_with_parent, unmeasured

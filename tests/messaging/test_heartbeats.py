@@ -20,11 +20,11 @@ from django.core.management.base import CommandError
 from django.db import transaction
 from django.utils import timezone
 
-from django_idempotency.messaging import heartbeats
-from django_idempotency.messaging import relay as relay_module
-from django_idempotency.messaging.heartbeats import Heartbeat
 from django_idempotency.messaging.outbox import enqueue_task
-from django_idempotency.messaging.relay import Relay
+from django_idempotency.messaging.relay import heartbeats
+from django_idempotency.messaging.relay import loop as relay_module
+from django_idempotency.messaging.relay.heartbeats import Heartbeat
+from django_idempotency.messaging.relay.loop import Relay
 from django_idempotency.models import RelayHeartbeat
 from tests.messaging.test_relay import make_app
 from tests.support.chain_processes import RedisServer, wait_for

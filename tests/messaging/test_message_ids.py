@@ -19,7 +19,7 @@ from django.views.decorators.csrf import csrf_exempt
 
 from django_idempotency.decorators import idempotent
 from django_idempotency.messaging import emit_event
-from django_idempotency.messaging.consumers import ExactlyOnceTask
+from django_idempotency.messaging.consumers.celery import ExactlyOnceTask
 from django_idempotency.messaging.downstream import derive_key
 from django_idempotency.messaging.outbox import enqueue_event, enqueue_task
 from django_idempotency.models import IdempotencyRecord, OutboxEvent, OutboxMessage

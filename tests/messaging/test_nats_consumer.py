@@ -28,8 +28,8 @@ from django.core.management import call_command
 from django.core.management.base import CommandError
 from django.db import connections
 
-from django_idempotency.messaging.nats_consumer import NatsConsumer, StreamMessage
-from django_idempotency.messaging.nats_loop import ClientLoop
+from django_idempotency.messaging.consumers.nats import NatsConsumer, StreamMessage
+from django_idempotency.messaging.destinations.nats_loop import ClientLoop
 from django_idempotency.models import IdempotencyRecord
 from tests.conftest import ROOT, die_with_parent
 from tests.support import nats_handlers

@@ -18,7 +18,7 @@ from django.views.decorators.csrf import csrf_exempt
 
 from django_idempotency.decorators import idempotent
 from django_idempotency.messaging.outbox import OutboxError
-from django_idempotency.messaging.outbox_task import OutboxTask
+from django_idempotency.messaging.outbox.celery import OutboxTask
 from django_idempotency.models import OutboxMessage
 from testproject.celery import app
 
@@ -91,7 +91,7 @@ def test_countdown_and_eta_are_kept(client: Client, broker_calls: Any) -> None:
     (row,) = OutboxMessage.objects.all()
     assert row.options == {"countdown": 30.0}
 
-    from django_idempotency.messaging.outbox_task import _countdown
+    from django_idempotency.messaging.outbox.celery import _countdown
 
     in_a_minute = datetime.now(UTC) + timedelta(minutes=1)
     assert 55 < (_countdown(None, in_a_minute) or 0) <= 60

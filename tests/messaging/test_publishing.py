@@ -26,9 +26,9 @@ from kombu import Exchange, Queue
 from kombu.common import Broadcast
 
 from django_idempotency.conf import conf
+from django_idempotency.messaging.destinations.celery_broker import argument_repr
 from django_idempotency.messaging.outbox import enqueue_event, enqueue_task
-from django_idempotency.messaging.publishing import argument_repr
-from django_idempotency.messaging.relay import PublishFailed, Relay
+from django_idempotency.messaging.relay.loop import PublishFailed, Relay
 from django_idempotency.models import OutboxMessage
 from tests.messaging.test_relay import RedisServer, enqueue_many, make_app, wait_for
 

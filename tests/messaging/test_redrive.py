@@ -25,11 +25,11 @@ from django.test import override_settings
 from django.utils import timezone
 
 from django_idempotency import signals
-from django_idempotency.messaging import leases
-from django_idempotency.messaging.consumers import ExactlyOnceTask, consumer_principal
+from django_idempotency.messaging.consumers.celery import ExactlyOnceTask, consumer_principal
 from django_idempotency.messaging.outbox import enqueue_event, enqueue_task
-from django_idempotency.messaging.redrive import RedriveResult
-from django_idempotency.messaging.relay import Relay
+from django_idempotency.messaging.relay import leases
+from django_idempotency.messaging.relay.loop import Relay
+from django_idempotency.messaging.relay.redrive import RedriveResult
 from django_idempotency.models import IdempotencyRecord, OutboxMessage
 from tests.factories import ConsumerRecordFactory
 from tests.messaging.test_relay import bare_app, run_on_sqlite
@@ -342,9 +342,9 @@ from django.core.management import call_command
 from django.db import transaction
 from django.test import override_settings
 from django.utils import timezone
-from django_idempotency.messaging.consumers import ExactlyOnceTask
+from django_idempotency.messaging.consumers.celery import ExactlyOnceTask
 from django_idempotency.messaging.outbox import enqueue_task
-from django_idempotency.messaging.relay import Relay
+from django_idempotency.messaging.relay.loop import Relay
 from django_idempotency.models import OutboxMessage
 
 call_command("migrate", verbosity=0)

@@ -35,10 +35,10 @@ from django.test import override_settings
 from django.utils import timezone
 
 from django_idempotency import signals
-from django_idempotency.messaging import leases
-from django_idempotency.messaging.destinations import Destination, Publication
+from django_idempotency.messaging.destinations import Destination, PublishResult
 from django_idempotency.messaging.outbox import enqueue_event, enqueue_task
-from django_idempotency.messaging.relay import PublishFailed, Relay
+from django_idempotency.messaging.relay import leases
+from django_idempotency.messaging.relay.loop import PublishFailed, Relay
 from django_idempotency.models import OutboxMessage
 from tests.conftest import ROOT, die_with_parent, unmeasured
 from tests.support.chain_processes import QUEUE, RedisServer, wait_for
@@ -256,8 +256,8 @@ class SlowDestination(Destination):
     def describe(self) -> str:
         return "slowly"
 
-    def publish(self, messages: Any, stopping: Any) -> Publication:
-        done = Publication()
+    def publish(self, messages: Any, stopping: Any) -> PublishResult:
+        done = PublishResult()
         for message in messages:
             if stopping.is_set():
                 break
@@ -470,7 +470,7 @@ def wait_started(process: subprocess.Popen[str]) -> None:
 KILL_AFTER_PUBLISH = """
 import os, signal, django
 django.setup()
-from django_idempotency.messaging.relay import Relay
+from django_idempotency.messaging.relay.loop import Relay
 # The broker has the batch (publish_all returned); the relay dies before it can mark it.
 Relay.mark = lambda self, batch, messages: os.kill(os.getpid(), signal.SIGKILL)
 from django.core.management import call_command
@@ -617,7 +617,7 @@ from celery import Celery
 from django.core.management import call_command
 from django.db import connection, transaction
 from django_idempotency.messaging.outbox import NotInTransaction, enqueue_task
-from django_idempotency.messaging.relay import Relay
+from django_idempotency.messaging.relay.loop import Relay
 from django_idempotency.models import OutboxMessage
 
 call_command("migrate", verbosity=0)

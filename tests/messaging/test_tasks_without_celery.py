@@ -15,7 +15,7 @@ from django.db import transaction
 
 from django_idempotency.checks.messaging import check_task_backends
 from django_idempotency.messaging import destinations
-from django_idempotency.messaging.relay import Relay
+from django_idempotency.messaging.relay.loop import Relay
 from django_idempotency.messaging.tasks_framework import task_backends
 from django_idempotency.models import OutboxMessage
 from tests.support.task_targets import record

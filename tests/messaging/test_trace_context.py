@@ -29,12 +29,12 @@ from opentelemetry.trace import SpanKind, StatusCode
 from django_idempotency.decorators import idempotent
 from django_idempotency.engine.instrumentation import CLAIM_SPAN, KIND
 from django_idempotency.messaging import tracing
-from django_idempotency.messaging.consumers import ExactlyOnceTask
+from django_idempotency.messaging.consumers.celery import ExactlyOnceTask
+from django_idempotency.messaging.consumers.nats import NatsConsumer
+from django_idempotency.messaging.consumers.tasks import deliver
 from django_idempotency.messaging.destinations import CELERY, NATS, TASKS
-from django_idempotency.messaging.nats_consumer import NatsConsumer
 from django_idempotency.messaging.outbox import enqueue_event, enqueue_task
-from django_idempotency.messaging.relay import PublishFailed, Relay
-from django_idempotency.messaging.task_runner import deliver
+from django_idempotency.messaging.relay.loop import PublishFailed, Relay
 from django_idempotency.messaging.tasks_framework import task_backends
 from django_idempotency.models import OutboxMessage
 from tests.conftest import ROOT

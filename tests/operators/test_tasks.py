@@ -128,9 +128,11 @@ import django_idempotency
 # publish path (imported when the relay publishes).
 celery_only = {
     "django_idempotency.tasks",
-    "django_idempotency.messaging.consumers",
+    "django_idempotency.messaging.consumers.celery",
+    "django_idempotency.messaging.consumers",  # its face, as old projects import it
     "django_idempotency.messaging.outbox_task",
-    "django_idempotency.messaging.publishing",
+    "django_idempotency.messaging.outbox.celery",
+    "django_idempotency.messaging.destinations.celery_broker",
     "django_idempotency.messaging.destinations.celery",
 }
 for module in pkgutil.walk_packages(django_idempotency.__path__, "django_idempotency."):

@@ -135,7 +135,7 @@ def test_relay_lag_is_recorded_per_published_message(collect: Any) -> None:
     pytest.importorskip("celery")
     from celery import Celery
 
-    from django_idempotency.messaging.relay import Relay
+    from django_idempotency.messaging.relay.loop import Relay
 
     with transaction.atomic():
         for n in range(3):

@@ -1,8 +1,9 @@
 """The import contracts in pyproject.toml say all of LAYOUT.md, and each rule bites: the tree
 as it is keeps every contract, and a copy of the package with one deliberate wrong move (a
 wing removed, a module nobody placed, the foundation's modules importing each other, storage
-or the engine reaching partitions) breaks the contract that says so. The copies live in a
-temporary directory; lint-imports takes well under a second on each."""
+or the engine reaching partitions, the chain's sub-wings out of their order) breaks the
+contract that says so. The copies live in a temporary directory; lint-imports takes well
+under a second on each."""
 
 from __future__ import annotations
 
@@ -84,6 +85,41 @@ def test_the_package_keeps_every_contract() -> None:
             "Storage and the engine never reach partitions",
             "django_idempotency.engine.hashing -> django_idempotency.partitions.tables",
             id="the engine imports partitions",
+        ),
+        pytest.param(
+            lambda p: add_line(
+                p / "messaging" / "relay" / "loop.py",
+                "from django_idempotency.messaging import task_backend",
+            ),
+            "The chain's sub-wings",
+            "django_idempotency.messaging.relay is not allowed to import "
+            "django_idempotency.messaging.task_backend",
+            id="the chain imports a first path kept for projects",
+        ),
+        pytest.param(
+            lambda p: add_line(
+                p / "messaging" / "tracing.py", "from django_idempotency.messaging import outbox"
+            ),
+            "The chain's sub-wings",
+            "django_idempotency.messaging.tracing is not allowed to import "
+            "django_idempotency.messaging.outbox",
+            id="a shared module of the chain imports a sub-wing",
+        ),
+        pytest.param(
+            lambda p: (p / "messaging" / "newpart.py").write_text("VALUE = 1\n"),
+            "The chain's sub-wings",
+            "django_idempotency.messaging.newpart",
+            id="a module of the chain no layer lists (exhaustive)",
+        ),
+        pytest.param(
+            lambda p: add_line(
+                p / "messaging" / "consumers" / "tasks.py",
+                "from django_idempotency.messaging.relay import leases",
+            ),
+            "Consumers never reach the outbox",
+            "django_idempotency.messaging.consumers.tasks -> "
+            "django_idempotency.messaging.relay.leases",
+            id="a consumer imports the relay",
         ),
     ],
 )

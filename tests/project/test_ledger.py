@@ -15,7 +15,7 @@ from django.test import override_settings
 from django.utils import timezone
 
 from django_idempotency.messaging.destinations.nats import body
-from django_idempotency.messaging.leases import Message
+from django_idempotency.messaging.relay.leases import Message
 from django_idempotency.models import IdempotencyRecord, OutboxMessage
 from testproject.payments.models import Charge, LedgerEntry
 
@@ -30,7 +30,7 @@ def charge(token_user: Any) -> Charge:
 def test_the_nats_handler_posts_the_task_body_the_nats_destination_publishes(
     charge: Charge,
 ) -> None:
-    from django_idempotency.messaging.nats_consumer import StreamMessage
+    from django_idempotency.messaging.consumers.nats import StreamMessage
     from testproject.payments.handlers import post_ledger_entry
 
     message_id = str(uuid.uuid4())
@@ -69,7 +69,7 @@ def test_with_payments_ledger_tasks_the_posting_is_a_django_task_run_once_per_me
     charge: Charge,
 ) -> None:
     pytest.importorskip(FRAMEWORK)
-    from django_idempotency.messaging.task_runner import DELIVER
+    from django_idempotency.messaging.consumers.tasks import DELIVER
     from testproject.payments.chain import post_to_ledger
 
     with transaction.atomic():

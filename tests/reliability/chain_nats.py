@@ -18,7 +18,7 @@ def main(argv: list[str]) -> None:
     django.setup()
     from django.core.management import call_command
 
-    from django_idempotency.messaging.nats_consumer import NatsConsumer, as_stream_message
+    from django_idempotency.messaging.consumers.nats import NatsConsumer, as_stream_message
 
     handle = NatsConsumer.handle
 

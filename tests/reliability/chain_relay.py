@@ -19,7 +19,7 @@ def main() -> None:
     django.setup()
     from django.core.management import call_command
 
-    from django_idempotency.messaging.relay import Relay
+    from django_idempotency.messaging.relay.loop import Relay
 
     armed = threading.Event()
     signal.signal(signal.SIGUSR1, lambda signum, frame: armed.set())

@@ -24,7 +24,7 @@ import requests
 from celery import Celery
 
 from django_idempotency.messaging.outbox import enqueue_task
-from django_idempotency.messaging.relay import Relay
+from django_idempotency.messaging.relay.loop import Relay
 from django_idempotency.models import OutboxMessage
 from testproject.payments.models import Charge, LedgerEntry
 from testproject.payments.tasks import POST_LEDGER_ENTRY

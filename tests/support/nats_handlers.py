@@ -10,7 +10,7 @@ import signal
 
 from django.db import connection, transaction
 
-from django_idempotency.messaging.nats_consumer import StreamMessage
+from django_idempotency.messaging.consumers.nats import StreamMessage
 
 TABLE = "test_nats_consumer_effects"
 

@@ -8,7 +8,7 @@ from collections.abc import Iterator
 
 from django.db import connections
 
-from django_idempotency.messaging.relay import Relay
+from django_idempotency.messaging.relay.loop import Relay
 
 
 @contextlib.contextmanager

@@ -10,7 +10,7 @@ from django.db import DatabaseError, connections, router
 
 from django_idempotency.conf import conf
 from django_idempotency.db import sqlstate
-from django_idempotency.messaging import publication
+from django_idempotency.messaging.cdc import publication
 from django_idempotency.models import OutboxEvent
 
 # PostgreSQL's insufficient_privilege.

@@ -1,5 +1,5 @@
 """``manage.py idempotency_consume_nats``: run a handler once per message of a NATS JetStream
-durable consumer, until stopped (``messaging/nats_consumer.py``)."""
+durable consumer, until stopped (``messaging/consumers/nats.py``)."""
 
 from __future__ import annotations
 
@@ -61,7 +61,7 @@ class Command(BaseCommand):
         try:
             from nats.js.errors import APIError
 
-            from django_idempotency.messaging.nats_consumer import NatsConsumer
+            from django_idempotency.messaging.consumers.nats import NatsConsumer
         except ImportError as exc:
             raise CommandError(
                 f"{exc}: install the nats extra (pip install 'django-idempotency[nats]')."

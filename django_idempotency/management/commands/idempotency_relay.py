@@ -11,7 +11,7 @@ from typing import Any
 from django.core.exceptions import ImproperlyConfigured
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
-from django_idempotency.messaging.relay import PublishFailed, Relay
+from django_idempotency.messaging.relay.loop import PublishFailed, Relay
 
 
 class Command(BaseCommand):

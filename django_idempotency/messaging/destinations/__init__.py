@@ -12,7 +12,7 @@ from django.core.exceptions import ImproperlyConfigured
 from django.utils.module_loading import import_string
 
 from django_idempotency.conf import conf
-from django_idempotency.messaging.leases import Message
+from django_idempotency.messaging.relay.leases import Message
 from django_idempotency.models import OutboxMessage
 
 # The destination that takes every message no route names.
@@ -25,13 +25,17 @@ KIND_PREFIXES = {"task:": OutboxMessage.Kind.TASK, "event:": OutboxMessage.Kind.
 
 
 @dataclass
-class Publication:
+class PublishResult:
     """What a destination did with the messages it was given: those it has (acknowledged),
     and the first that failed, with its error; the others it was not sure of or never tried."""
 
     sent: list[Message] = field(default_factory=list)
     failed: Message | None = None
     error: Exception | None = None
+
+
+# Its first name, which custom destinations' ``publish`` may still import and return.
+Publication = PublishResult
 
 
 class Stopping(Protocol):
@@ -43,7 +47,7 @@ class Stopping(Protocol):
 
 # What ``publish_later`` returns: a call that waits for the outcome, as ``publish`` would
 # have returned it.
-Waiting = Callable[[], Publication]
+Waiting = Callable[[], PublishResult]
 
 
 class Destination:
@@ -84,7 +88,7 @@ class Destination:
         """Connect, if not connected yet (the relay calls it before each batch)."""
         raise NotImplementedError
 
-    def publish(self, messages: Sequence[Message], stopping: Stopping) -> Publication:
+    def publish(self, messages: Sequence[Message], stopping: Stopping) -> PublishResult:
         """Publish in order; return once the destination has acknowledged what it counts as
         sent. Stop early (and say so) once ``stopping`` is set."""
         raise NotImplementedError
@@ -109,7 +113,7 @@ class Destination:
 
 def start(destination: Destination, messages: Sequence[Message], stopping: Stopping) -> Waiting:
     """Start publishing ``messages`` (in the background where the destination can) and return
-    the wait for its Publication; a failure to connect or send is a Publication that says so."""
+    the wait for its PublishResult; a failure to connect or send is a PublishResult that says so."""
     try:
         destination.open()
         if not destination.pipelines:
@@ -117,14 +121,14 @@ def start(destination: Destination, messages: Sequence[Message], stopping: Stopp
             return lambda: done
         wait = destination.publish_later(messages, stopping)
     except Exception as exc:  # connecting failed: nothing went out
-        failed = Publication([], messages[0], exc)
+        failed = PublishResult([], messages[0], exc)
         return lambda: failed
 
-    def outcome() -> Publication:
+    def outcome() -> PublishResult:
         try:
             return wait()
         except Exception as exc:  # the connection went, or no answer in time
-            return Publication([], messages[0], exc)
+            return PublishResult([], messages[0], exc)
 
     return outcome
 

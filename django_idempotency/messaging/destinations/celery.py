@@ -1,5 +1,5 @@
 """The Celery destination (the default): each message sent as ``app.send_task()`` would, with
-the message id as task id, on one producer, a Redis batch as one pipeline (``publishing``)."""
+the message id as task id, on one producer, a Redis batch as one pipeline (``celery_broker``)."""
 
 from __future__ import annotations
 
@@ -11,10 +11,10 @@ from typing import Any
 from django.core.exceptions import ImproperlyConfigured
 from django.utils.module_loading import import_string
 
-from django_idempotency.messaging.destinations import Destination, Publication, Stopping
-from django_idempotency.messaging.leases import Message
+from django_idempotency.messaging.destinations import Destination, PublishResult, Stopping
+from django_idempotency.messaging.destinations.celery_broker import Broker, celery_app
 from django_idempotency.messaging.outbox import task_name
-from django_idempotency.messaging.publishing import Broker, celery_app
+from django_idempotency.messaging.relay.leases import Message
 
 logger = logging.getLogger("django_idempotency.relay")
 # Task names a Celery destination's app did not know, already named in a warning.
@@ -53,7 +53,10 @@ class CeleryDestination(Destination):
         called = task_name(kind, name)
         with contextlib.suppress(KeyError):
             return self._principals[called]
-        from django_idempotency.messaging.consumers import ExactlyOnceTask, consumer_principal
+        from django_idempotency.messaging.consumers.celery import (
+            ExactlyOnceTask,
+            consumer_principal,
+        )
 
         self.import_tasks()
         task = self.app.tasks.get(called)
@@ -91,13 +94,13 @@ class CeleryDestination(Destination):
     def is_connection_error(self, exc: Exception) -> bool:
         return self.broker.is_connection_error(exc)
 
-    def publish(self, messages: Sequence[Message], stopping: Stopping) -> Publication:
+    def publish(self, messages: Sequence[Message], stopping: Stopping) -> PublishResult:
         """Publish in order until one fails.
 
         Where the transport can (Redis), the publishes go out as one pipeline when the loop
         ends; if that fails, whether any arrived is unknown, so none counts as published.
         """
-        done = Publication()
+        done = PublishResult()
         producer = self.broker.producer()
         sender = self.broker.sender()
         batching = getattr(producer, "batch", None)  # kombu 5.7+
@@ -119,5 +122,5 @@ class CeleryDestination(Destination):
         except Exception as exc:
             if not done.sent:
                 raise
-            return Publication([], done.sent[0], exc)
+            return PublishResult([], done.sent[0], exc)
         return done

@@ -16,10 +16,10 @@ import nats.errors
 import nats.js.errors
 from django.core.exceptions import ImproperlyConfigured
 
-from django_idempotency.messaging.destinations import Destination, Publication, Stopping
-from django_idempotency.messaging.leases import Message
-from django_idempotency.messaging.nats_loop import ClientLoop, result
-from django_idempotency.messaging.tracing import NATS, publishing
+from django_idempotency.messaging.destinations import Destination, PublishResult, Stopping
+from django_idempotency.messaging.destinations.nats_loop import ClientLoop, result
+from django_idempotency.messaging.relay.leases import Message
+from django_idempotency.messaging.tracing import NATS, publish_span
 from django_idempotency.models import OutboxMessage
 
 MSG_ID = "Nats-Msg-Id"
@@ -165,23 +165,23 @@ class NatsDestination(Destination):
         kind = "event" if message.kind == OutboxMessage.Kind.EVENT else "task"
         return self.subject.format(name=message.name, kind=kind)
 
-    def publish(self, messages: Sequence[Message], stopping: Stopping) -> Publication:
+    def publish(self, messages: Sequence[Message], stopping: Stopping) -> PublishResult:
         """Send the whole batch, then wait for the stream's acknowledgements: sent are those
         acknowledged (a duplicate the stream dropped counts: it has the message)."""
         return self.publish_later(messages, stopping)()
 
     def publish_later(
         self, messages: Sequence[Message], stopping: Stopping
-    ) -> Callable[[], Publication]:
+    ) -> Callable[[], PublishResult]:
         """Start sending the batch on the client's loop and return at once the wait for its
         acknowledgements (bounded), so that the relay marks and claims meanwhile."""
         self.open()
         chosen = [m for m in messages if not stopping.is_set()]
         future = self._loop.submit(self._publish(chosen))
 
-        def wait() -> Publication:
+        def wait() -> PublishResult:
             outcomes = result(future, self.ack_timeout + 5)
-            done = Publication()
+            done = PublishResult()
             for message, outcome in zip(chosen, outcomes, strict=True):
                 if outcome is None:
                     done.sent.append(message)
@@ -205,7 +205,7 @@ class NatsDestination(Destination):
                 # In order, each written before the next; the acknowledgements come back
                 # while the rest is sent.
                 subject = self.subject_of(message)
-                with publishing(message.id, subject, message.options, self.name, NATS) as traced:
+                with publish_span(message.id, subject, message.options, self.name, NATS) as traced:
                     headers = {**traced, MSG_ID: message.id}
                     if self.stream is not None:
                         headers[EXPECTED_STREAM] = self.stream

@@ -1,6 +1,7 @@
 """The Django Tasks destination: each message handed to the real backend its message names
-(django-tasks-rq, django-tasks-db, ...) as ``task_runner.deliver``, which carries the message id
-and runs the target exactly once; sent once the backend's ``enqueue()`` has returned."""
+(django-tasks-rq, django-tasks-db, ...) as ``consumers.tasks.deliver``, which carries the
+message id and runs the target exactly once; sent once the backend's ``enqueue()`` has
+returned."""
 
 from __future__ import annotations
 
@@ -11,12 +12,12 @@ from typing import Any
 from django.core.exceptions import ImproperlyConfigured
 from django.db import InterfaceError, OperationalError
 
-from django_idempotency.messaging.destinations import Destination, Publication, Stopping
-from django_idempotency.messaging.exactly_once import principal
-from django_idempotency.messaging.leases import Message
-from django_idempotency.messaging.task_runner import DELIVER
+from django_idempotency.messaging.consumers.exactly_once import principal
+from django_idempotency.messaging.consumers.tasks import DELIVER
+from django_idempotency.messaging.destinations import Destination, PublishResult, Stopping
+from django_idempotency.messaging.relay.leases import Message
 from django_idempotency.messaging.tasks_framework import task_backends
-from django_idempotency.messaging.tracing import DJANGO_TASKS, publishing
+from django_idempotency.messaging.tracing import DJANGO_TASKS, publish_span
 from django_idempotency.models import OutboxMessage
 
 # Out of reach: the backend's store (Redis, a database) down, not a fault of the message.
@@ -42,7 +43,7 @@ def _backend_alias(message: Message) -> str:
 
 class TasksDestination(Destination):
     """Publishes to backends of Django's Tasks framework (messages written by
-    ``task_backend.OutboxBackend``, which names the backend in each). The redrive checks
+    ``outbox.tasks.OutboxBackend``, which names the backend in each). The redrive checks
     the consumer record ``deliver`` makes, and publishes a message again if there is none
     (RQ does not run again a job whose worker died)."""
 
@@ -79,9 +80,9 @@ class TasksDestination(Destination):
             or type(exc).__name__ in UNREACHABLE_NAMES
         )
 
-    def publish(self, messages: Sequence[Message], stopping: Stopping) -> Publication:
+    def publish(self, messages: Sequence[Message], stopping: Stopping) -> PublishResult:
         """Enqueue each on its backend, in order, until one fails."""
-        done = Publication()
+        done = PublishResult()
         for message in messages:
             if stopping.is_set():
                 break
@@ -95,7 +96,7 @@ class TasksDestination(Destination):
                 )
                 arguments = [message.id, message.name, message.args, message.kwargs]
                 options = message.options
-                with publishing(
+                with publish_span(
                     message.id, message.name, options, self.name, DJANGO_TASKS
                 ) as traced:
                     # The runner continues the trace from it (its own argument: the backends

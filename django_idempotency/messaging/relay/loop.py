@@ -1,4 +1,4 @@
-"""The relay's loop: passes that claim, publish and mark (``leases``, ``publishing``), LISTEN
+"""The relay's loop: passes that claim, publish and mark (``leases``, ``destinations``), LISTEN
 for commits, back off, warn of an old backlog and time the redrive (``docs/outbox.md``)."""
 
 from __future__ import annotations
@@ -21,18 +21,18 @@ from django.utils import timezone
 
 from django_idempotency import signals
 from django_idempotency.conf import conf
-from django_idempotency.messaging import leases
 from django_idempotency.messaging.destinations import (
     Destination,
     Destinations,
-    Publication,
+    PublishResult,
     Waiting,
     start,
 )
-from django_idempotency.messaging.heartbeats import BEAT_EVERY, Heartbeat
-from django_idempotency.messaging.leases import Batch, Message
 from django_idempotency.messaging.outbox import CHANNEL
-from django_idempotency.messaging.redrive import Redrive
+from django_idempotency.messaging.relay import leases
+from django_idempotency.messaging.relay.heartbeats import BEAT_EVERY, Heartbeat
+from django_idempotency.messaging.relay.leases import Batch, Message
+from django_idempotency.messaging.relay.redrive import Redrive
 from django_idempotency.models import OutboxMessage
 
 logger = logging.getLogger("django_idempotency.relay")
@@ -326,7 +326,7 @@ class Relay:
 
     def redrive_if_due(self) -> int:
         """Every little while, put back for publishing the published messages that their
-        exactly-once consumers have no record of (``messaging/redrive.py``); return how many."""
+        exactly-once consumers have no record of (``redrive``); return how many."""
         if self.redrive.after is None:
             return 0
         if time.monotonic() - self._redrive_checked < self.redrive.check_every:
@@ -426,8 +426,8 @@ class Relay:
         self.stopping.set()
 
 
-def _done(publication: Publication) -> Waiting:
-    return lambda: publication
+def _done(result: PublishResult) -> Waiting:
+    return lambda: result
 
 
 class LeaseDeadline:

@@ -9,26 +9,10 @@ from typing import TYPE_CHECKING, Any, NoReturn
 from celery import Task
 from celery.exceptions import Reject
 
-from django_idempotency.messaging.exactly_once import (
-    JSON_HEADERS,
-    METHOD,
-    PRINCIPAL_PREFIX,
-    Delivery,
-    arguments_digest,
-    principal,
-)
-from django_idempotency.messaging.exactly_once import consume as consume_once
-from django_idempotency.messaging.tracing import broker_system, consuming
+from django_idempotency.messaging.consumers.exactly_once import Delivery, consume, principal
+from django_idempotency.messaging.tracing import broker_system, consume_span
 
-__all__ = [
-    "JSON_HEADERS",
-    "METHOD",
-    "PRINCIPAL_PREFIX",
-    "ExactlyOnceTask",
-    "arguments_digest",
-    "consume",
-    "consumer_principal",
-]
+__all__ = ["ExactlyOnceTask", "consumer_principal", "run_exactly_once"]
 
 # A delivery that found the store down waits this long before giving the message back, so
 # an outage does not spin every worker through the broker.
@@ -69,19 +53,19 @@ class ExactlyOnceTask(_TaskBase):
         # Called as a plain function (no message): nothing to deduplicate on.
         if request.called_directly or not request.id:
             return super().__call__(*args, **kwargs)
-        with consuming(request, self.name, broker_system(self.app.conf.broker_url)):
-            return consume(self, str(request.id), args, kwargs)
+        with consume_span(request, self.name, broker_system(self.app.conf.broker_url)):
+            return run_exactly_once(self, str(request.id), args, kwargs)
 
 
 def consumer_principal(task: Task[Any, Any]) -> str:
     return principal(getattr(task, "consumer_name", None) or task.name)
 
 
-def consume(
+def run_exactly_once(
     task: Task[Any, Any], message_id: str, args: tuple[Any, ...], kwargs: dict[str, Any]
 ) -> Any:
     """Run ``task``'s body for one delivery of ``message_id``, exactly once."""
-    return consume_once(
+    return consume(
         Delivery(
             consumer=getattr(task, "consumer_name", None) or task.name,
             message_id=message_id,

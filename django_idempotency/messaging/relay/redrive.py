@@ -14,9 +14,9 @@ from django.utils import timezone
 
 from django_idempotency import signals
 from django_idempotency.conf import conf
-from django_idempotency.messaging import leases
 from django_idempotency.messaging.destinations import Destinations
-from django_idempotency.messaging.leases import Message
+from django_idempotency.messaging.relay import leases
+from django_idempotency.messaging.relay.leases import Message
 from django_idempotency.models import IdempotencyRecord, OutboxMessage
 from django_idempotency.storage import records
 

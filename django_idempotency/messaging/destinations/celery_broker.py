@@ -1,5 +1,6 @@
-"""The broker: the relay's Celery app, its connection and producer, and ``TaskSender``, which
-sends outbox rows as ``app.send_task()`` would, at the broker's pace (``docs/outbox.md``)."""
+"""The Celery destination's transport: the relay's Celery app, its connection and producer,
+and ``TaskSender``, which sends outbox rows as ``app.send_task()`` would, at the broker's
+pace (``docs/outbox.md``)."""
 
 from __future__ import annotations
 
@@ -21,9 +22,9 @@ from kombu.common import Broadcast
 from kombu.exceptions import OperationalError
 
 from django_idempotency.conf import conf
-from django_idempotency.messaging.leases import Message
 from django_idempotency.messaging.outbox import task_name
-from django_idempotency.messaging.tracing import broker_system, publishing
+from django_idempotency.messaging.relay.leases import Message
+from django_idempotency.messaging.tracing import broker_system, publish_span
 from django_idempotency.models import OutboxMessage
 
 
@@ -125,7 +126,7 @@ class Broker:
         eta = None if countdown is None else message.created_at + timedelta(seconds=countdown)
         queue = message.options.get("queue")
         options, system = message.options, self.system
-        with publishing(message.id, name, options, self.destination, system) as headers:
+        with publish_span(message.id, name, options, self.destination, system) as headers:
             sender.send(
                 name, args, kwargs, task_id=message.id, queue=queue, eta=eta, headers=headers
             )
