@@ -1,5 +1,8 @@
 """What identifies a request: its Idempotency-Key, whose key it is (the principal), and
-its fingerprint (method, path, query, canonical body, chosen headers)."""
+its fingerprint (method, path, query, canonical body, chosen headers).
+
+Over 400 lines as one concern: most of it is the canonical body (JSON numbers, forms,
+charsets), whose rules must be read together to know when two bodies are the same."""
 
 from __future__ import annotations
 

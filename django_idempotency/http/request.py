@@ -1,5 +1,8 @@
 """The one adapter between Django's request and the engine: ``RequestUnit`` reads the key,
-principal and fingerprint, opens the unit of work, and turns its decisions into responses."""
+principal and fingerprint, opens the unit of work, and turns its decisions into responses.
+
+Over 400 lines as one concern: ``RequestUnit`` and the header rules of its answers (``Prefer``,
+``Accept-Encoding``, the replayed and never-stored headers), sync and async."""
 
 from __future__ import annotations
 

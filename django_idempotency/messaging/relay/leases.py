@@ -1,5 +1,8 @@
 """The outbox rows' SQL: claim a batch under a fence and a lease, mark it published, fail
-(with backoff) or release a row, the redrive's checks, the oldest unpublished row."""
+(with backoff) or release a row, the redrive's checks, the oldest unpublished row.
+
+Over 400 lines as one concern: every statement on the outbox table in one place, each in its
+PostgreSQL and its portable form."""
 
 from __future__ import annotations
 

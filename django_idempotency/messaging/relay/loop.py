@@ -1,5 +1,8 @@
 """The relay's loop: passes that claim, publish and mark (``leases``, ``destinations``), LISTEN
-for commits, back off, warn of an old backlog and time the redrive (``docs/outbox.md``)."""
+for commits, back off, warn of an old backlog and time the redrive (``docs/outbox.md``).
+
+Over 400 lines as one concern: ``Relay`` is one loop whose passes, waits and pipelined claims
+share its state; split, each part would reach into the others."""
 
 from __future__ import annotations
 
