@@ -215,31 +215,43 @@ def test_docs_build_without_warnings(tmp_path):
 GUARDED_SECTIONS = ("3", "4", "5", "6", "8", "12", "13", "15")
 # `tests/wing/test_x.py::test_name`, `tests/test_x.py::TestCase::test_name`, with a parameter id.
 TEST_REFERENCE = re.compile(r"`(tests/(?:\w+/)*\w+\.py)::((?:\w+::)?test_\w+)(?:\[[^\]`]*\])?`")
-TABLE_RULE = re.compile(r"\|[-:| ]+\|")
+ENTRY = re.compile(r"\*\*(\d+a?)\.\d+\*\* (.*)")
+PARTS = {"- Guard:": 2, "- Test:": 3, "- Removed:": 4}
 NOT_BUILT = "(not built)"
 
 
 def guard_rows() -> list[list[str]]:
-    """The rows of the table in guards.md, each a list of its cells (header and rule left out)."""
-    rows = []
+    """The entries of guards.md, each as [section, promise, guard, test, removed]; a part's
+    lines wrapped in the page are joined by a space."""
+    rows: list[list[str]] = []
+    current: list[str] | None = None
+    part = 1
     for line in page("guards.md").splitlines():
-        if not line.startswith("|") or not line.endswith("|") or TABLE_RULE.fullmatch(line):
+        if entry := ENTRY.fullmatch(line):
+            current = [entry[1], entry[2], "", "", ""]
+            rows.append(current)
+            part = 1
+        elif current is None or not line.strip():
             continue
-        cells = [cell.strip() for cell in line[1:-1].split(" | ")]
-        if cells[0] != "§":
-            rows.append(cells)
+        elif line.startswith("#"):
+            current = None
+        elif starts := next((p for p in PARTS if line.startswith(p)), None):
+            part = PARTS[starts]
+            current[part] = line.removeprefix(starts).strip()
+        else:  # a wrapped line of the promise or of the part above
+            current[part] = f"{current[part]} {line.strip()}".strip()
     return rows
 
 
 def guarded_tests() -> list[str]:
-    cells = " ".join(row[3] for row in guard_rows() if len(row) == 5)
+    cells = " ".join(row[3] for row in guard_rows())
     return sorted({"::".join(reference) for reference in TEST_REFERENCE.findall(cells)})
 
 
-def test_the_guards_table_is_found_with_its_five_columns():
+def test_the_guards_entries_are_found_with_all_their_parts():
     rows = guard_rows()
-    assert len(rows) > 50, "guards.md has lost its table"
-    assert [row for row in rows if len(row) != 5] == []
+    assert len(rows) > 50, "guards.md has lost its entries"
+    assert [row for row in rows if not all(row[1:])] == []
 
 
 @pytest.mark.parametrize("row", guard_rows(), ids=lambda row: f"section {row[0]}")
