@@ -209,9 +209,9 @@ def test_docs_build_without_warnings(tmp_path):
         assert f'id="{name}"' in api, name
 
 
-# The table of promise, guard and test (docs/guards.md): each MUST of the contract's sections
+# The entries of promise, guard and test (docs/guards.md): each MUST of the contract's sections
 # below names the test that fails when its guard is removed. A refactor that deletes or
-# renames such a test fails here until the table names its replacement.
+# renames such a test fails here until an entry names its replacement.
 GUARDED_SECTIONS = ("3", "4", "5", "6", "8", "12", "13", "15")
 # `tests/wing/test_x.py::test_name`, `tests/test_x.py::TestCase::test_name`, with a parameter id.
 TEST_REFERENCE = re.compile(r"`(tests/(?:\w+/)*\w+\.py)::((?:\w+::)?test_\w+)(?:\[[^\]`]*\])?`")
