@@ -454,7 +454,7 @@ def nats_latency(server: NatsServer, url: str, samples: int) -> list[float]:
 
     import nats
 
-    from django_idempotency.messaging.destinations.nats_loop import ClientLoop
+    from django_idempotency.messaging.nats_client import ClientLoop
 
     clear_outbox()
     received: queue.Queue[bytes] = queue.Queue()

@@ -339,7 +339,7 @@ def _observe_headroom(options: CallbackOptions) -> Iterable[Observation]:
 def _backlog() -> list[tuple[float, float, float, str]]:
     from django.utils import timezone
 
-    from django_idempotency.messaging.relay import leases
+    from django_idempotency.messaging.outbox import leases
 
     found = []
     for alias in _aliases(OUTBOX_MODEL):

@@ -16,7 +16,7 @@ from django.utils.translation import gettext, ngettext
 from django.utils.translation import gettext_lazy as _
 
 from django_idempotency.admin.base import ReadOnlyLargeTableAdmin, exact_id_search, time_column
-from django_idempotency.messaging.relay import leases
+from django_idempotency.messaging.outbox import leases
 from django_idempotency.models import OutboxMessage
 
 # Dead letters are counted (on their own partial index) up to this many for the filter.

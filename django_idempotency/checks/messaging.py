@@ -24,7 +24,8 @@ from django.utils.translation import ngettext
 
 from django_idempotency.checks.base import as_written, ours
 from django_idempotency.conf import conf, wrong_type
-from django_idempotency.messaging.relay import heartbeats, leases
+from django_idempotency.messaging.outbox import leases
+from django_idempotency.messaging.relay import heartbeats
 from django_idempotency.models import OutboxMessage
 
 # Dead letters are counted up to this many.

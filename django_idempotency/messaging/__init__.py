@@ -5,19 +5,23 @@ Who writes: ``outbox/`` puts a message in the caller's transaction (``enqueue_ta
 ``OutboxBackend`` in ``outbox/tasks.py``); ``cdc/`` writes events that leave by change data
 capture instead (``emit_event``; ``cdc/publication.py`` sets up PostgreSQL's side).
 
-Who relays: ``relay/`` claims committed rows (``leases``), hands each to its destination,
-marks what was published, beats (``heartbeats``) and publishes again what a consumer lost
-(``redrive``). ``destinations/`` sends, each beside its transport: Celery (``celery``,
-``celery_broker``), NATS JetStream (``nats``, ``nats_loop``), Django's Tasks (``tasks``).
+Who relays: ``relay/`` claims committed rows (``outbox/leases``, every statement on the
+outbox table), hands each to its destination, marks what was published, beats
+(``heartbeats``) and publishes again what a consumer lost (``redrive``). ``destinations/``
+sends, each beside its transport: Celery (``celery``, ``celery_broker``), NATS JetStream
+(``nats``), Django's Tasks (``tasks``).
 
 Who consumes: ``consumers/`` runs each message once through one core (``exactly_once``), for
 Celery (``ExactlyOnceTask``), NATS (``NatsConsumer``) and Django's Tasks (``deliver``).
 
 Shared by all three: ``tracing`` (one trace from the request to the consumer),
-``downstream`` (``derive_key``) and ``tasks_framework`` (Django's Tasks, built in or the
-backport). ``outbox_task``, ``task_backend``, ``task_runner``, ``nats_consumer`` and
-``exactly_once`` are the first import paths of what moved into the sub-wings; settings and
-queued jobs name them.
+``downstream`` (``derive_key``), ``tasks_framework`` (Django's Tasks, built in or the
+backport), ``routing`` (the names of destinations) and ``nats_client`` (nats-py's settings and
+loop, for the NATS destination and the NATS consumer alike). Imports point down in the order
+relay, destinations, consumers, outbox (``pyproject.toml``'s import contracts).
+
+``outbox_task``, ``task_backend``, ``task_runner``, ``nats_consumer`` and ``exactly_once`` are
+the first import paths of what moved into the sub-wings; settings and queued jobs name them.
 """
 
 from __future__ import annotations

@@ -16,7 +16,7 @@ from django.utils import timezone
 
 from django_idempotency.conf import conf
 from django_idempotency.engine.hashing import current_secret, keyed_digest, secret_mismatch
-from django_idempotency.messaging.relay import leases
+from django_idempotency.messaging.outbox import leases
 from django_idempotency.partitions import catalog
 from django_idempotency.partitions.tables import RECORDS
 

@@ -18,8 +18,7 @@ from django.urls import reverse
 
 from django_idempotency.checks import check_outbox_backlog
 from django_idempotency.messaging import outbox
-from django_idempotency.messaging.outbox import enqueue_task
-from django_idempotency.messaging.relay import leases
+from django_idempotency.messaging.outbox import enqueue_task, leases
 from django_idempotency.models import OutboxMessage
 from django_idempotency.partitions import apply
 

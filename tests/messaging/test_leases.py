@@ -9,8 +9,7 @@ import pytest
 from django.db import DEFAULT_DB_ALIAS, transaction
 from django.utils import timezone
 
-from django_idempotency.messaging.outbox import enqueue_task
-from django_idempotency.messaging.relay import leases
+from django_idempotency.messaging.outbox import enqueue_task, leases
 from django_idempotency.models import OutboxMessage
 
 pytestmark = pytest.mark.django_db(transaction=True)

@@ -18,8 +18,7 @@ from django.db import transaction
 from django.test import override_settings
 
 from django_idempotency.messaging.destinations import NATS, Destination, Destinations
-from django_idempotency.messaging.outbox import enqueue_event, enqueue_task
-from django_idempotency.messaging.relay import leases
+from django_idempotency.messaging.outbox import enqueue_event, enqueue_task, leases
 from django_idempotency.messaging.relay.loop import PublishFailed, Relay
 from django_idempotency.models import OutboxMessage
 from tests.support.chain_processes import wait_for

@@ -29,7 +29,7 @@ from django.core.management.base import CommandError
 from django.db import connections
 
 from django_idempotency.messaging.consumers.nats import NatsConsumer, StreamMessage
-from django_idempotency.messaging.destinations.nats_loop import ClientLoop
+from django_idempotency.messaging.nats_client import ClientLoop
 from django_idempotency.models import IdempotencyRecord
 from tests.conftest import ROOT, die_with_parent
 from tests.support import nats_handlers

@@ -22,8 +22,7 @@ from django.utils import timezone
 from django.views.decorators.csrf import csrf_exempt
 
 from django_idempotency.decorators import idempotent
-from django_idempotency.messaging.outbox import OutboxError, enqueue_event, enqueue_task
-from django_idempotency.messaging.relay import leases
+from django_idempotency.messaging.outbox import OutboxError, enqueue_event, enqueue_task, leases
 from django_idempotency.messaging.relay.loop import PublishFailed, Relay
 from django_idempotency.models import OutboxMessage
 from tests.conftest import unmeasured
@@ -244,7 +243,7 @@ from datetime import timedelta
 from pathlib import Path
 from django.core.management import call_command
 from django.db import transaction
-from django_idempotency.messaging.relay import leases
+from django_idempotency.messaging.outbox import leases
 from django_idempotency.messaging.outbox import enqueue_task
 
 call_command("migrate", verbosity=0)

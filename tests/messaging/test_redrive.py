@@ -26,8 +26,7 @@ from django.utils import timezone
 
 from django_idempotency import signals
 from django_idempotency.messaging.consumers.celery import ExactlyOnceTask, consumer_principal
-from django_idempotency.messaging.outbox import enqueue_event, enqueue_task
-from django_idempotency.messaging.relay import leases
+from django_idempotency.messaging.outbox import enqueue_event, enqueue_task, leases
 from django_idempotency.messaging.relay.loop import Relay
 from django_idempotency.messaging.relay.redrive import RedriveResult
 from django_idempotency.models import IdempotencyRecord, OutboxMessage

@@ -36,8 +36,7 @@ from django.utils import timezone
 
 from django_idempotency import signals
 from django_idempotency.messaging.destinations import Destination, PublishResult
-from django_idempotency.messaging.outbox import enqueue_event, enqueue_task
-from django_idempotency.messaging.relay import leases
+from django_idempotency.messaging.outbox import enqueue_event, enqueue_task, leases
 from django_idempotency.messaging.relay.loop import PublishFailed, Relay
 from django_idempotency.models import OutboxMessage
 from tests.conftest import ROOT, die_with_parent, unmeasured

@@ -371,7 +371,7 @@ def test_how_it_works_lists_the_replayed_and_the_never_stored_headers_of_the_cod
 
 # how-it-works.md: "every SQL statement of the request path on the records' table" lives in
 # storage/, and "every SQL statement the relay and the redrive run on the outbox rows" in
-# messaging/relay/leases.py. Read from the source: who names the table, its manager or a cursor.
+# messaging/outbox/leases.py. Read from the source: who names the table, its manager or a cursor.
 REQUEST_PATH = ("engine", "http", "rest_framework.py", "decorators.py", "ninja.py", "contrib")
 RELAY_SIDE = ("messaging/relay/loop.py", "messaging/relay/redrive.py", "messaging/destinations")
 

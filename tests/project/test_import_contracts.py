@@ -114,12 +114,22 @@ def test_the_package_keeps_every_contract() -> None:
         pytest.param(
             lambda p: add_line(
                 p / "messaging" / "consumers" / "tasks.py",
-                "from django_idempotency.messaging.relay import leases",
+                "from django_idempotency.messaging.relay import loop",
             ),
             "Consumers never reach the outbox",
             "django_idempotency.messaging.consumers.tasks -> "
-            "django_idempotency.messaging.relay.leases",
+            "django_idempotency.messaging.relay.loop",
             id="a consumer imports the relay",
+        ),
+        pytest.param(
+            lambda p: add_line(
+                p / "messaging" / "outbox" / "tasks.py",
+                "from django_idempotency.messaging.destinations import tasks",
+            ),
+            "The chain's sub-wings",
+            "django_idempotency.messaging.outbox is not allowed to import "
+            "django_idempotency.messaging.destinations",
+            id="the outbox imports a destination (up)",
         ),
     ],
 )

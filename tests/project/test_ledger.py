@@ -15,7 +15,7 @@ from django.test import override_settings
 from django.utils import timezone
 
 from django_idempotency.messaging.destinations.nats import body
-from django_idempotency.messaging.relay.leases import Message
+from django_idempotency.messaging.outbox.leases import Message
 from django_idempotency.models import IdempotencyRecord, OutboxMessage
 from testproject.payments.models import Charge, LedgerEntry
 

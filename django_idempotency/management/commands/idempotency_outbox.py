@@ -10,7 +10,8 @@ from django.core.management.base import BaseCommand, CommandError, CommandParser
 from django.db import router
 from django.utils import timezone
 
-from django_idempotency.messaging.relay import heartbeats, leases
+from django_idempotency.messaging.outbox import leases
+from django_idempotency.messaging.relay import heartbeats
 from django_idempotency.models import OutboxMessage
 
 # Counted up to this many.

@@ -21,8 +21,13 @@ from nats.js.api import AckPolicy, ConsumerConfig
 
 from django_idempotency.engine.errors import KeyReused
 from django_idempotency.messaging.consumers.exactly_once import Delivery, consume
-from django_idempotency.messaging.destinations.nats import CONNECT, DEFAULTS, MSG_ID, UNREACHABLE
-from django_idempotency.messaging.destinations.nats_loop import ClientLoop
+from django_idempotency.messaging.nats_client import (
+    CONNECT,
+    DEFAULTS,
+    MSG_ID,
+    UNREACHABLE,
+    ClientLoop,
+)
 from django_idempotency.messaging.tracing import NATS, consume_span_from_headers
 
 logger = logging.getLogger("django_idempotency.consumers")

@@ -12,14 +12,11 @@ from django.core.exceptions import ImproperlyConfigured
 from django.utils.module_loading import import_string
 
 from django_idempotency.conf import conf
-from django_idempotency.messaging.relay.leases import Message
+from django_idempotency.messaging.outbox.leases import Message
+from django_idempotency.messaging.routing import CELERY, DEFAULT, TASKS
+from django_idempotency.messaging.routing import NATS as NATS
 from django_idempotency.models import OutboxMessage
 
-# The destination that takes every message no route names.
-DEFAULT = "default"
-CELERY = "django_idempotency.messaging.destinations.celery.CeleryDestination"
-NATS = "django_idempotency.messaging.destinations.nats.NatsDestination"
-TASKS = "django_idempotency.messaging.destinations.tasks.TasksDestination"
 # A route's pattern may start with one of these to match that kind of message only.
 KIND_PREFIXES = {"task:": OutboxMessage.Kind.TASK, "event:": OutboxMessage.Kind.EVENT}
 

@@ -14,7 +14,7 @@ from django.utils.module_loading import import_string
 from django_idempotency.messaging.destinations import Destination, PublishResult, Stopping
 from django_idempotency.messaging.destinations.celery_broker import Broker, celery_app
 from django_idempotency.messaging.outbox import task_name
-from django_idempotency.messaging.relay.leases import Message
+from django_idempotency.messaging.outbox.leases import Message
 
 logger = logging.getLogger("django_idempotency.relay")
 # Task names a Celery destination's app did not know, already named in a warning.

@@ -23,7 +23,7 @@ from kombu.exceptions import OperationalError
 
 from django_idempotency.conf import conf
 from django_idempotency.messaging.outbox import task_name
-from django_idempotency.messaging.relay.leases import Message
+from django_idempotency.messaging.outbox.leases import Message
 from django_idempotency.messaging.tracing import broker_system, publish_span
 from django_idempotency.models import OutboxMessage
 

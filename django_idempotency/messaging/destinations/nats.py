@@ -17,51 +17,20 @@ import nats.js.errors
 from django.core.exceptions import ImproperlyConfigured
 
 from django_idempotency.messaging.destinations import Destination, PublishResult, Stopping
-from django_idempotency.messaging.destinations.nats_loop import ClientLoop, result
-from django_idempotency.messaging.relay.leases import Message
+from django_idempotency.messaging.nats_client import (
+    CONNECT,
+    DEFAULTS,
+    MSG_ID,
+    UNREACHABLE,
+    ClientLoop,
+    result,
+)
+from django_idempotency.messaging.outbox.leases import Message
 from django_idempotency.messaging.tracing import NATS, publish_span
 from django_idempotency.models import OutboxMessage
 
-MSG_ID = "Nats-Msg-Id"
+# Where the message must land (JetStream refuses the publish otherwise).
 EXPECTED_STREAM = "Nats-Expected-Stream"
-DEFAULTS: dict[str, Any] = {
-    "servers": ["nats://127.0.0.1:4222"],
-    # The subject of a message: its name (task name or topic), under a prefix of your choice.
-    "subject": "{name}",
-    # The stream the subject must land in (JetStream refuses the publish otherwise), or None.
-    "stream": None,
-    # Seconds to wait for the stream's acknowledgements of a batch, and to connect.
-    "ack_timeout": 5.0,
-    # More keyword arguments for nats.connect() (credentials, TLS, name).
-    "connect": {},
-}
-
-
-async def _reported_by_the_relay(error: Exception) -> None:
-    """nats-py's error callback: the relay logs the failure of the publish itself."""
-
-
-# The relay reconnects by itself, after a pause, on its next pass: a client reconnecting in
-# the background would hold publishes in its buffer, past the relay's wait for their acks.
-CONNECT: dict[str, Any] = {
-    "allow_reconnect": False,
-    "connect_timeout": 2,
-    "error_cb": _reported_by_the_relay,
-}
-# Out of reach, or JetStream not answering yet (a server starting): no fault of the message.
-UNREACHABLE: tuple[type[BaseException], ...] = (
-    OSError,
-    TimeoutError,
-    asyncio.TimeoutError,
-    nats.errors.ConnectionClosedError,
-    nats.errors.ConnectionReconnectingError,
-    nats.errors.NoServersError,
-    nats.errors.StaleConnectionError,
-    nats.errors.TimeoutError,
-    nats.errors.UnexpectedEOF,
-    nats.js.errors.NoStreamResponseError,
-    nats.js.errors.ServiceUnavailableError,
-)
 
 
 def body(message: Message) -> bytes:

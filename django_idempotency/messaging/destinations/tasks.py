@@ -15,7 +15,7 @@ from django.db import InterfaceError, OperationalError
 from django_idempotency.messaging.consumers.exactly_once import principal
 from django_idempotency.messaging.consumers.tasks import DELIVER
 from django_idempotency.messaging.destinations import Destination, PublishResult, Stopping
-from django_idempotency.messaging.relay.leases import Message
+from django_idempotency.messaging.outbox.leases import Message
 from django_idempotency.messaging.tasks_framework import task_backends
 from django_idempotency.messaging.tracing import DJANGO_TASKS, publish_span
 from django_idempotency.models import OutboxMessage

@@ -12,9 +12,9 @@ from django.utils import timezone
 from django.utils.module_loading import import_string
 
 from django_idempotency.conf import conf
-from django_idempotency.messaging.destinations import DEFAULT
-from django_idempotency.messaging.destinations import TASKS as TASKS_DESTINATION
 from django_idempotency.messaging.outbox import NotInTransaction, in_transaction, write_message
+from django_idempotency.messaging.routing import DEFAULT
+from django_idempotency.messaging.routing import TASKS as TASKS_DESTINATION
 from django_idempotency.messaging.tasks_framework import (
     BaseTaskBackend,
     Task,
@@ -200,7 +200,9 @@ def _import(path: str) -> Any:
 
 
 def _is_tasks_destination(path: str) -> bool:
-    from django_idempotency.messaging.destinations.tasks import TasksDestination
-
+    """Whether the class at ``path`` is the Tasks destination or a subclass, told by its
+    classes' paths: the destinations sit above the outbox, which imports none of them."""
     found = _import(path)
-    return isinstance(found, type) and issubclass(found, TasksDestination)
+    return isinstance(found, type) and any(
+        f"{cls.__module__}.{cls.__qualname__}" == TASKS_DESTINATION for cls in found.__mro__
+    )

@@ -31,10 +31,9 @@ from django_idempotency.messaging.destinations import (
     Waiting,
     start,
 )
-from django_idempotency.messaging.outbox import CHANNEL
-from django_idempotency.messaging.relay import leases
+from django_idempotency.messaging.outbox import CHANNEL, leases
+from django_idempotency.messaging.outbox.leases import Batch, Message
 from django_idempotency.messaging.relay.heartbeats import BEAT_EVERY, Heartbeat
-from django_idempotency.messaging.relay.leases import Batch, Message
 from django_idempotency.messaging.relay.redrive import Redrive
 from django_idempotency.models import OutboxMessage
 

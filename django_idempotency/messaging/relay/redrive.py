@@ -15,8 +15,8 @@ from django.utils import timezone
 from django_idempotency import signals
 from django_idempotency.conf import conf
 from django_idempotency.messaging.destinations import Destinations
-from django_idempotency.messaging.relay import leases
-from django_idempotency.messaging.relay.leases import Message
+from django_idempotency.messaging.outbox import leases
+from django_idempotency.messaging.outbox.leases import Message
 from django_idempotency.models import IdempotencyRecord, OutboxMessage
 from django_idempotency.storage import records
 

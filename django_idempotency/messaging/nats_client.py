@@ -1,5 +1,7 @@
-"""nats-py's asyncio client from synchronous code: an event loop on a thread of its own,
-and bounded waits on the work given to it (the NATS destination and the NATS consumer)."""
+"""nats-py's client as the NATS destination and the NATS consumer both use it: the message-id
+header, the connection settings and their defaults, the errors that mean NATS is out of reach,
+and an asyncio event loop on a thread of its own with bounded waits on the work given to it.
+Below both, so that neither imports the other."""
 
 from __future__ import annotations
 
@@ -8,6 +10,51 @@ import concurrent.futures
 import threading
 from collections.abc import Coroutine
 from typing import Any, TypeVar
+
+import nats
+import nats.errors
+import nats.js.errors
+
+MSG_ID = "Nats-Msg-Id"
+DEFAULTS: dict[str, Any] = {
+    "servers": ["nats://127.0.0.1:4222"],
+    # The subject of a message: its name (task name or topic), under a prefix of your choice.
+    "subject": "{name}",
+    # The stream the subject must land in (JetStream refuses the publish otherwise), or None.
+    "stream": None,
+    # Seconds to wait for the stream's acknowledgements of a batch, and to connect.
+    "ack_timeout": 5.0,
+    # More keyword arguments for nats.connect() (credentials, TLS, name).
+    "connect": {},
+}
+
+
+async def _reported_by_the_relay(error: Exception) -> None:
+    """nats-py's error callback: the relay logs the failure of the publish itself."""
+
+
+# The relay reconnects by itself, after a pause, on its next pass: a client reconnecting in
+# the background would hold publishes in its buffer, past the relay's wait for their acks.
+CONNECT: dict[str, Any] = {
+    "allow_reconnect": False,
+    "connect_timeout": 2,
+    "error_cb": _reported_by_the_relay,
+}
+# Out of reach, or JetStream not answering yet (a server starting): no fault of the message.
+UNREACHABLE: tuple[type[BaseException], ...] = (
+    OSError,
+    TimeoutError,
+    asyncio.TimeoutError,
+    nats.errors.ConnectionClosedError,
+    nats.errors.ConnectionReconnectingError,
+    nats.errors.NoServersError,
+    nats.errors.StaleConnectionError,
+    nats.errors.TimeoutError,
+    nats.errors.UnexpectedEOF,
+    nats.js.errors.NoStreamResponseError,
+    nats.js.errors.ServiceUnavailableError,
+)
+
 
 T = TypeVar("T")
 
