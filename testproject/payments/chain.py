@@ -65,13 +65,16 @@ def post_to_ledger(
     ``switches`` are the task's fault switches (the tests' and the demo's)."""
     Capture.objects.create(charge_id=payment.pk, capture_id=capture_id)
     args = (payment.pk, payment.amount, payment.currency)
+    # The capture names the charge to the posting: the same in every run of this request,
+    # where the charge's id is not (ledger.post_ledger_entry).
+    kwargs = {"capture": capture_id, **(switches or {})}
     if getattr(settings, "PAYMENTS_LEDGER", "celery") == "tasks":
         # Imported here: Django's Tasks framework is an extra (the backport on Django 5.2).
         from testproject.payments.ledger_tasks import post_ledger_entry
 
-        return str(post_ledger_entry.enqueue(*args, **dict(switches or {})).id)
+        return str(post_ledger_entry.enqueue(*args, **kwargs).id)
     # Celery's by default; IDEMPOTENCY_OUTBOX_ROUTES may send it elsewhere (NATS).
-    return enqueue_task(POST_LEDGER_ENTRY, args, dict(switches or {}))
+    return enqueue_task(POST_LEDGER_ENTRY, args, kwargs)
 
 
 def processor_secret() -> str:

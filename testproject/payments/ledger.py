@@ -19,7 +19,7 @@ from django.conf import settings
 from django.db import transaction
 
 from testproject.payments.faults import first_sighting
-from testproject.payments.models import LedgerEntry
+from testproject.payments.models import Capture, LedgerEntry
 
 
 def post_ledger_entry(
@@ -28,12 +28,23 @@ def post_ledger_entry(
     amount: int,
     currency: str,
     *,
+    capture: str = "",
     delay_ms: int = 0,
     crash_once: str = "",
     crash_after_commit_once: str = "",
 ) -> dict[str, Any]:
     """Write the charge's ledger row for message ``message_id``; what the consumer stores as
-    its result (a redelivery is answered with it)."""
+    its result (a redelivery is answered with it).
+
+    ``capture``, the processor's capture id, names the charge when given: every run of the
+    charge's request gets the same one (its processor key is derived from the request's),
+    while the charge's id is new on each run. After an asynchronous failover lost a run's
+    commit, its message may still arrive, and the new primary's sequence may have given that
+    run's charge id to another charge: by its id the posting would go to that other charge.
+    No capture yet (the run again has not committed, or never will): the posting fails, stores
+    nothing, and the run again publishes it anew under the same message id."""
+    if capture:
+        charge_id = Capture.objects.values_list("charge_id", flat=True).get(capture_id=capture)
     entry = LedgerEntry.objects.create(
         charge_id=charge_id, amount=amount, currency=currency, message_id=message_id
     )

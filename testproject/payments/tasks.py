@@ -24,13 +24,14 @@ def post_ledger_entry(
     amount: int,
     currency: str,
     *,
+    capture: str = "",
     delay_ms: int = 0,
     crash_once: str = "",
     crash_after_commit_once: str = "",
 ) -> dict[str, Any]:
-    """Post a charge to the ledger (``ledger.post_ledger_entry``: the keyword arguments
-    after ``*`` are its fault switches)."""
+    """Post a charge to the ledger (``ledger.post_ledger_entry``: ``capture`` names the
+    charge; the keyword arguments after it are its fault switches)."""
     return ledger.post_ledger_entry(
-        str(self.request.id), charge_id, amount, currency, delay_ms=delay_ms,
+        str(self.request.id), charge_id, amount, currency, capture=capture, delay_ms=delay_ms,
         crash_once=crash_once, crash_after_commit_once=crash_after_commit_once,
     )  # fmt: skip

@@ -84,3 +84,42 @@ def test_with_payments_ledger_tasks_the_posting_is_a_django_task_run_once_per_me
     entry = LedgerEntry.objects.get()
     assert (entry.charge_id, entry.message_id) == (charge.pk, message_id)
     assert IdempotencyRecord.objects.filter(key=message_id).count() == 1
+
+
+# After an asynchronous failover that lost a run's commit, the run's ledger message may still
+# arrive while the new primary's sequence has given the run's charge id to another charge (a
+# failover profile found a charge with two ledger rows and one with none). The capture, the
+# same in every run of the request, names the charge instead.
+
+
+def test_a_posting_names_its_charge_by_the_capture_not_by_an_id_a_failover_reused(
+    charge: Charge, token_user: Any
+) -> None:
+    from testproject.payments import ledger
+    from testproject.payments.models import Capture
+
+    run_again = Charge.objects.create(amount=2499, currency="inr", user=token_user.user)
+    Capture.objects.create(charge=run_again, capture_id="cap_1")
+    with transaction.atomic():
+        # The first run's message: its charge id is now another charge's.
+        ledger.post_ledger_entry(str(uuid.uuid4()), charge.pk, 2499, "inr", capture="cap_1")
+    assert list(LedgerEntry.objects.values_list("charge_id", flat=True)) == [run_again.pk]
+
+
+def test_a_posting_whose_capture_is_not_there_fails_and_writes_nothing(charge: Charge) -> None:
+    from testproject.payments import ledger
+    from testproject.payments.models import Capture
+
+    with pytest.raises(Capture.DoesNotExist), transaction.atomic():
+        ledger.post_ledger_entry(str(uuid.uuid4()), charge.pk, 2499, "inr", capture="cap_lost")
+    assert LedgerEntry.objects.count() == 0
+
+
+def test_the_charges_ledger_message_names_its_capture(charge: Charge) -> None:
+    from testproject.payments import chain
+
+    with transaction.atomic():
+        chain.post_to_ledger(charge, "cap_2")
+    (message,) = OutboxMessage.objects.all()
+    assert message.args == [charge.pk, 2499, "inr"]
+    assert message.kwargs == {"capture": "cap_2"}

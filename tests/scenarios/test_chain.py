@@ -220,7 +220,11 @@ def test_a_charges_ledger_switches_reach_its_task_which_dies_after_its_commit_an
     charge = post_charge(web, token_user, str(uuid.uuid4()), ledger_crash_after_commit_once=tag)
     assert charge.status_code == 201, charge.text
     message = OutboxMessage.objects.get()
-    assert message.kwargs == {"crash_after_commit_once": tag}
+    # The capture names the charge to the posting (testproject/payments/ledger.py).
+    assert message.kwargs == {
+        "capture": charge.json()["capture"],
+        "crash_after_commit_once": tag,
+    }
     assert relay.drain() == 1
     wait_for(lambda: worker.count(f"{POST_LEDGER_ENTRY}[{message.pk}] already ran"), timeout=30)
     assert ledger_rows(charge.json()["id"]) == 1
