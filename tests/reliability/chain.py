@@ -266,14 +266,19 @@ class ChainFaults(Injector):
         ready = supervisor.ready(KINDS[made])
         if not ready:
             return Fault(f"{kind} skipped", started, "none ready")
+        if made == "relay-kill between publish and mark":
+            # Every running relay: whichever takes the next rows dies after publishing them.
+            # One armed alone could wait out a short run while the other took every batch.
+            pids = [s.process.pid for s in ready if s.process is not None]
+            for relay in ready:
+                assert relay.process is not None
+                relay.process.send_signal(signal.SIGUSR1)
+            self.armed.update(pids)
+            return Fault(kind, started, f"armed relays {', '.join(map(str, pids))}")
         if KINDS[made] == RELAY:
             ready = [s for s in ready if s.process and s.process.pid not in self.armed] or ready
         victim = self.rng.choice(ready)
         assert victim.process is not None
-        if made == "relay-kill between publish and mark":
-            victim.process.send_signal(signal.SIGUSR1)
-            self.armed.add(victim.process.pid)
-            return Fault(kind, started, f"armed relay {victim.process.pid}")
         if made == "broker-restart":
             down = self.rng.uniform(*self.shape.broker_down_seconds)
             supervisor.kill(victim, down)
