@@ -515,6 +515,7 @@ class PostgresCluster:
         self.socket_dir.mkdir(exist_ok=True)
         if self.user is not None:
             shutil.chown(self.socket_dir, self.user)
+        self._drop_stale_socket_locks()
         options = f"-p {self.port} -c listen_addresses=127.0.0.1 -k {self.socket_dir}"
         try:
             # A standby is ready once it is consistent: on a busy machine that can take a
@@ -523,6 +524,23 @@ class PostgresCluster:
                      "-l", str(self.pgdata / "server.log"), "start", timeout=240)  # fmt: skip
         except RuntimeError as exc:
             raise RuntimeError(f"{exc}\nserver.log:\n{self.log_tail()}") from None
+
+    def _drop_stale_socket_locks(self) -> None:
+        """A killed server's socket lock names its PID, which stays taken while the process is
+        a zombie no one has reaped yet (or once the PID is reused): PostgreSQL then refuses to
+        start on that socket ("lock file ... already exists"), as a failover profile's new
+        standby did. A lock whose PID is no running postgres is left over: removed."""
+        import psutil
+
+        for lock in self.socket_dir.glob(".s.PGSQL.*.lock"):
+            try:
+                pid = int(lock.read_text().split()[0])
+                process = psutil.Process(pid)
+                running = process.status() != psutil.STATUS_ZOMBIE and "postgres" in process.name()
+            except (OSError, ValueError, IndexError, psutil.Error):
+                running = False
+            if not running:
+                lock.unlink(missing_ok=True)
 
     def stop(self) -> None:
         with contextlib.suppress(RuntimeError, subprocess.SubprocessError, OSError):
@@ -535,9 +553,11 @@ class PostgresCluster:
 
         pid = int((self.pgdata / "postmaster.pid").read_text().split()[0])
         postmaster = psutil.Process(pid)
-        for process in [postmaster, *postmaster.children(recursive=True)]:
+        processes = [postmaster, *postmaster.children(recursive=True)]
+        for process in processes:
             with contextlib.suppress(psutil.NoSuchProcess):
                 process.kill()
+        psutil.wait_procs(processes, timeout=10)
 
     def promote(self) -> None:
         """Promote a standby to primary, waiting until it accepts writes."""
