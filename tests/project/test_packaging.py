@@ -134,6 +134,14 @@ def test_the_changelog_dates_the_version_being_released() -> None:
     assert re.fullmatch(r"\d+\.\d+\.\d+ \(\d{4}-\d\d-\d\d\)", released)
 
 
+def test_nothing_is_unreleased_in_a_version_already_dated() -> None:
+    # The version on main is what its dated section says: a change after it either bumps
+    # the version (and heads its section) or is folded into it while it is not uploaded.
+    changelog = (ROOT / "CHANGELOG.md").read_text()
+    headings = re.findall(r"^## (.+)$", changelog, re.MULTILINE)
+    assert headings[0].startswith(f"{PROJECT['version']} ("), headings[0]
+
+
 def tox_envs() -> list[str]:
     """tox.ini's env_list, its braces expanded ("py312-django{61, 60}-tasks": two)."""
     envs: list[str] = []
