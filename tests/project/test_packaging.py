@@ -134,9 +134,12 @@ def test_the_changelog_dates_the_version_being_released() -> None:
     assert re.fullmatch(r"\d+\.\d+\.\d+ \(\d{4}-\d\d-\d\d\)", released)
 
 
-def test_nothing_is_unreleased_in_a_version_already_dated() -> None:
-    # The version on main is what its dated section says: a change after it either bumps
-    # the version (and heads its section) or is folded into it while it is not uploaded.
+def test_before_the_first_upload_the_first_version_is_what_main_is() -> None:
+    # Nothing is uploaded while the project's address is a placeholder (releasing.md): a
+    # change then belongs in the first version's section, not under "Unreleased" above a
+    # version that would contradict main. After the first upload, "Unreleased" is the place.
+    if "example.org" not in PROJECT["urls"]["Source"]:
+        pytest.skip("uploaded: changes after a release go under Unreleased")
     changelog = (ROOT / "CHANGELOG.md").read_text()
     headings = re.findall(r"^## (.+)$", changelog, re.MULTILINE)
     assert headings[0].startswith(f"{PROJECT['version']} ("), headings[0]
@@ -207,6 +210,31 @@ def test_the_maintainers_can_be_reached_where_security_md_says() -> None:
     domain = maintainer["email"].split("@")[1]
     security = (ROOT / "SECURITY.md").read_text()
     assert re.search(rf"\b[a-z]+@{re.escape(domain)}\b", security)
+
+
+def test_releasing_md_names_every_file_that_holds_the_placeholder_address() -> None:
+    # Settling the address before the first upload is one list to work through: each file
+    # naming the project's host is in it, and holds only the project URL or its contacts.
+    source = PROJECT["urls"]["Source"]
+    host = re.sub(r"^https?://|/.*$", "", source)
+    (maintainer,) = PROJECT["maintainers"]
+    domain = maintainer["email"].split("@")[1]
+    releasing = (ROOT / "docs" / "releasing.md").read_text()
+    published = ["README.md", "pyproject.toml", "SECURITY.md", "CONTRIBUTING.md"]
+    published += [str(p.relative_to(ROOT)) for p in sorted((ROOT / ".github").rglob("*.*"))]
+    published += [str(p.relative_to(ROOT)) for p in sorted((ROOT / "docs").glob("*.md"))]
+    holding = []
+    for name in published:
+        text = (ROOT / name).read_text()
+        urls = re.findall(rf"https?://{re.escape(host)}\S*", text)
+        addresses = re.findall(rf"[\w.-]+@[\w.-]*{re.escape(host)}", text)
+        if not urls and not addresses:
+            continue
+        holding.append(name)
+        assert [u for u in urls if not u.startswith(source)] == [], name
+        assert [a for a in addresses if not a.endswith("@" + domain)] == [], name
+    assert {"README.md", "pyproject.toml", "SECURITY.md"} <= set(holding)
+    assert [name for name in holding if f"`{name}`" not in releasing] == []
 
 
 def test_the_issue_templates_link_into_the_one_project_url() -> None:
