@@ -295,7 +295,7 @@ NATS_DESTINATION = ChainDestination(
     child_kill=None,
     pooled=False,
     module="nats",
-    install="pip install 'django-idempotency[nats]'",
+    install="pip install -e '.[nats]' in the clone",
     keeps_results=False,
 )
 

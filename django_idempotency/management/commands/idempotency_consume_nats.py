@@ -64,7 +64,7 @@ class Command(BaseCommand):
             from django_idempotency.messaging.consumers.nats import NatsConsumer
         except ImportError as exc:
             raise CommandError(
-                f"{exc}: install the nats extra (pip install 'django-idempotency[nats]')."
+                f"{exc}: install the nats extra (django-idempotency[nats])."
             ) from exc
         try:
             handler = import_string(options["handler"])

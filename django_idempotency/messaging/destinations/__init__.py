@@ -152,8 +152,8 @@ def backend(name: str, path: str) -> Any:
     except ImportError as exc:
         missing = getattr(exc, "name", None)
         extra = {
-            "nats": " (pip install 'django-idempotency[nats]')",
-            "django_tasks": " (pip install 'django-idempotency[tasks]', or Django 6.0+)",
+            "nats": " (the nats extra: django-idempotency[nats])",
+            "django_tasks": " (the tasks extra: django-idempotency[tasks], or Django 6.0+)",
         }.get((missing or "").split(".")[0], "")
         raise ImproperlyConfigured(
             f"The outbox destination {name!r} cannot load its BACKEND {path!r}: {exc}{extra}."
