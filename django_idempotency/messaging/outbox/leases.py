@@ -51,10 +51,15 @@ WITH batch AS (
 ), next_fence AS (
     SELECT nextval('{FENCE_SEQUENCE}') AS value
 ), claimed AS (
+    -- The batch's ids and span find its rows by the primary key: joined on the batch alone,
+    -- the planner hashed every row of the partition, published ones too, on every claim.
     UPDATE {TABLE} AS o
        SET lease_owner = %s, lease_until = now() + %s, fence = next_fence.value
       FROM batch, next_fence
      WHERE o.id = batch.id AND o.created_at = batch.created_at
+       AND o.id = ANY(ARRAY(SELECT id FROM batch))
+       AND o.created_at BETWEEN (SELECT min(created_at) FROM batch)
+                            AND (SELECT max(created_at) FROM batch)
     RETURNING o.id, o.created_at, o.kind, o.name, o.args, o.kwargs, o.payload, o.options, o.fence,
               o.redrives, o.ordering_key
 )
