@@ -182,3 +182,24 @@ def plan_nodes(node: dict[str, Any]) -> Iterator[dict[str, Any]]:
     yield node
     for child in node.get("Plans", ()):
         yield from plan_nodes(child)
+
+
+def test_a_claim_and_a_mark_commit_without_waiting_for_the_flush_in_their_own_transaction() -> None:
+    # Lost, they only publish rows again under the same ids; the session (a pooled server
+    # connection under PgBouncer, say) keeps the server's setting for everything else.
+    enqueue(2)
+
+    def setting() -> str:
+        with connection.cursor() as cursor:
+            cursor.execute("SELECT current_setting('synchronous_commit')")
+            return str(cursor.fetchone()[0])
+
+    server = setting()
+    with transaction.atomic():
+        batch = leases.claim(USING, owner="a", limit=5)
+        assert setting() == "off"
+    assert setting() == server
+    with transaction.atomic():
+        assert leases.mark(USING, batch, batch.messages, owner="a", check=[], after=NEVER) == 2
+        assert setting() == "off"
+    assert setting() == server

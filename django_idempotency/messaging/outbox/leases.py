@@ -29,6 +29,13 @@ MAX_BACKOFF = timedelta(minutes=5)
 # Each redrive doubles the wait before the next check, up to 2**6 times the first.
 MAX_DOUBLINGS = 6
 
+# A lease and a mark are bookkeeping the relay survives losing: a crash or a failover that
+# loses one publishes those rows again under the same ids, as a relay that dies between
+# publish and mark does, and consumers drop the repeat. So their commits do not wait for the
+# WAL's flush (nor a synchronous standby). LOCAL: the request transactions of a pooled
+# server connection (PgBouncer) keep the server's setting.
+UNFLUSHED = "set_config('synchronous_commit', 'off', true)"
+
 CLAIM = f"""
 WITH batch AS (
     SELECT id, created_at FROM {TABLE} AS pending
@@ -50,12 +57,14 @@ WITH batch AS (
        FOR UPDATE SKIP LOCKED
 ), next_fence AS (
     SELECT nextval('{FENCE_SEQUENCE}') AS value
+), durability AS (
+    SELECT {UNFLUSHED}
 ), claimed AS (
     -- The batch's ids and span find its rows by the primary key: joined on the batch alone,
     -- the planner hashed every row of the partition, published ones too, on every claim.
     UPDATE {TABLE} AS o
        SET lease_owner = %s, lease_until = now() + %s, fence = next_fence.value
-      FROM batch, next_fence
+      FROM batch, next_fence, durability
      WHERE o.id = batch.id AND o.created_at = batch.created_at
        AND o.id = ANY(ARRAY(SELECT id FROM batch))
        AND o.created_at BETWEEN (SELECT min(created_at) FROM batch)
@@ -81,6 +90,7 @@ CHECK_AT_SQL = f"""CASE WHEN id = ANY(%s::uuid[]) THEN
 # created_at bounds prune the statement to the batch's partitions.
 MARK = f"""
 UPDATE {TABLE} SET published_at = now(), lease_until = NULL, redrive_at = {CHECK_AT_SQL}
+  FROM (SELECT {UNFLUSHED}) AS durability
  WHERE id = ANY(%s::uuid[]) AND created_at BETWEEN %s AND %s
    AND lease_owner = %s AND fence = %s AND lease_until > now() AND published_at IS NULL
 """
