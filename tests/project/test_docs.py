@@ -459,9 +459,40 @@ WORD = re.compile(r"\w")
 # Pages still to be written in short sentences (issue 31): each leaves the set in the commit
 # that makes it pass.
 LONG_WINDED = {
-    name
-    for name in PROSE_PAGES
-    if name not in {"installation.md", "index.md", "api.md", "../CONTRIBUTING.md"}
+    "../README.md",
+    "admin.md",
+    "change-data-capture.md",
+    "checks.md",
+    "contract.md",
+    "data-you-keep.md",
+    "deployment-shapes.md",
+    "deployment.md",
+    "errors.md",
+    "guards.md",
+    "how-it-works.md",
+    "migrating.md",
+    "multi-database.md",
+    "observability.md",
+    "partitions.md",
+    "quickstart.md",
+    "releasing.md",
+    "reliability-report.md",
+    "settings.md",
+    "side-effects.md",
+    "signals.md",
+    "testing.md",
+    "troubleshooting.md",
+    "view-styles.md",
+}
+# Passages another change is rewriting (issue 31: failover), allowed until it lands, by the
+# first words of each long sentence as long_sentences() gives it. An entry that no longer
+# matches a long sentence fails, so the list only shrinks.
+REWRITTEN_ELSEWHERE = {
+    "outbox.md": (
+        # "On a cluster", NATS JetStream
+        "the [lease] (60 s by default)",
+        "after an asynchronous failover of the records' database",
+    ),
 }
 
 
@@ -515,4 +546,7 @@ def test_long_sentences_are_found() -> None:
 )
 def test_no_sentence_of_a_page_runs_past_forty_words(name: str) -> None:
     found = long_sentences(page(name))
+    allowed = REWRITTEN_ELSEWHERE.get(name, ())
+    assert [start for start in allowed if not any(s.startswith(start) for s in found)] == []
+    found = [sentence for sentence in found if not sentence.startswith(allowed)]
     assert found == [], f"{name}: {len(found)} sentences over {LONGEST_SENTENCE} words"
