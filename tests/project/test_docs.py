@@ -469,7 +469,6 @@ LONG_WINDED = {
     "deployment.md",
     "errors.md",
     "guards.md",
-    "how-it-works.md",
     "migrating.md",
     "multi-database.md",
     "observability.md",
