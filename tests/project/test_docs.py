@@ -477,7 +477,6 @@ LONG_WINDED = {
     "releasing.md",
     "reliability-report.md",
     "settings.md",
-    "side-effects.md",
     "signals.md",
     "testing.md",
     "troubleshooting.md",
