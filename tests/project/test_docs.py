@@ -475,7 +475,6 @@ LONG_WINDED = {
     "partitions.md",
     "quickstart.md",
     "releasing.md",
-    "reliability-report.md",
     "settings.md",
     "signals.md",
     "testing.md",
