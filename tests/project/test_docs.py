@@ -464,7 +464,6 @@ LONG_WINDED = {
     "change-data-capture.md",
     "checks.md",
     "contract.md",
-    "data-you-keep.md",
     "deployment-shapes.md",
     "deployment.md",
     "errors.md",
