@@ -474,7 +474,6 @@ LONG_WINDED = {
     "partitions.md",
     "quickstart.md",
     "releasing.md",
-    "settings.md",
     "signals.md",
     "testing.md",
     "troubleshooting.md",
