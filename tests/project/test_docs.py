@@ -462,7 +462,6 @@ LONG_WINDED = {
     "../README.md",
     "admin.md",
     "change-data-capture.md",
-    "checks.md",
     "deployment-shapes.md",
     "errors.md",
     "migrating.md",
@@ -526,7 +525,8 @@ def long_sentences(text: str) -> list[str]:
         # A code span or a link is one word; a link's target is no word at all.
         block = re.sub(r"`[^`]*`", "CODE", block)
         block = re.sub(r"\]\([^)]*\)", "]", block)
-        for sentence in SENTENCE_END.split(STARTS_ITEM.sub("", block, count=1)):
+        item = STARTS_ITEM.match(block)
+        for sentence in SENTENCE_END.split(block[item.end() if item else 0 :]):
             if len([w for w in sentence.split() if WORD.search(w)]) > LONGEST_SENTENCE:
                 found.append(sentence)
     return found
