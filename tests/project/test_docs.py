@@ -462,8 +462,6 @@ LONG_WINDED = {
     "../README.md",
     "admin.md",
     "change-data-capture.md",
-    "deployment-shapes.md",
-    "errors.md",
     "migrating.md",
     "multi-database.md",
     "observability.md",
