@@ -464,7 +464,6 @@ LONG_WINDED = {
     "change-data-capture.md",
     "migrating.md",
     "multi-database.md",
-    "observability.md",
     "partitions.md",
     "quickstart.md",
     "releasing.md",
