@@ -461,7 +461,6 @@ WORD = re.compile(r"\w")
 LONG_WINDED = {
     "../README.md",
     "admin.md",
-    "change-data-capture.md",
     "migrating.md",
     "multi-database.md",
     "partitions.md",
