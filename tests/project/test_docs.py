@@ -469,7 +469,6 @@ LONG_WINDED = {
     "signals.md",
     "testing.md",
     "troubleshooting.md",
-    "view-styles.md",
 }
 # Passages another change is rewriting (issue 31: failover), allowed until it lands: a section
 # by its heading, or a long sentence by its first words as long_sentences() gives it. An entry
