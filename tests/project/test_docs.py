@@ -468,7 +468,6 @@ LONG_WINDED = {
     "releasing.md",
     "signals.md",
     "testing.md",
-    "troubleshooting.md",
 }
 # Passages another change is rewriting (issue 31: failover), allowed until it lands: a section
 # by its heading, or a long sentence by its first words as long_sentences() gives it. An entry
