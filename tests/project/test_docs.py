@@ -461,7 +461,6 @@ WORD = re.compile(r"\w")
 LONG_WINDED = {
     "../README.md",
     "multi-database.md",
-    "partitions.md",
     "quickstart.md",
     "releasing.md",
     "signals.md",
