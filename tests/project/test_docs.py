@@ -464,7 +464,6 @@ LONG_WINDED = {
     "quickstart.md",
     "releasing.md",
     "signals.md",
-    "testing.md",
 }
 # Passages another change is rewriting (issue 31: failover), allowed until it lands: a section
 # by its heading, or a long sentence by its first words as long_sentences() gives it. An entry
