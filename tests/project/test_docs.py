@@ -459,7 +459,6 @@ WORD = re.compile(r"\w")
 # Pages still to be written in short sentences (issue 31): each leaves the set in the commit
 # that makes it pass.
 LONG_WINDED = {
-    "signals.md",
 }
 # Passages another change is rewriting (issue 31: failover), allowed until it lands: a section
 # by its heading, or a long sentence by its first words as long_sentences() gives it. An entry
