@@ -5,8 +5,9 @@ every client retries its charge until it is answered. Then every count is compar
 
 Under synchronous replication (the suite's short run, and the profile's longer one with
 several failovers): every charge answered is on the new primary with one capture at the
-processor, one ledger row and one consumer record; nothing lost, nothing twice. The profile's
-asynchronous run measures what a failover can lose (``docs/deployment.md``, "Failover").
+processor, one ledger row, one consumer record and one settlement by the processor's webhook;
+nothing lost, nothing twice. The profile's asynchronous runs measure what a failover can lose
+(``docs/deployment.md``, "Failover"), and no charge is settled twice.
 """
 
 from __future__ import annotations
@@ -64,6 +65,13 @@ def outcome(run: Chain, clients: list[Client], answered: int) -> dict[str, Any]:
             "LEFT JOIN payments_ledgerentry l ON l.charge_id = c.id GROUP BY c.id"
         )
     )
+    per_charge_settlements = Counter(
+        count
+        for (count,) in pair.rows(
+            "SELECT count(s.id) FROM payments_charge c "
+            "LEFT JOIN payments_settlement s ON s.charge_id = c.id GROUP BY c.id"
+        )
+    )
     return {
         "charges answered 2xx": answered,
         "answered, record on the new primary": len(kept),
@@ -73,6 +81,11 @@ def outcome(run: Chain, clients: list[Client], answered: int) -> dict[str, Any]:
         "consumer records": pair.count(
             "SELECT count(*) FROM django_idempotency_record WHERE scope LIKE 'consumer:%%'"
         ),
+        "settlements": pair.count("SELECT count(*) FROM payments_settlement"),
+        "settlements per charge": dict(per_charge_settlements),
+        # The processor's webhook answered 2xx, by a primary whose commit was then lost: the
+        # sender does not deliver it again (past its one extra delivery).
+        "settled, then lost": run.settlements_lost(),
         "outbox rows": pair.count("SELECT count(*) FROM django_idempotency_outbox"),
         "ledger rows per charge": dict(per_charge),
         # Published before a failover whose new primary lacks the message's transaction,
@@ -121,9 +134,11 @@ def test_a_synchronous_failover_under_retried_traffic_loses_nothing_and_doubles_
     # The promoted standby has none of its own.
     assert (after.verdict, after.value) == ("info", "no streaming standby")
     assert figures["answered, record on the new primary"] == answered
-    for count in ("charges", "captures at the processor", "ledger rows", "consumer records"):
+    counts = ("charges", "captures at the processor", "ledger rows", "consumer records")
+    for count in (*counts, "settlements"):
         assert figures[count] == answered, (count, figures)
     assert figures["ledger rows per charge"] == {1: answered}
+    assert figures["settlements per charge"] == {1: answered}
 
 
 # The longer runs (a CI cell of their own): 240 charges, three failovers at random points
@@ -159,10 +174,16 @@ def test_failovers_under_retried_traffic(
     # No charge has a second ledger row, and no message left the building under an id the
     # new primary does not know, unless its charge was lost after its answer.
     assert set(figures["ledger rows per charge"]) <= {1}
+    # No charge is settled twice, however often the processor delivered its webhook.
+    assert set(figures["settlements per charge"]) <= {0, 1}
     if synchronous:
         assert lost == 0 and figures["delivered, not in the final outbox"] == 0
-        for count in ("charges", "ledger rows", "consumer records"):
+        for count in ("charges", "ledger rows", "consumer records", "settlements"):
             assert figures[count] == answered, (count, figures)
     else:
         assert figures["delivered, not in the final outbox"] <= lost
         assert figures["charges"] == figures["ledger rows"] == answered - lost
+        # A charge unsettled is one whose settlement the failover lost after its webhook was
+        # answered (the sender does not deliver it again); the run reports how many.
+        unsettled = figures["charges"] - figures["settlements"]
+        assert unsettled == figures["settled, then lost"], figures
