@@ -16,6 +16,8 @@ import json
 import random
 import re
 import shutil
+import time
+import uuid
 from collections import Counter
 from functools import partial
 from pathlib import Path
@@ -25,10 +27,17 @@ import pytest
 
 pytest.importorskip("celery")
 
+from django_idempotency.messaging.relay.heartbeats import BEAT_EVERY
 from django_idempotency.probe.facts import Fact, replication
 from tests.support.chain_processes import wait_for
 from tests.support.failover import DATABASE, Chain, Client, chain
 from tests.support.servers import postgres_bin
+
+# Outbox rows written since a time, published: seconds from the write to the publish.
+PUBLISHED = (
+    "SELECT extract(epoch FROM published_at - created_at)::float "
+    "FROM django_idempotency_outbox WHERE published_at IS NOT NULL AND created_at > %s"
+)
 
 pytestmark = [
     pytest.mark.skipif(shutil.which("redis-server") is None, reason="needs redis-server"),
@@ -100,6 +109,21 @@ def outcome(run: Chain, clients: list[Client], answered: int) -> dict[str, Any]:
     }
 
 
+def publish_latencies(run: Chain, charges: int) -> list[float]:
+    """Seconds from each charge's outbox row written to its publish (the database's clock),
+    for ``charges`` charges sent one after another, each once the one before was published."""
+    client = Client(run.web.url, run.headers, charges, time.monotonic() + 60)
+    since = run.pair.rows("SELECT now()")[0][0]
+
+    def published() -> list[float]:
+        return [latency for (latency,) in run.pair.rows(PUBLISHED, since)]
+
+    for sent in range(1, charges + 1):
+        client.charge(str(uuid.uuid4()))
+        wait_for(lambda n=sent: len(published()) >= n, timeout=30, every=0.02)
+    return published()
+
+
 def beat_since(run: Chain) -> bool:
     query = "SELECT count(*) FROM django_idempotency_relay_heartbeat WHERE beat_at > %s"
     return run.pair.count(query, run.pair.promoted_at) > 0
@@ -125,6 +149,14 @@ def test_a_synchronous_failover_under_retried_traffic_loses_nothing_and_doubles_
         figures = outcome(run, clients, answered)
         # The relay beats on the new primary: its heartbeat (what operators watch) came back.
         wait_for(partial(beat_since, run), timeout=20, every=0.2)
+        # And a commit on the new primary wakes it (NOTIFY: it LISTENs there), not only its
+        # poll. It wakes every BEAT_EVERY (5 s: its heartbeat, the redrive's check) whatever
+        # IDEMPOTENCY_OUTBOX_POLL_INTERVAL says; by polling alone a charge sent once the one
+        # before was published, just after a wake, waits for the next: 30 s for six (seen
+        # with a relay that never LISTENs again), not 5.
+        latencies = publish_latencies(run, 6)
+        relay_listening = run.pair.listening()
+    figures["seconds from write to publish, after"] = [round(x, 3) for x in latencies]
     print(json.dumps(figures, indent=2))
     assert run.pair.failovers == 1 and answered == 24
     assert (before.verdict, before.value) == (
@@ -139,6 +171,8 @@ def test_a_synchronous_failover_under_retried_traffic_loses_nothing_and_doubles_
         assert figures[count] == answered, (count, figures)
     assert figures["ledger rows per charge"] == {1: answered}
     assert figures["settlements per charge"] == {1: answered}
+    assert len(latencies) == 6 and sum(latencies) < BEAT_EVERY, latencies
+    assert relay_listening == 1
 
 
 # The longer runs (a CI cell of their own): 240 charges, three failovers at random points

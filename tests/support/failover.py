@@ -33,6 +33,7 @@ from typing import Any
 
 import requests
 
+from django_idempotency.messaging.outbox import CHANNEL
 from tests.conftest import ROOT, GunicornServer, die_with_parent, run_gunicorn, unmeasured
 from tests.support.chain_processes import (
     CHAIN_SETTINGS,
@@ -145,6 +146,11 @@ class Pair:
         the primary waits for it again)."""
         shutil.rmtree(self.standby.pgdata, ignore_errors=True)
         make_standby(self.primary, self.standby, self.synchronous)
+
+    def listening(self) -> int:
+        """Sessions on the primary that LISTEN for the outbox's commits: the relay's."""
+        query = "SELECT count(*) FROM pg_stat_activity WHERE datname = %s AND query = %s"
+        return self.count(query, DATABASE, f"LISTEN {CHANNEL}")
 
     def count(self, query: str, *params: Any) -> int:
         with self.primary.connect(DATABASE) as conn:
@@ -327,6 +333,9 @@ def chain(
         relay = start_relay(env, directory / "relay.log")
         stack.callback(stop, relay)
         worker.wait_ready(60)
+        # The relay listens on the first primary before any traffic, so that a failover
+        # test sees it listen again on the next.
+        wait_for(pair.listening, timeout=60, every=0.1)
         yield Chain(pair, web, worker, relay, processor, {"Authorization": f"Token {token}"})
 
 
