@@ -20,7 +20,9 @@ of ``<id>.<timestamp>.<body>`` under the ``whsec_`` secret), so the delivery id,
 shop deduplicates, and the time, by which it refuses an old capture replayed, are both
 covered by the signature.
 ``POST /v1/webhook`` ``{"url", "secret"}`` sets both after the start; ``GET /v1/deliveries``
-lists the attempts sent (headers and body), as someone who captured them would have them.
+lists the attempts sent (headers and body), as someone who captured them would have them;
+``GET /v1/webhooks`` says, per capture id, whether its event is ``pending`` (not yet answered
+2xx), ``acknowledged`` or ``abandoned`` (never answered 2xx, no longer sent).
 
 The module also holds the payments API's client: ``capture()``.
 """
@@ -77,6 +79,8 @@ class Ledger:
     acknowledged: int = 0
     # Every attempt sent: {"headers", "body"}.
     sent: list[dict[str, Any]] = field(default_factory=list)
+    # capture id -> its charge.settled event's state: pending, acknowledged or abandoned.
+    webhooks: dict[str, str] = field(default_factory=dict)
 
     def capture(self, key: str, body: dict[str, Any]) -> tuple[int, dict[str, Any], bool]:
         """(status, answer, replayed) for a capture request."""
@@ -139,6 +143,10 @@ class Handler(BaseHTTPRequestHandler):
             with self.server.ledger.lock:
                 sent = list(self.server.ledger.sent)
             self._send(200, {"deliveries": sent})
+        elif self.path == "/v1/webhooks":
+            with self.server.ledger.lock:
+                webhooks = dict(self.server.ledger.webhooks)
+            self._send(200, {"webhooks": webhooks})
         else:
             self._send(404, {"error": "not found"})
 
@@ -196,6 +204,8 @@ class ProcessorServer(ThreadingHTTPServer):
         # One delivery id for every attempt; each attempt is signed at its own time.
         delivery = str(uuid.uuid4())
         pause, extra = 0.2, self.extra_deliveries
+        with self.ledger.lock:
+            self.ledger.webhooks[capture_id] = "pending"
         for _ in range(30):
             headers = signed_headers(self.webhook_secret, delivery, body)
             with self.ledger.lock:
@@ -213,9 +223,13 @@ class ProcessorServer(ThreadingHTTPServer):
                 continue
             with self.ledger.lock:
                 self.ledger.acknowledged += 1
+                self.ledger.webhooks[capture_id] = "acknowledged"
             if extra <= 0:
                 return
             extra -= 1
+        with self.ledger.lock:
+            if self.ledger.webhooks[capture_id] == "pending":
+                self.ledger.webhooks[capture_id] = "abandoned"
 
 
 class ProcessorError(Exception):

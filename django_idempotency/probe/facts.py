@@ -155,7 +155,8 @@ def _pooler(connection: BaseDatabaseWrapper) -> Fact:
 
 
 # synchronous_commit levels at which a commit is answered only once a synchronous standby
-# has it (remote_write: in the standby's memory, which a primary's crash alone never loses).
+# has it: applied (remote_apply), flushed to its disk (on), or written to its OS and not yet
+# flushed (remote_write: lost only if the standby's OS crashes too, with the primary's).
 WAITS_FOR_STANDBY = ("on", "remote_apply", "remote_write")
 REPLICATION_QUERY = """
 SELECT current_setting('synchronous_standby_names'), current_setting('synchronous_commit'),
@@ -189,11 +190,20 @@ def replication(connection: BaseDatabaseWrapper) -> Fact:
             "(a cloud's storage replication) is not seen here",
         )
     if names and commit in WAITS_FOR_STANDBY and synchronous:
+        kept = (
+            "a promoted synchronous standby has every commit that was answered: no key runs twice"
+        )
+        if commit == "remote_write":
+            kept = (
+                "a commit is answered once the standby wrote it to its OS, before its flush: "
+                "a promoted standby has every commit that was answered unless its OS crashed "
+                "with the primary's; synchronous_commit on flushes it first"
+            )
         return Fact(
             "replication",
             "pass",
             f"synchronous ({synchronous} of {standbys} standbys, synchronous_commit {commit})",
-            "a promoted synchronous standby has every commit that was answered: no key runs twice",
+            kept,
         )
     if names and commit in WAITS_FOR_STANDBY:
         return Fact(

@@ -24,6 +24,7 @@ from datetime import datetime, timedelta
 from pathlib import Path
 from typing import Any
 
+import psycopg
 import pytest
 
 pytest.importorskip("celery")
@@ -565,6 +566,27 @@ def test_the_relay_survives_losing_its_database_connections(
         wait_for(lambda: pending() == 0, timeout=60, every=0.1)
         assert relay.poll() is None, log_of(relay)
     assert {h["id"] for h in private_redis.queued()} == set(first + second)
+
+
+def test_a_listener_lost_as_the_relay_takes_the_rest_of_its_notifies_is_replaced() -> None:
+    # A failover right after a commit: its notify is read, then the server is gone as the
+    # relay takes the notifies behind it. A failover profile saw the relay die of it.
+    class Dying:
+        closed = False
+
+        def notifies(self, timeout: float, stop_after: int | None = None) -> Iterator[object]:
+            if stop_after is None:
+                raise psycopg.OperationalError("server closed the connection unexpectedly")
+            yield object()
+
+        def close(self) -> None:
+            self.closed = True
+
+    relay, listener = Relay(), Dying()
+    relay._listener = listener
+    # Woken, it passes and LISTENs again on its next loop, on whichever server is up.
+    assert relay.wait(5.0) is True
+    assert relay._listener is None and listener.closed
 
 
 def test_a_commit_wakes_the_relay_within_milliseconds_not_the_poll(

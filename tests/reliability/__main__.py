@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import shutil
 import sys
 import tempfile
 import time
@@ -48,9 +47,7 @@ def main(argv: list[str]) -> int:
         if profile.chain is None:
             parser.error(f"--destination is for a chain profile (chain, chain-short), not {name}")
         destination = DESTINATIONS[args.destination]
-        if not (shutil.which(destination.requires) or Path(destination.requires).exists()):
-            parser.error(f"--destination {args.destination} needs {destination.requires}")
-        missing = destination.missing_module()
+        missing = destination.missing()
         if missing:
             parser.error(f"--destination {args.destination} needs {missing}")
         chain = dataclasses.replace(profile.chain, destination=args.destination)

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import shutil
 import subprocess
 import sys
 from collections.abc import Callable
@@ -260,6 +261,13 @@ class ChainDestination:
     install: str = ""
     # Its exactly-once consumer stores the ledger task's result, naming the ledger row.
     keeps_results: bool = True
+
+    def missing(self) -> str | None:
+        """What the destination needs and this machine lacks: its server, else a module;
+        None when nothing is missing."""
+        if not (shutil.which(self.requires) or Path(self.requires).exists()):
+            return self.requires
+        return self.missing_module()
 
     def missing_module(self) -> str | None:
         """What to install when ``module`` cannot be imported."""

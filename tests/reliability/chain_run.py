@@ -26,8 +26,6 @@ from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
-import requests
-
 from tests.conftest import GunicornServer
 from tests.reliability import chain_checks, checks
 from tests.reliability.app import serve
@@ -39,7 +37,7 @@ from tests.reliability.postgres import Database
 from tests.reliability.profiles import ChainShape
 from tests.reliability.report import Check, Report
 from tests.reliability.run import Runner
-from tests.support.chain_processes import processor_captures, processor_stats
+from tests.support.chain_processes import processor_captures, processor_stats, settle_at
 
 # What the chain's logs say, counted for the report.
 LOGGED = {
@@ -124,14 +122,11 @@ class ChainRunner(Runner):
         """Have the processor settle its captures at ``server``'s webhook (deliveries still
         being tried go there too)."""
         assert self.chain is not None
-        requests.post(
-            f"{self.chain.processor_url}/v1/webhook",
-            json={
-                "url": f"{server.url}/api/webhooks/processor/",
-                "secret": self.chain.env["PAYMENTS_WEBHOOK_SECRET"],
-            },
-            timeout=10,
-        ).raise_for_status()
+        settle_at(
+            self.chain.processor_url,
+            f"{server.url}{checks.WEBHOOK_PATH}",
+            self.chain.env["PAYMENTS_WEBHOOK_SECRET"],
+        )
 
     def injectors(self, server: GunicornServer, database: Database) -> list[Injector]:
         assert self.chain is not None

@@ -22,9 +22,11 @@ from typing import Any
 
 import pytest
 import requests
+from psycopg import sql
 
-from django_idempotency.probe.facts import replication
+from django_idempotency.probe.facts import Fact, replication
 from tests.conftest import GunicornServer
+from tests.support.chain_processes import wait_for
 from tests.support.client import honouring_retry_after, replayed
 from tests.support.payments import CHARGE, send_at_once
 from tests.support.servers import (
@@ -96,6 +98,33 @@ class ReplicatedApp:
                     return
                 assert time.monotonic() < deadline, "the replica did not catch up"
                 time.sleep(0.05)
+
+    @contextlib.contextmanager
+    def synchronous_standby_names(self, names: str) -> Iterator[None]:
+        """Inside the block the primary names ``names`` its synchronous standbys (``*``: the
+        replica), as the probe's sessions see. Nothing may commit on the primary meanwhile
+        when no standby answers to the name: it would wait for one."""
+        self.configure(names)
+        try:
+            if names == "*":
+                query = "SELECT count(*) FROM pg_stat_replication WHERE sync_state = 'sync'"
+                wait_for(lambda: self.scalar(self.primary, query), timeout=30)
+            yield
+        finally:
+            self.configure(None)
+
+    def configure(self, names: str | None) -> None:
+        """Set (None: reset) the primary's synchronous_standby_names, until a new session
+        sees it."""
+        statement = sql.SQL("ALTER SYSTEM RESET synchronous_standby_names")
+        if names is not None:
+            statement = sql.SQL("ALTER SYSTEM SET synchronous_standby_names = {}").format(names)
+        with self.primary.connect() as conn:
+            conn.execute(statement)
+            conn.execute("SELECT pg_reload_conf()")
+        query = "SELECT count(*) FROM pg_settings WHERE name = %s AND setting = %s"
+        setting = ("synchronous_standby_names", names or "")
+        wait_for(lambda: self.scalar(self.primary, query, *setting), timeout=30)
 
     @contextlib.contextmanager
     def lagging(self) -> Iterator[None]:
@@ -225,8 +254,90 @@ def test_failed_first_attempt_then_retry_executes_once_while_the_replica_lags(
 def test_the_probe_reports_the_replica_as_asynchronous(
     app: ReplicatedApp, django_db_blocker: Any
 ) -> None:
-    with django_db_blocker.unblock(), app.primary.django_connection(DATABASE) as connection:
-        fact = replication(connection)
+    fact = probe(app, django_db_blocker)
     assert fact.verdict == "warn"
     assert fact.value.startswith("asynchronous (1 standbys"), fact
     assert "can lose the last commits" in fact.detail
+
+
+def probe(
+    app: ReplicatedApp,
+    django_db_blocker: Any,
+    *,
+    names: str | None = None,
+    commit: str | None = None,
+    user: str = "postgres",
+) -> Fact:
+    """The probe's replication line on the primary, with ``names`` its synchronous standbys
+    and, in the probe's session, ``synchronous_commit = commit``; as ``user``."""
+    with contextlib.ExitStack() as stack:
+        if names is not None:
+            stack.enter_context(app.synchronous_standby_names(names))
+        stack.enter_context(django_db_blocker.unblock())
+        connection = stack.enter_context(app.primary.django_connection(DATABASE, user))
+        if commit is not None:
+            with connection.cursor() as cursor:
+                cursor.execute(f"SET synchronous_commit = {commit}")
+        return replication(connection)
+
+
+EVERY_ANSWERED_COMMIT = "a promoted synchronous standby has every commit that was answered"
+
+
+@pytest.mark.parametrize(
+    ("commit", "verdict", "value", "detail"),
+    [
+        (
+            "on",
+            "pass",
+            "synchronous (1 of 1 standbys, synchronous_commit on)",
+            EVERY_ANSWERED_COMMIT,
+        ),
+        (
+            "remote_apply",
+            "pass",
+            "synchronous (1 of 1 standbys, synchronous_commit remote_apply)",
+            EVERY_ANSWERED_COMMIT,
+        ),
+        # Written to the standby's OS, not flushed: a failover to it loses nothing unless
+        # its OS crashed with the primary's (docs/deployment.md, "Failover").
+        (
+            "remote_write",
+            "pass",
+            "synchronous (1 of 1 standbys, synchronous_commit remote_write)",
+            "unless its OS crashed with the primary's",
+        ),
+        # The standby is synchronous, but this session's commits do not wait for it.
+        ("local", "warn", "asynchronous (1 standbys, synchronous_commit local)", "can lose"),
+    ],
+)
+def test_the_probe_reports_a_synchronous_standby_by_what_the_session_s_commits_wait_for(
+    app: ReplicatedApp, django_db_blocker: Any, commit: str, verdict: str, value: str, detail: str
+) -> None:
+    fact = probe(app, django_db_blocker, names="*", commit=commit)
+    assert (fact.verdict, fact.value) == (verdict, value)
+    assert detail in fact.detail
+
+
+def test_the_probe_warns_of_a_synchronous_standby_named_and_none_connected(
+    app: ReplicatedApp, django_db_blocker: Any
+) -> None:
+    # The replica streams, but under another name: every commit would wait for "nobody".
+    fact = probe(app, django_db_blocker, names="nobody")
+    assert (fact.verdict, fact.value) == (
+        "warn",
+        "synchronous_standby_names is 'nobody', and no synchronous standby is connected",
+    )
+    assert "requests hang" in fact.detail
+
+
+def test_the_probe_says_when_its_role_cannot_see_the_standbys_state(
+    app: ReplicatedApp, django_db_blocker: Any
+) -> None:
+    # A role without pg_monitor (or pg_read_all_stats) sees the standbys' rows, not their state.
+    with app.primary.connect(DATABASE) as conn:
+        conn.execute("DROP ROLE IF EXISTS watcher")
+        conn.execute("CREATE ROLE watcher LOGIN")
+    fact = probe(app, django_db_blocker, user="watcher")
+    assert (fact.verdict, fact.value) == ("info", "1 standbys, their state hidden from this role")
+    assert "pg_monitor" in fact.detail

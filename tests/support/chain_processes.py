@@ -131,6 +131,20 @@ def processor_stats(url: str) -> dict[str, int]:
     return stats
 
 
+def processor_webhooks(url: str) -> dict[str, str]:
+    """Per capture id, its ``charge.settled`` event's state: pending, acknowledged or
+    abandoned."""
+    webhooks: dict[str, str] = requests.get(f"{url}/v1/webhooks", timeout=30).json()["webhooks"]
+    return webhooks
+
+
+def settle_at(url: str, webhook_url: str, secret: str) -> None:
+    """Have the processor at ``url`` settle its captures at ``webhook_url`` from now on
+    (deliveries still being tried go there too)."""
+    hook = {"url": webhook_url, "secret": secret}
+    requests.post(f"{url}/v1/webhook", json=hook, timeout=10).raise_for_status()
+
+
 def processor_captures(url: str) -> list[dict[str, Any]]:
     """Every capture the processor made, in order."""
     captures: list[dict[str, Any]] = requests.get(f"{url}/v1/captures", timeout=30).json()[

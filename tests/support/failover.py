@@ -1,8 +1,9 @@
 """A failover of the records' database, for ``tests/scenarios/test_failover.py``: a private
 primary and its streaming replica (``servers.start_primary``, ``make_standby``), the payments
-API under gunicorn, the relay, a Celery worker, a private redis-server and the fake processor, all
-pointed at both servers through libpq's multi-host form (``target_session_attrs=read-write``),
-and clients that send charges and retry each until it is answered, as SDKs do.
+API under gunicorn, the relay, a Celery worker, a private redis-server and the fake processor
+(which settles each capture by its signed webhook to the payments API), all pointed at both
+servers through libpq's multi-host form (``target_session_attrs=read-write``), and clients that
+send charges and retry each until it is answered, as SDKs do.
 
 ``fail_over()`` is what a machine's death and a failover manager do: ``kill -9`` of every
 process of the primary, a pause (the manager noticing), ``pg_ctl promote`` of the replica;
@@ -13,6 +14,7 @@ that a longer run fails over again.
 from __future__ import annotations
 
 import contextlib
+import secrets
 import shutil
 import socket
 import subprocess
@@ -31,13 +33,16 @@ from typing import Any
 
 import requests
 
+from django_idempotency.messaging.outbox import CHANNEL
 from tests.conftest import ROOT, GunicornServer, die_with_parent, run_gunicorn, unmeasured
 from tests.support.chain_processes import (
     CHAIN_SETTINGS,
     CeleryWorker,
     RedisServer,
     processor_stats,
+    processor_webhooks,
     run_processor,
+    settle_at,
     wait_for,
 )
 from tests.support.payments import CHARGE
@@ -52,6 +57,12 @@ from tests.support.servers import (
 )
 
 DATABASE = "payments"
+WEBHOOK_PATH = "/api/webhooks/processor/"
+# Charges on the current primary without a settlement, and their capture ids.
+UNSETTLED = (
+    "SELECT k.capture_id FROM payments_charge c JOIN payments_capture k ON k.charge_id = c.id "
+    "WHERE NOT EXISTS (SELECT FROM payments_settlement s WHERE s.charge_id = c.id)"
+)
 # What a client retries, as SDKs do: the server's refusals that say "again", and the 5xx a
 # dying server answers; anything else (a 4xx) is a bug the run reports.
 RETRIED = {409, 500, 502, 503, 504}
@@ -135,6 +146,11 @@ class Pair:
         the primary waits for it again)."""
         shutil.rmtree(self.standby.pgdata, ignore_errors=True)
         make_standby(self.primary, self.standby, self.synchronous)
+
+    def listening(self) -> int:
+        """Sessions on the primary that LISTEN for the outbox's commits: the relay's."""
+        query = "SELECT count(*) FROM pg_stat_activity WHERE datname = %s AND query = %s"
+        return self.count(query, DATABASE, f"LISTEN {CHANNEL}")
 
     def count(self, query: str, *params: Any) -> int:
         with self.primary.connect(DATABASE) as conn:
@@ -246,12 +262,27 @@ class Chain:
         return running
 
     def settled(self, charges: int, timeout: float = 60) -> None:
-        """Until every charge has its ledger row (the relay and the worker caught up)."""
+        """Until every charge has its ledger row (the relay and the worker caught up), and
+        every charge without a settlement has no webhook the processor is still sending."""
         wait_for(
             lambda: self.pair.count("SELECT count(*) FROM payments_ledgerentry") >= charges,
             timeout=timeout,
             every=0.2,
         )
+        wait_for(lambda: not self.settling(), timeout=timeout, every=0.2)
+
+    def settling(self) -> list[str]:
+        """Captures of unsettled charges whose webhook the processor is still sending."""
+        webhooks = processor_webhooks(self.processor)
+        unsettled = [capture for (capture,) in self.pair.rows(UNSETTLED)]
+        return [capture for capture in unsettled if webhooks.get(capture) == "pending"]
+
+    def settlements_lost(self) -> int:
+        """Charges on the primary without a settlement though the processor's webhook for
+        them was answered 2xx: by a primary whose commit the failover lost."""
+        webhooks = processor_webhooks(self.processor)
+        unsettled = [capture for (capture,) in self.pair.rows(UNSETTLED)]
+        return sum(1 for capture in unsettled if webhooks.get(capture) == "acknowledged")
 
     def captures(self) -> int:
         return processor_stats(self.processor)["captures"]
@@ -282,6 +313,8 @@ def chain(
             "DATABASE_URL": pair.url(),
             "CELERY_BROKER_URL": broker.url,
             "PAYMENTS_PROCESSOR_URL": processor,
+            # What the processor signs its webhooks with (told below, once the API is up).
+            "PAYMENTS_WEBHOOK_SECRET": secrets.token_hex(16),
             "DJANGO_SETTINGS_MODULE": CHAIN_SETTINGS,
         }
         # The standby is copied, and the worker and the servers start, while the database is
@@ -294,11 +327,15 @@ def chain(
         worker = CeleryWorker(env, ready_timeout=None)
         stack.callback(worker.stop)
         web = stack.enter_context(run_gunicorn(env, workers=2, threads=4))
+        settle_at(processor, web.url + WEBHOOK_PATH, env["PAYMENTS_WEBHOOK_SECRET"])
         migrating.result()
         token, _ = token_user(primary, DATABASE)
         relay = start_relay(env, directory / "relay.log")
         stack.callback(stop, relay)
         worker.wait_ready(60)
+        # The relay listens on the first primary before any traffic, so that a failover
+        # test sees it listen again on the next.
+        wait_for(pair.listening, timeout=60, every=0.1)
         yield Chain(pair, web, worker, relay, processor, {"Authorization": f"Token {token}"})
 
 

@@ -564,16 +564,16 @@ class PostgresCluster:
         self.run("pg_ctl", "-w", "-t", "60", "-D", str(self.pgdata), "promote")
 
     @contextlib.contextmanager
-    def django_connection(self, database: str) -> Iterator[Any]:
-        """A Django connection (the test database's settings) to ``database`` here, for
-        what takes one (the probe's facts); closed afterwards."""
+    def django_connection(self, database: str, user: str = "postgres") -> Iterator[Any]:
+        """A Django connection (the test database's settings) to ``database`` here as
+        ``user``, for what takes one (the probe's facts); closed afterwards."""
         from django.db import connections
         from django.db.backends.postgresql.base import DatabaseWrapper
 
         settings = {
             **connections["default"].settings_dict,
             "NAME": database, "HOST": "127.0.0.1", "PORT": str(self.port),
-            "USER": "postgres", "PASSWORD": "", "OPTIONS": {},
+            "USER": user, "PASSWORD": "", "OPTIONS": {},
         }  # fmt: skip
         wrapper = DatabaseWrapper(settings, alias=f"cluster-{self.port}")
         try:

@@ -315,14 +315,16 @@ class Relay:
             try:
                 for _ in self._listener.notifies(timeout=min(left, 0.5), stop_after=1):
                     woken = True
+                if woken:
+                    # Take the rest too: one pass serves every commit so far. The database
+                    # can go away between the two (a failover right after a commit).
+                    for _ in self._listener.notifies(timeout=0):
+                        pass
             except Exception as exc:  # the database went away: poll until it is back
                 logger.warning("Relay %s lost its LISTEN connection: %s", self.owner, exc)
                 self.close_listener()
                 return True
             if woken:
-                # Take the rest too: one pass serves every commit so far.
-                for _ in self._listener.notifies(timeout=0):
-                    pass
                 return True
         return False
 
