@@ -37,6 +37,9 @@ def test_a_claim_leases_the_oldest_rows_to_its_owner_under_one_new_fence() -> No
     assert [m.args for m in batch.messages] == [[0], [1]]
     rows = OutboxMessage.objects.filter(pk__in=ids[:2])
     assert {(r.lease_owner, r.fence) for r in rows} == {("a", batch.fence)}
+    # To the microsecond: mark and release find the batch's rows by its span.
+    written = {str(r.pk): r.created_at for r in rows}
+    assert {m.id: m.created_at for m in batch.messages} == written
     assert [m.id for m in leases.claim(USING, owner="b", limit=5).messages] == ids[2:]
     assert leases.claim(USING, owner="c", limit=5).messages == ()  # all leased
 
