@@ -209,15 +209,11 @@ class Relay:
         published and whether any of them had an ordering key.
 
         Pipelined on PostgreSQL: while a batch is in flight (a destination with
-        ``publish_later``), the relay marks the one before and claims the next; so the
-        database's two statements a batch overlap the publish. Where every destination
-        publishes in the background, both run in this thread, one after the other: side by
-        side they slowed each other down (their updates share index pages) and a third
-        thread waited on the publishing one for the GIL. Otherwise a thread of its own, on a
-        database connection of its own, claims the next while this one publishes. A batch
-        goes out only once the one before is acknowledged, and never after a failure (it is
-        given back untried): the order is that of one pass at a time, and a row is still
-        marked only once it was acknowledged."""
+        ``publish_later``), the relay marks the one before, and a thread of its own, on a
+        database connection of its own, claims the next; so the database's two statements a
+        batch overlap the publish. A batch goes out only once the one before is acknowledged,
+        and never after a failure (it is given back untried): the order is that of one pass
+        at a time, and a row is still marked only once it was acknowledged."""
         total = 0
         keyed = False
         claims: ThreadPoolExecutor | None = None
@@ -225,12 +221,10 @@ class Relay:
         # Batches published and not yet marked, oldest first: at most the one in flight and
         # the one before it.
         unsettled: list[tuple[Batch, list[tuple[Destination, Waiting]]]] = []
-        background = all(destination.pipelines for destination in self.destinations)
         try:
             batch = self.claim()
             while batch.messages:
-                full = self._full(batch)
-                if full and not background:
+                if self._full(batch):
                     claims = claims or self._claims()
                     upcoming = self._claim_ahead(claims)
                 unsettled.append((batch, self.publish(batch)))
@@ -239,8 +233,6 @@ class Relay:
                     settled = self.settle(*unsettled.pop(0))
                     total += settled.published
                     keyed = keyed or settled.keyed
-                if full and background:
-                    upcoming = self._claim_ahead(None)
                 # Its acknowledgements before the next batch goes out.
                 started = unsettled[0][1]
                 outcomes = [(destination, _done(wait())) for destination, wait in started]
