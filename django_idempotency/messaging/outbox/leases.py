@@ -65,16 +65,15 @@ WITH batch AS (
 ), durability AS (
     SELECT {UNFLUSHED}
 ), claimed AS (
-    -- The batch's ids and span find its rows by the primary key. Joined on the batch, the
-    -- planner hashed every row of the partition (published ones too), or, on a new day's
-    -- partition without statistics, read the batch again for each row. An id names one
-    -- row: random (UUIDv7), or derived from a request, which commits once.
+    -- The batch's ids find its rows by the primary key: joined on the batch alone, the
+    -- planner hashed every row of the partition, published ones too. (Not its span as
+    -- well: pruning partitions by a subquery's value in an UPDATE crashed a PostgreSQL
+    -- 16.14 backend once.)
     UPDATE {TABLE} AS o
        SET lease_owner = %s, lease_until = now() + %s, fence = next_fence.value
-      FROM next_fence, durability
-     WHERE o.id = ANY(ARRAY(SELECT id FROM batch))
-       AND o.created_at BETWEEN (SELECT min(created_at) FROM batch)
-                            AND (SELECT max(created_at) FROM batch)
+      FROM batch, next_fence, durability
+     WHERE o.id = batch.id AND o.created_at = batch.created_at
+       AND o.id = ANY(ARRAY(SELECT id FROM batch))
     RETURNING o.id, o.created_at, o.kind, o.name, o.args, o.kwargs, o.payload, o.options, o.fence,
               o.redrives, o.ordering_key
 )
