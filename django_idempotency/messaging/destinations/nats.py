@@ -33,13 +33,17 @@ from django_idempotency.models import OutboxMessage
 EXPECTED_STREAM = "Nats-Expected-Stream"
 
 
+# One encoder for every body: json.dumps() with separators builds one a call.
+_encode = json.JSONEncoder(separators=(",", ":")).encode
+
+
 def body(message: Message) -> bytes:
     """What a consumer reads: an event's payload; a task's ``{"args": ..., "kwargs": ...}``."""
     if message.kind == OutboxMessage.Kind.EVENT:
         document: Any = message.payload
     else:
         document = {"args": message.args, "kwargs": message.kwargs}
-    return json.dumps(document, separators=(",", ":")).encode()
+    return _encode(document).encode()
 
 
 class NatsDestination(Destination):

@@ -12,7 +12,7 @@ import uuid
 from collections.abc import Collection
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
-from typing import Any
+from typing import Any, NamedTuple
 
 from django.db import connections, transaction
 from django.db.models import Case, DateTimeField, Exists, F, Min, OuterRef, Q, QuerySet, Value, When
@@ -77,20 +77,25 @@ WITH batch AS (
     RETURNING o.id, o.created_at, o.kind, o.name, o.args, o.kwargs, o.payload, o.options, o.fence,
               o.redrives, o.ordering_key
 )
+-- The batch as one JSON document, one array a row in Message's order, decoded by one call:
+-- a row's columns and documents loaded one by one cost the relay's thread twice the CPU.
 -- In the order written (UPDATE ... RETURNING has none; ids are time-ordered, compared as
--- uuids, not as the text returned); the JSON columns as one document, decoded once a row;
--- created_at in microseconds, exact (Django's timestamptz loader is Python: half the
--- claim's own CPU).
-SELECT id::text, (extract(epoch FROM created_at) * 1000000)::bigint, kind, name,
-       jsonb_build_array(args, kwargs, payload, options)::text,
-       fence, redrives, ordering_key
+-- uuids, not as the text returned); created_at in microseconds, exact. The fence is the
+-- same on every row; no row: no fence, no document.
+SELECT max(fence),
+       json_agg(json_build_array(id, (extract(epoch FROM created_at) * 1000000)::bigint, kind,
+                                 name, args, kwargs, payload, options, redrives, ordering_key)
+                ORDER BY claimed.created_at, claimed.id)::text
   FROM claimed
- ORDER BY claimed.created_at, claimed.id
 """
+
+# Ids as one comma-separated string: a list of them, quoted one by one on the client, cost the
+# relay's thread more than the statement's other work.
+IDS = "string_to_array(%s, ',')::uuid[]"
 
 # When the redrive checks a published row's consumer record: after the message's countdown,
 # if any, and doubled with each redrive. Parameters: the ids to check, the first wait.
-CHECK_AT_SQL = f"""CASE WHEN id = ANY(%s::uuid[]) THEN
+CHECK_AT_SQL = f"""CASE WHEN id = ANY({IDS}) THEN
            greatest(now(), created_at + coalesce((options->>'countdown')::float8, 0)
                            * interval '1 second')
            + %s * power(2, least(redrives, {MAX_DOUBLINGS})) END"""
@@ -99,7 +104,7 @@ CHECK_AT_SQL = f"""CASE WHEN id = ANY(%s::uuid[]) THEN
 MARK = f"""
 UPDATE {TABLE} SET published_at = now(), lease_until = NULL, redrive_at = {CHECK_AT_SQL}
   FROM (SELECT {UNFLUSHED}) AS durability
- WHERE id = ANY(%s::uuid[]) AND created_at BETWEEN %s AND %s
+ WHERE id = ANY({IDS}) AND created_at BETWEEN %s AND %s
    AND lease_owner = %s AND fence = %s AND lease_until > now() AND published_at IS NULL
 """
 
@@ -117,14 +122,14 @@ RETURNING dead_at IS NOT NULL
 
 RELEASE = f"""
 UPDATE {TABLE} SET lease_owner = '', lease_until = NULL
- WHERE id = ANY(%s::uuid[]) AND created_at BETWEEN %s AND %s AND lease_owner = %s
+ WHERE id = ANY({IDS}) AND created_at BETWEEN %s AND %s AND lease_owner = %s
    AND fence = %s AND published_at IS NULL
 """
 
 
-@dataclass(frozen=True)
-class Message:
-    """A claimed outbox row, as the relay publishes it."""
+class Message(NamedTuple):
+    """A claimed outbox row, as the relay publishes it. A tuple: built four times faster than
+    a frozen dataclass, for every row of every batch."""
 
     id: str
     created_at: datetime
@@ -152,7 +157,7 @@ class Batch:
     def bounds(self, messages: tuple[Message, ...] | None = None) -> list[Any]:
         chosen = self.messages if messages is None else messages
         return [
-            [m.id for m in chosen],
+            ",".join(m.id for m in chosen),
             min(m.created_at for m in chosen),
             max(m.created_at for m in chosen),
         ]
@@ -169,12 +174,6 @@ def _postgresql(using: str) -> bool:
     return connections[using].vendor == "postgresql"
 
 
-def _documents(text: str) -> tuple[list[Any], dict[str, Any], Any, dict[str, Any]]:
-    """A claimed row's args, kwargs, payload and options, sent as one JSON document."""
-    args, kwargs, payload, options = json.loads(text)
-    return args, kwargs, payload, options
-
-
 def claim(using: str, *, owner: str, limit: int) -> Batch:
     """Lease up to ``limit`` unpublished rows to ``owner``, oldest first, and commit the lease."""
     if not _postgresql(using):
@@ -184,23 +183,13 @@ def claim(using: str, *, owner: str, limit: int) -> Batch:
         lease: Any = conf.OUTBOX_LEASE  # psycopg sends a timedelta as an interval
         # One statement, its own transaction in autocommit: one round trip (see above CLAIM).
         cursor.execute(CLAIM, [limit, owner, lease])
-        rows = cursor.fetchall()
-    if not rows:
+        fence, document = cursor.fetchone()
+    if fence is None:
         return Batch(0, ())
-    # The database hands jsonb over as text (Django's choice): one document per row.
     messages = tuple(
-        Message(
-            r[0],
-            EPOCH + timedelta(microseconds=r[1]),
-            r[2],
-            r[3],
-            *_documents(r[4]),
-            redrives=r[6],
-            ordering_key=r[7],
-        )
-        for r in rows
+        Message(r[0], EPOCH + timedelta(microseconds=r[1]), *r[2:]) for r in json.loads(document)
     )
-    return Batch(int(rows[0][5]), messages)
+    return Batch(int(fence), messages)
 
 
 def _claim_portable(using: str, owner: str, limit: int) -> Batch:
@@ -260,7 +249,7 @@ def mark(
     if not messages:
         return 0
     if _postgresql(using):
-        params: list[Any] = [list(check), after, *batch.bounds(messages)]
+        params: list[Any] = [",".join(check), after, *batch.bounds(messages)]
         with connections[using].cursor() as cursor:
             cursor.execute(MARK, [*params, owner, batch.fence])  # its own transaction
             return int(cursor.rowcount)
