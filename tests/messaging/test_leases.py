@@ -12,7 +12,7 @@ import pytest
 from django.db import DEFAULT_DB_ALIAS, connection, transaction
 from django.utils import timezone
 
-from django_idempotency.messaging.outbox import TABLE, enqueue_task, leases
+from django_idempotency.messaging.outbox import TABLE, enqueue_event, enqueue_task, leases
 from django_idempotency.models import OutboxMessage
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -42,6 +42,28 @@ def test_a_claim_leases_the_oldest_rows_to_its_owner_under_one_new_fence() -> No
     assert {m.id: m.created_at for m in batch.messages} == written
     assert [m.id for m in leases.claim(USING, owner="b", limit=5).messages] == ids[2:]
     assert leases.claim(USING, owner="c", limit=5).messages == ()  # all leased
+
+
+def test_a_claimed_message_carries_every_field_as_written() -> None:
+    # The claim sends its batch as one JSON document: nothing may change on the way.
+    args = ["naïve ☃", 2**63, 0.1, None, [{"deep": [True, False]}]]
+    kwargs = {"amount": 2499, "note": 'quote " and \\ and \n', "empty": {}}
+    payload = {"order": "o-1", "lines": [1.5, -0.0, "€"], "nothing": None}
+    with transaction.atomic():
+        task = enqueue_task("tests.leases.noop", args, kwargs, countdown=2.5, ordering_key="k")
+        event = enqueue_event("orders.created", payload)
+    rows = {str(r.pk): r for r in OutboxMessage.objects.all()}
+    batch = leases.claim(USING, owner="a", limit=5)
+    assert [m.id for m in batch.messages] == [task, event]
+    for message in batch.messages:
+        row = rows[message.id]
+        written = (row.created_at, row.kind, row.name, row.args, row.kwargs, row.payload)
+        claimed = message[1:7]
+        assert claimed == written
+        assert (message.options, message.redrives) == (row.options, 0)
+        assert message.ordering_key == row.ordering_key
+    assert batch.messages[0].args == args and batch.messages[0].kwargs == kwargs
+    assert batch.messages[1].payload == payload and batch.messages[0].ordering_key == "k"
 
 
 def test_mark_marks_the_owners_rows_and_sets_a_check_time_only_where_asked() -> None:
