@@ -70,19 +70,24 @@ SETTINGS = {"max_connections": "300", "fsync": "off"}
 
 
 def _configure(server: PostgresServer) -> None:
-    """Apply SETTINGS once, with the restart max_connections needs; before anything else
-    uses the server (the test session's controller, or the demo, starts it first)."""
+    """Apply SETTINGS once: max_connections with the restart it needs, before anything else
+    uses the server (the test session's controller, or the demo, starts it first); fsync
+    with a reload, so that a server already in use keeps its sessions."""
     import psycopg
 
     url = server.get_uri()
     with psycopg.connect(url, autocommit=True) as conn:
-        current = {name: conn.execute(f"SHOW {name}").fetchone() for name in SETTINGS}
-        if all(row is not None and row[0] == SETTINGS[name] for name, row in current.items()):
-            return
+        changed: set[str] = set()
         for name, value in SETTINGS.items():
-            conn.execute(f"ALTER SYSTEM SET {name} = {value}")
-    server.stop()
-    server.start()
+            row = conn.execute(f"SHOW {name}").fetchone()
+            if row is None or row[0] != value:
+                conn.execute(f"ALTER SYSTEM SET {name} = {value}")
+                changed.add(name)
+        if changed and "max_connections" not in changed:
+            conn.execute("SELECT pg_reload_conf()")
+    if "max_connections" in changed:
+        server.stop()
+        server.start()
 
 
 def embedded_pid() -> int | None:
