@@ -5,7 +5,9 @@ The scenario of issue 22: a 5 s charge holds a key, 24 duplicates arrive with
 ``Prefer: wait=10``, and meanwhile an unrelated GET and another user's charge must be answered
 at once, under the default settings (no waiting) and under the documented waiting setup
 (``tests/support/waiting_settings.py``). "At once" is judged against the scenario (well before the
-5 s holder finishes) on a busy machine; the measured latencies are printed.
+5 s holder finishes) on a busy machine; the measured latencies are printed. A run whose
+bystanders were sent after the first half of the hold (the test process starved of CPU) says
+nothing of the server, and runs again.
 """
 
 from __future__ import annotations
@@ -87,6 +89,10 @@ class Timed:
     seconds: float
     ended: float  # time.monotonic() when the answer came
 
+    @property
+    def started(self) -> float:
+        return self.ended - self.seconds
+
 
 def timed(call: Callable[[], requests.Response]) -> Timed:
     started = time.monotonic()
@@ -108,13 +114,30 @@ class Flood:
         events, not a number of seconds: it holds on a machine of any load.)"""
         return answer.ended < self.holder.ended
 
+    def bystanders_sent_in_time(self) -> bool:
+        """Whether the scenario happened: every bystander sent within the first half of the
+        holder's hold. A test process starved of CPU can send them too late to say anything
+        about the server."""
+        latest = self.holder.started + HOLD_MS / 1000 / 2
+        return all(b.started < latest for b in [*self.gets, self.other_post])
+
     def statuses(self) -> Counter[tuple[int, bool]]:
         return Counter((d.response.status_code, replayed(d.response)) for d in self.duplicates)
 
 
 def flood(base_url: str, alice: Any, bob: Any, path: str = "/api/charges/") -> Flood:
-    """The scenario: Alice's 5 s charge, 24 duplicates that prefer to wait 10 s, and, while
-    they wait, three unrelated GETs and Bob's charge."""
+    """The scenario (``flood_once``), run again, up to three times in all, while its
+    bystanders were sent too late to be judged."""
+    for _ in range(2):
+        result = flood_once(base_url, alice, bob, path)
+        if result.bystanders_sent_in_time():
+            return result
+    return flood_once(base_url, alice, bob, path)
+
+
+def flood_once(base_url: str, alice: Any, bob: Any, path: str) -> Flood:
+    """Alice's 5 s charge, 24 duplicates that prefer to wait 10 s, and, while they wait,
+    three unrelated GETs and Bob's charge."""
     key, body = str(uuid.uuid4()), {**CHARGE, "delay_ms": HOLD_MS}
     before = counts(base_url)
     with ThreadPoolExecutor(DUPLICATES + 1) as pool:
