@@ -4,6 +4,7 @@ benchmarks), started as a child that dies with the test session; and a cluster o
 from __future__ import annotations
 
 import contextlib
+import time
 from pathlib import Path
 from typing import Any
 
@@ -93,10 +94,16 @@ class NatsCluster:
     def consumer_info(self, durable: str, stream: str = STREAM) -> Any:
         return self._any(lambda node: node.consumer_info(durable, stream))
 
-    def _any(self, ask: Any) -> Any:
-        """``ask(node)`` of the first running node that answers."""
-        for node in self.nodes:
-            if node.running():
-                with contextlib.suppress(Exception):
-                    return ask(node)
-        raise RuntimeError("no node of the NATS cluster answered")
+    def _any(self, ask: Any, timeout: float = 30) -> Any:
+        """``ask(node)`` of the first running node that answers, asked again until
+        ``timeout``: on a busy machine a cluster just started can take seconds to elect the
+        leader that JetStream answers through."""
+        deadline = time.monotonic() + timeout
+        while True:
+            for node in self.nodes:
+                if node.running():
+                    with contextlib.suppress(Exception):
+                        return ask(node)
+            if time.monotonic() > deadline:
+                raise RuntimeError("no node of the NATS cluster answered")
+            time.sleep(0.2)
